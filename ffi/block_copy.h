@@ -1,0 +1,97 @@
+// Geometry and argument checks shared by the CPU and CUDA block-copy handlers.
+//
+// A pool is [num_blocks, num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head].
+// Both handlers see it as [num_blocks, outer, tokens, row] where outer = layers * kv * heads and a
+// row is one token of one head (size_per_head elements). "The first n tokens of a block" are then
+// `outer` runs of n rows each, `tokens` rows apart.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__CUDACC__)
+#define KVXFER_HOST_DEVICE __host__ __device__
+#else
+#define KVXFER_HOST_DEVICE
+#endif
+
+namespace kvxfer {
+
+namespace ffi = xla::ffi;
+
+struct PoolGeometry {
+  int64_t outer = 0;        // layers * kv_factor * heads: the runs per block
+  int64_t tokens = 0;       // tokens per block
+  int64_t row_bytes = 0;    // bytes of one token row; 0 when a row is not a whole number of bytes
+  int64_t block_bytes = 0;  // bytes of one block
+};
+
+// Bits one element occupies in memory. Sub-byte types are packed two per byte on the GPU and
+// stored one per byte on the CPU, so the caller says which.
+inline int64_t StoredBits(ffi::DataType type, bool packs_sub_byte) {
+  switch (type) {
+    case ffi::DataType::S4:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return packs_sub_byte ? 4 : 8;
+    default:
+      return 8 * static_cast<int64_t>(ffi::ByteWidth(type));
+  }
+}
+
+inline std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Checks that dst, src and out are pools of one block shape and dtype and that the three index
+// arrays have one length; fills the geometry. Never dereferences a data pointer.
+inline ffi::Error CheckPools(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuffer out,
+                             ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                             ffi::Buffer<ffi::S32> num_tokens, bool packs_sub_byte,
+                             PoolGeometry* geometry, int64_t* num_pairs) {
+  auto dd = dst.dimensions(), sd = src.dimensions(), od = out.dimensions();
+  if (dd.size() != 6 || sd.size() != 6 || od.size() != 6) {
+    return ffi::Error::InvalidArgument("jax_kvxfer block copy: pools must be 6-D, got dst " +
+                                       DimsToString(dd) + " and src " + DimsToString(sd));
+  }
+  for (int i = 0; i < 6; ++i) {
+    if (od[i] != dd[i] || (i > 0 && sd[i] != dd[i])) {
+      return ffi::Error::InvalidArgument("jax_kvxfer block copy: block shapes differ: dst " +
+                                         DimsToString(dd) + ", src " + DimsToString(sd));
+    }
+  }
+  if (src.element_type() != dst.element_type() || out.element_type() != dst.element_type()) {
+    return ffi::Error::InvalidArgument("jax_kvxfer block copy: dst and src dtypes differ");
+  }
+  int64_t n = src_idx.element_count();
+  if (dst_idx.element_count() != static_cast<size_t>(n) ||
+      num_tokens.element_count() != static_cast<size_t>(n)) {
+    return ffi::Error::InvalidArgument(
+        "jax_kvxfer block copy: src_indices, dst_indices and num_tokens differ in length");
+  }
+  int64_t outer = dd[1] * dd[2] * dd[3];
+  int64_t row_bits = dd[5] * StoredBits(dst.element_type(), packs_sub_byte);
+  int64_t block_bits = outer * dd[4] * row_bits;
+  if (block_bits % 8 != 0) {
+    return ffi::Error::InvalidArgument(
+        "jax_kvxfer block copy: a block of this sub-byte dtype is not a whole number of bytes");
+  }
+  geometry->outer = outer;
+  geometry->tokens = dd[4];
+  geometry->row_bytes = row_bits % 8 == 0 ? row_bits / 8 : 0;
+  geometry->block_bytes = block_bits / 8;
+  *num_pairs = n;
+  return ffi::Error::Success();
+}
+
+// TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole
+// bytes (odd size_per_head of a 4-bit type) only ever copy whole blocks.
+KVXFER_HOST_DEVICE inline int64_t TokensToCopy(int32_t n, const PoolGeometry& g) {
+  return (n <= 0 || n >= g.tokens || g.row_bytes == 0) ? g.tokens : n;
+}
+
+}  // namespace kvxfer

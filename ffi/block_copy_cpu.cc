@@ -1,0 +1,85 @@
+// CPU handler of the jax_kvxfer block copy: the reference implementation of the op's semantics.
+#include <cstring>
+#include <vector>
+
+#include "block_copy.h"
+#include "nanobind/nanobind.h"
+
+namespace nb = nanobind;
+namespace kvxfer {
+namespace {
+
+// Copies the first n token rows of every run of one block (or the whole block).
+void CopyBlockPrefix(char* dst, const char* src, int64_t n, const PoolGeometry& g) {
+  if (n == g.tokens) {
+    std::memcpy(dst, src, g.block_bytes);
+    return;
+  }
+  const int64_t pitch = g.tokens * g.row_bytes;
+  for (int64_t r = 0; r < g.outer; ++r) std::memcpy(dst + r * pitch, src + r * pitch, n * g.row_bytes);
+}
+
+ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
+                        ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                        ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
+  PoolGeometry g;
+  int64_t num_pairs = 0;
+  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens,
+                            /*packs_sub_byte=*/false, &g, &num_pairs);
+      err.failure()) {
+    return err;
+  }
+  const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
+  char* out_data = static_cast<char*>(out->untyped_data());
+  if (out_data != dst.untyped_data()) {  // XLA did not alias: start from dst's contents
+    std::memcpy(out_data, dst.untyped_data(), dst_blocks * g.block_bytes);
+  }
+  const int32_t* si = src_idx.typed_data();
+  const int32_t* di = dst_idx.typed_data();
+  const int32_t* nt = num_tokens.typed_data();
+  auto valid = [&](int64_t i) {  // out-of-range pairs are skipped, never touched
+    return si[i] >= 0 && si[i] < src_blocks && di[i] >= 0 && di[i] < dst_blocks;
+  };
+
+  // Every pair reads the source as it was before the call. When the source is the pool being
+  // written and a block may be both read and written, read the sources out first.
+  const char* src_data = static_cast<const char*>(src.untyped_data());
+  std::vector<char> staged;
+  bool staging = src_data == out_data && !hazard_free;
+  if (staging) {
+    staged.resize(static_cast<size_t>(num_pairs * g.block_bytes));
+    for (int64_t i = 0; i < num_pairs; ++i) {
+      if (valid(i)) std::memcpy(&staged[i * g.block_bytes], src_data + si[i] * g.block_bytes, g.block_bytes);
+    }
+  }
+  // Pairs apply in order, so the last pair writing a token wins.
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    if (!valid(i)) continue;
+    const char* from = staging ? &staged[i * g.block_bytes] : src_data + si[i] * g.block_bytes;
+    CopyBlockPrefix(out_data + di[i] * g.block_bytes, from, TokensToCopy(nt[i], g), g);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // dst pool, aliased to the result
+                                  .Arg<ffi::AnyBuffer>()         // src pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
+                                  .Ret<ffi::AnyBuffer>()         // new dst pool
+                                  .Attr<bool>("hazard_free"));   // no block is read and written
+
+}  // namespace kvxfer
+
+NB_MODULE(_kvxfer_cpu, m) {
+  m.doc() = "CPU XLA FFI handlers of jax_kvxfer";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
+    return d;
+  });
+}

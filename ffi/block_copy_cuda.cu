@@ -1,0 +1,252 @@
+// CUDA handler of the jax_kvxfer block copy: one launch copies a whole batch of (partial) blocks.
+//
+// Pools may live in device memory or in pinned host memory (XLA hands a `pinned_host` operand's
+// host pointer to the handler); the kernel reaches both through unified addressing.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "block_copy.h"
+#include "nanobind/nanobind.h"
+
+namespace nb = nanobind;
+namespace kvxfer {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;                   // vector loads in flight per thread
+constexpr int64_t kMaxCtasPerPair = 4096;
+
+// One side of a batch: a pool addressed by the pair's block index, or a staging buffer laid out
+// one block per pair (by_pair).
+struct Side {
+  char* data;
+  bool by_pair;
+};
+
+struct Batch {
+  Side dst, src;
+  const int32_t* src_idx;     // [num_pairs]
+  const int32_t* dst_idx;     // [num_pairs]
+  const int32_t* num_tokens;  // [num_pairs]
+  const int32_t* first;       // [num_pairs] tokens a later pair overwrites anyway, or null
+  int64_t num_pairs, src_blocks, dst_blocks;
+  PoolGeometry g;
+};
+
+// Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
+__device__ __forceinline__ bool PairValid(const Batch& b, int64_t pair) {
+  int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
+  return s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;
+}
+
+__device__ __forceinline__ int64_t SlotOf(const Side& side, const int32_t* idx, int64_t pair) {
+  return side.by_pair ? pair : idx[pair];
+}
+
+// Copies `runs` runs of `run_bytes` each, `pitch` bytes apart, using vectors of type V. This CTA
+// takes every `stride`-th vector from `first`.
+template <typename V>
+__device__ void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, int64_t runs,
+                         int64_t run_bytes, int64_t pitch, int64_t first, int64_t stride) {
+  const int64_t per_run = run_bytes / sizeof(V);
+  const int64_t total = runs * per_run;
+  for (int64_t base = first; base < total; base += stride * kUnroll) {
+    V v[kUnroll];
+    int64_t off[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      int64_t u = base + k * stride;
+      if (u < total) {
+        int64_t r = u / per_run;
+        off[k] = r * pitch + (u - r * per_run) * static_cast<int64_t>(sizeof(V));
+        v[k] = *reinterpret_cast<const V*>(src + off[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * stride < total) *reinterpret_cast<V*>(dst + off[k]) = v[k];
+    }
+  }
+}
+
+// Grid: (num_pairs * ctas_per_pair). Block: kThreads. Each CTA copies a strided share of one
+// pair: tokens [first, n) of every run of the block, or the whole block as one run.
+__global__ void CopyPairsKernel(Batch b, int64_t ctas_per_pair) {
+  const int64_t pair = blockIdx.x / ctas_per_pair;
+  const int64_t cta = blockIdx.x % ctas_per_pair;
+  if (pair >= b.num_pairs || !PairValid(b, pair)) return;
+  const PoolGeometry& g = b.g;
+  const int64_t n = TokensToCopy(b.num_tokens[pair], g);
+  const int64_t start = b.first ? b.first[pair] : 0;
+  if (start >= n) return;
+
+  int64_t runs = 1, run_bytes = g.block_bytes, pitch = 0, offset = 0;
+  if (start > 0 || n < g.tokens) {
+    runs = g.outer;
+    run_bytes = (n - start) * g.row_bytes;
+    pitch = g.tokens * g.row_bytes;
+    offset = start * g.row_bytes;
+  }
+  char* dst = b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * g.block_bytes + offset;
+  const char* src = b.src.data + SlotOf(b.src, b.src_idx, pair) * g.block_bytes + offset;
+  const int64_t first = cta * kThreads + threadIdx.x;
+  const int64_t stride = ctas_per_pair * kThreads;
+
+  // The widest access that every address and length of this pair is aligned to.
+  const uint64_t align = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
+                         static_cast<uint64_t>(run_bytes) | static_cast<uint64_t>(pitch);
+  if (align % 16 == 0) {
+    CopyRuns<uint4>(dst, src, runs, run_bytes, pitch, first, stride);
+  } else if (align % 8 == 0) {
+    CopyRuns<uint2>(dst, src, runs, run_bytes, pitch, first, stride);
+  } else if (align % 4 == 0) {
+    CopyRuns<uint32_t>(dst, src, runs, run_bytes, pitch, first, stride);
+  } else {
+    CopyRuns<uint8_t>(dst, src, runs, run_bytes, pitch, first, stride);
+  }
+}
+
+// Grid: (num_pairs). For each pair, the most tokens that a later pair with the same destination
+// writes: this pair then only copies the tokens above that, so the last pair wins without any
+// two CTAs writing the same bytes.
+__global__ void SupersededTokensKernel(Batch b, int32_t* first) {
+  __shared__ int32_t best[kThreads];
+  const int64_t i = blockIdx.x;
+  int32_t m = 0;
+  if (PairValid(b, i)) {
+    const int32_t d = b.dst_idx[i];
+    for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
+      if (PairValid(b, j) && b.dst_idx[j] == d) {
+        m = max(m, static_cast<int32_t>(TokensToCopy(b.num_tokens[j], b.g)));
+      }
+    }
+  }
+  best[threadIdx.x] = m;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s /= 2) {
+    if (threadIdx.x < s) best[threadIdx.x] = max(best[threadIdx.x], best[threadIdx.x + s]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) first[i] = best[0];
+}
+
+ffi::Error CudaError(cudaError_t err, const char* what) {
+  return ffi::Error::Internal(std::string("jax_kvxfer block copy: ") + what + ": " +
+                              cudaGetErrorString(err));
+}
+
+// The kernel can only reach device memory and page-locked (pinned) host memory.
+ffi::Error CheckReachable(const void* ptr, const char* name) {
+  if (ptr == nullptr) return ffi::Error::Success();  // empty pool
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) return CudaError(err, "cudaPointerGetAttributes");
+  if (attr.type == cudaMemoryTypeUnregistered) {
+    return ffi::Error::InvalidArgument(std::string("jax_kvxfer block copy: ") + name +
+                                       " is in pageable host memory; use memory kind "
+                                       "'device' or 'pinned_host'");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Launch(cudaStream_t stream, const Batch& b) {
+  const int64_t per_cta = int64_t{kThreads} * 16 * kUnroll;
+  int64_t ctas = std::clamp<int64_t>((b.g.block_bytes + per_cta - 1) / per_cta, 1, kMaxCtasPerPair);
+  ctas = std::min<int64_t>(ctas, std::max<int64_t>(1, (int64_t{1} << 31) / 2 / b.num_pairs));
+  CopyPairsKernel<<<static_cast<unsigned>(b.num_pairs * ctas), kThreads, 0, stream>>>(b, ctas);
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
+}
+
+ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dst,
+                         ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
+                         ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                         ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
+  PoolGeometry g;
+  int64_t num_pairs = 0;
+  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens,
+                            /*packs_sub_byte=*/true, &g, &num_pairs);
+      err.failure()) {
+    return err;
+  }
+  const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
+  char* out_data = static_cast<char*>(out->untyped_data());
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{dst.untyped_data(), "dst_pool"},
+                           {src.untyped_data(), "src_pool"},
+                           {out_data, "result pool"}}) {
+    if (auto err = CheckReachable(ptr, name); err.failure()) return err;
+  }
+  if (out_data != dst.untyped_data() && dst_blocks > 0) {  // XLA did not alias
+    cudaError_t err = cudaMemcpyAsync(out_data, dst.untyped_data(), dst_blocks * g.block_bytes,
+                                      cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) return CudaError(err, "cudaMemcpyAsync");
+  }
+  if (num_pairs == 0 || dst_blocks == 0 || src_blocks == 0 || g.block_bytes == 0) {
+    return ffi::Error::Success();
+  }
+
+  Batch b{{out_data, false},
+          {static_cast<char*>(src.untyped_data()), false},
+          src_idx.typed_data(),
+          dst_idx.typed_data(),
+          num_tokens.typed_data(),
+          nullptr,
+          num_pairs,
+          src_blocks,
+          dst_blocks,
+          g};
+  if (num_pairs > 1) {
+    auto first = scratch.Allocate(num_pairs * sizeof(int32_t), alignof(int32_t));
+    if (!first) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jax_kvxfer block copy: no scratch memory");
+    SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(
+        b, static_cast<int32_t*>(*first));
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return CudaError(err, "duplicate-scan kernel launch");
+    b.first = static_cast<int32_t*>(*first);
+  }
+
+  // Every pair reads the source as it was before the call. When the source is the pool being
+  // written and a block may be both read and written, gather the sources into scratch first.
+  if (b.src.data == out_data && !hazard_free) {
+    auto staged = scratch.Allocate(num_pairs * g.block_bytes, 256);
+    if (!staged) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, 
+          "jax_kvxfer block copy: no scratch memory to stage a copy within one pool (" +
+          std::to_string(num_pairs * g.block_bytes) + " bytes)");
+    }
+    Batch gather = b;
+    gather.dst = {static_cast<char*>(*staged), true};
+    gather.first = nullptr;
+    if (auto err = Launch(stream, gather); err.failure()) return err;
+    b.src = {static_cast<char*>(*staged), true};
+  }
+  return Launch(stream, b);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()         // dst pool, aliased to the result
+                                  .Arg<ffi::AnyBuffer>()         // src pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
+                                  .Ret<ffi::AnyBuffer>()         // new dst pool
+                                  .Attr<bool>("hazard_free"));   // no block is read and written
+
+}  // namespace kvxfer
+
+NB_MODULE(_kvxfer_cuda, m) {
+  m.doc() = "CUDA XLA FFI handlers of jax_kvxfer";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCuda));
+    return d;
+  });
+}

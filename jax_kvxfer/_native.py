@@ -1,0 +1,32 @@
+"""Loads the compiled FFI handlers and registers them with XLA, once, at import."""
+
+from __future__ import annotations
+
+import jax
+
+from . import _kvxfer_cpu
+
+try:  # built only where a CUDA compiler was found
+    from . import _kvxfer_cuda
+except ImportError:  # pragma: no cover - depends on the build
+    _kvxfer_cuda = None
+
+BLOCK_COPY_TARGET = "jax_kvxfer_block_copy"
+
+HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None
+"""True when this build carries the CUDA handlers (built with a CUDA compiler present)."""
+
+for _name, _capsule in _kvxfer_cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+if _kvxfer_cuda is not None:
+    for _name, _capsule in _kvxfer_cuda.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def require_cuda_handlers() -> None:
+    """Raises a RuntimeError explaining how to build the CUDA handlers when they are missing."""
+    if _kvxfer_cuda is None:
+        raise RuntimeError(
+            "jax_kvxfer was built without its CUDA handlers, so it cannot run on a GPU. Rebuild "
+            "on a machine with nvcc: pip install --no-build-isolation -C cmake.define.KVXFER_CUDA=ON ."
+        )

@@ -1,0 +1,298 @@
+"""The block-copy ops: `copy_blocks` (batched, partial or whole) and `partial_block_copy`.
+
+Both lower to one XLA FFI custom call, `jax_kvxfer_block_copy`, whose result is aliased to the
+destination pool: inside `jax.jit` with the destination donated, the copy happens in place.
+Called outside `jax.jit`, each op runs as its own small jitted computation whose result keeps
+the destination's sharding (and so its memory kind).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _native
+
+IndexLike = Union[jax.Array, np.ndarray, Sequence[int]]
+TokensLike = Union[None, int, jax.Array, np.ndarray, Sequence[int]]
+
+POOL_RANK = 6
+BLOCK_RANK = POOL_RANK - 1
+MEMORY_KINDS = ("device", "pinned_host")
+
+# 4-bit types: packed two per byte on GPUs, so a token row is a whole number of bytes only when
+# size_per_head is even. Other sub-byte types (2-bit) are not supported.
+_FOUR_BIT_DTYPES = frozenset(
+    jnp.dtype(t) for t in (jnp.int4, jnp.uint4, getattr(jnp, "float4_e2m1fn", jnp.int4))
+)
+
+
+def dtype_bits(dtype: Any) -> int:
+    """Bits one element of `dtype` occupies in a packed pool (4 for int4/uint4/float4_e2m1fn)."""
+    dtype = jnp.dtype(dtype)
+    if dtype in _FOUR_BIT_DTYPES:
+        return 4
+    if dtype.itemsize == 1 and dtype.name in ("int2", "uint2", "int1", "uint1"):
+        raise TypeError(f"dtype {dtype.name} is not supported: only 4-bit sub-byte types are")
+    return 8 * dtype.itemsize
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _check_pool(name: str, pool: Any, rank: int) -> None:
+    if not isinstance(pool, jax.Array):
+        raise TypeError(f"{name} must be a jax.Array, got {type(pool).__name__}")
+    if pool.ndim != rank:
+        what = "pool" if rank == POOL_RANK else "block"
+        raise ValueError(
+            f"{name} must be a {rank}-D {what} [{'num_blocks, ' if rank == POOL_RANK else ''}"
+            f"num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head], "
+            f"got shape {tuple(pool.shape)}"
+        )
+    dtype_bits(pool.dtype)
+    if _is_tracer(pool):
+        return
+    if pool.is_deleted():
+        raise ValueError(f"{name} has been deleted (was it donated to a jitted function?)")
+    kind = pool.sharding.memory_kind
+    if kind is not None and kind not in MEMORY_KINDS:
+        raise ValueError(f"{name} must live in memory kind 'device' or 'pinned_host', got {kind!r}")
+
+
+def _check_same_blocks(dst: jax.Array, src: jax.Array, dst_name: str, src_name: str,
+                       lead: int) -> None:
+    if dst.dtype != src.dtype:
+        raise TypeError(f"{src_name} has dtype {src.dtype}, expected {dst_name}'s {dst.dtype}")
+    if dst.shape[lead:] != src.shape[lead:]:
+        raise ValueError(
+            f"{src_name} has block shape {tuple(src.shape[lead:])}, "
+            f"expected {dst_name}'s {tuple(dst.shape[lead:])}"
+        )
+
+
+def _check_byte_rows(block_shape: tuple[int, ...], dtype: Any, partial_possible: bool) -> None:
+    """Sub-byte pools need whole-byte blocks, and whole-byte token rows for partial copies."""
+    bits = dtype_bits(dtype)
+    if bits >= 8:
+        return
+    if int(np.prod(block_shape)) * bits % 8:
+        raise ValueError(
+            f"a {jnp.dtype(dtype).name} block of shape {tuple(block_shape)} is not a whole "
+            "number of bytes; use an even number of elements per block"
+        )
+    if partial_possible and block_shape[-1] * bits % 8:
+        raise ValueError(
+            f"partial copies of {jnp.dtype(dtype).name} need an even size_per_head (a token row "
+            f"must be a whole number of bytes), got size_per_head={block_shape[-1]}; copy whole "
+            "blocks (num_tokens=None) instead"
+        )
+
+
+def _as_index_array(name: str, x: Any) -> jax.Array | np.ndarray:
+    """An int32 vector from indices given as a list, NumPy or JAX array (traced or not)."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be a sequence of integers, got {x!r}") from e
+        if arr.size == 0:
+            arr = arr.astype(np.int32)
+    if arr.dtype == np.bool_ or not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
+    if isinstance(arr, np.ndarray):
+        info = np.iinfo(np.int32)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise IndexError(f"{name} holds values outside int32: min {arr.min()}, max {arr.max()}")
+        return arr.astype(np.int32)
+    return arr.astype(jnp.int32)
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """The values of x when known on the host, without tracing (None for tracers)."""
+    if _is_tracer(x):
+        return None
+    return np.asarray(x)
+
+
+def _check_in_range(name: str, idx: np.ndarray | None, num_blocks: int, pool_name: str) -> None:
+    if idx is not None and idx.size and idx.max() >= num_blocks:
+        raise IndexError(
+            f"{name} holds block index {int(idx.max())}, but {pool_name} has {num_blocks} blocks "
+            "(valid: 0..num_blocks-1, or negative to skip the pair)"
+        )
+
+
+def _normalize_tokens(num_tokens: TokensLike, batch: int) -> jax.Array | np.ndarray:
+    if num_tokens is None:
+        return np.zeros(batch, np.int32)  # 0 = whole block
+    if isinstance(num_tokens, (bool, np.bool_)):
+        raise TypeError(f"num_tokens must be an integer, got {num_tokens!r}")
+    if isinstance(num_tokens, (int, np.integer)):
+        return np.full(batch, num_tokens, np.int64).clip(-1, np.iinfo(np.int32).max).astype(np.int32)
+    if isinstance(num_tokens, (jax.Array, np.ndarray)) and num_tokens.ndim == 0:
+        if not jnp.issubdtype(num_tokens.dtype, jnp.integer) or num_tokens.dtype == np.bool_:
+            raise TypeError(f"num_tokens must hold integers, got dtype {num_tokens.dtype}")
+        return jnp.broadcast_to(num_tokens.astype(jnp.int32), (batch,))
+    tokens = _as_index_array("num_tokens", num_tokens)
+    if tokens.shape[0] != batch:
+        raise ValueError(f"num_tokens has length {tokens.shape[0]}, expected {batch} (one per pair)")
+    return tokens
+
+
+def _hazard_free(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
+                 dst_blocks: int) -> bool:
+    """True when no block is written by one pair and read by another (known indices only).
+
+    Only matters when source and destination are one buffer; then a hazard makes the kernel
+    read all sources out first. Unknown (traced) indices count as a possible hazard.
+    """
+    if src is None or dst is None:
+        return False
+    valid = (src >= 0) & (src < src_blocks) & (dst >= 0) & (dst < dst_blocks)
+    writers: dict[int, set[int]] = {}
+    for pair in np.flatnonzero(valid):
+        writers.setdefault(int(dst[pair]), set()).add(int(pair))
+    return all(writers.get(int(src[pair]), {int(pair)}) == {int(pair)}
+               for pair in np.flatnonzero(valid))
+
+
+def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free: bool):
+    call = jax.ffi.ffi_call(
+        _native.BLOCK_COPY_TARGET,
+        # The result has dst_pool's type, memory space included: a pinned_host pool stays there.
+        jax.typeof(dst_pool),
+        input_output_aliases={0: 0},
+        vmap_method="sequential",
+    )
+    return call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free=np.bool_(hazard_free))
+
+
+@functools.lru_cache(maxsize=64)
+def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, hazard_free: bool):
+    """A jitted op for calls made outside jit; the result keeps the destination's sharding."""
+    if kind == "pool":
+        def fn(dst, src, si, di, nt):
+            return _block_copy_call(dst, src, si, di, nt, hazard_free)
+    else:
+        def fn(dst, src, si, di, nt):
+            return _block_copy_call(dst[None], src[None], si, di, nt, hazard_free)[0]
+    return jax.jit(fn, out_shardings=out_sharding)
+
+
+def _check_platform(*arrays: Any) -> None:
+    platforms = {d.platform for a in arrays if isinstance(a, jax.Array) and not _is_tracer(a)
+                 for d in a.devices()}
+    if not platforms and any(_is_tracer(a) for a in arrays):
+        platforms = {jax.default_backend()}
+    if "gpu" in platforms or "cuda" in platforms:
+        _native.require_cuda_handlers()
+
+
+def copy_blocks(
+    dst_pool: jax.Array,
+    src_pool: jax.Array,
+    src_indices: IndexLike,
+    dst_indices: IndexLike,
+    num_tokens: TokensLike = None,
+) -> jax.Array:
+    """Copies block `src_indices[i]` of `src_pool` into block `dst_indices[i]` of `dst_pool`.
+
+    TensorRT-LLM: one `copyBlock` per pair (memcpy or `kvCacheBlockPartialCopy`), batched into
+    one custom call.
+
+    Semantics: every pair reads `src_pool` as it was before the call; when two pairs write one
+    destination block, the later pair wins for the tokens it writes. A negative index skips the
+    pair (padding for bucketed batches); a traced index that is out of range is skipped too and
+    never touches memory.
+
+    Args:
+      dst_pool: `[num_blocks, num_layers, kv_factor, num_kv_heads, tokens_per_block,
+        size_per_head]` in memory kind `device` or `pinned_host`. Donate it (inside `jax.jit`)
+        for an in-place update.
+      src_pool: a pool of the same block shape and dtype, in `device` or `pinned_host` memory.
+      src_indices, dst_indices: integer vectors of one length B (lists, NumPy or JAX arrays,
+        traced or not).
+      num_tokens: None (whole blocks), an int for every pair, or an integer vector of length B.
+        Per pair, n copies `block[:, :, :, :n, :]`; n <= 0 or n >= tokens_per_block copies the
+        whole block.
+
+    Returns:
+      The new destination pool (same shape, dtype and, outside jit, sharding as `dst_pool`).
+
+    Raises:
+      TypeError: non-array pools, mismatched dtypes, non-integer indices or token counts.
+      ValueError: wrong ranks or block shapes, other memory kinds, deleted pools, index vectors
+        of different lengths, partial copies of sub-byte rows that are not whole bytes.
+      IndexError: known (non-traced) indices >= the pool's number of blocks.
+    """
+    _check_pool("dst_pool", dst_pool, POOL_RANK)
+    _check_pool("src_pool", src_pool, POOL_RANK)
+    _check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
+    si = _as_index_array("src_indices", src_indices)
+    di = _as_index_array("dst_indices", dst_indices)
+    if si.shape[0] != di.shape[0]:
+        raise ValueError(
+            f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}"
+        )
+    tokens = _normalize_tokens(num_tokens, si.shape[0])
+    _check_byte_rows(dst_pool.shape[1:], dst_pool.dtype, _may_be_partial(tokens, dst_pool.shape[4]))
+    si_host, di_host = _concrete(si), _concrete(di)
+    _check_in_range("src_indices", si_host, src_pool.shape[0], "src_pool")
+    _check_in_range("dst_indices", di_host, dst_pool.shape[0], "dst_pool")
+    _check_platform(dst_pool, src_pool)
+    hazard_free = _hazard_free(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
+    if any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens)):
+        return _block_copy_call(dst_pool, src_pool, si, di, tokens, hazard_free)
+    return _eager_fn("pool", dst_pool.sharding, hazard_free)(dst_pool, src_pool, si, di, tokens)
+
+
+def _may_be_partial(tokens: Any, tokens_per_block: int) -> bool:
+    values = _concrete(tokens)
+    if values is None:
+        return True
+    return bool(np.any((values > 0) & (values < tokens_per_block)))
+
+
+def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Array) -> jax.Array:
+    """Returns `dst` with its first `num_tokens` tokens, `[:, :, :, :n, :]`, taken from `src`.
+
+    TensorRT-LLM: `kvCacheBlockPartialCopy` (one block, one pool).
+
+    Args:
+      dst, src: one block each, `[num_layers, kv_factor, num_kv_heads, tokens_per_block,
+        size_per_head]`, same shape and dtype, in `device` or `pinned_host` memory.
+      num_tokens: a Python int or an integer scalar (traced values do not recompile).
+        n <= 0 or n >= tokens_per_block copies the whole block.
+
+    Returns:
+      The new `dst` block.
+
+    Raises:
+      TypeError, ValueError: as for `copy_blocks`.
+    """
+    _check_pool("dst", dst, BLOCK_RANK)
+    _check_pool("src", src, BLOCK_RANK)
+    _check_same_blocks(dst, src, "dst", "src", lead=0)
+    if isinstance(num_tokens, (bool, np.bool_)) or not (
+        isinstance(num_tokens, (int, np.integer))
+        or (isinstance(num_tokens, (jax.Array, np.ndarray)) and num_tokens.ndim == 0)
+    ):
+        raise TypeError(f"num_tokens must be an int or an integer scalar array, got {num_tokens!r}")
+    tokens = _normalize_tokens(num_tokens, 1)
+    _check_byte_rows(dst.shape, dst.dtype, _may_be_partial(tokens, dst.shape[3]))
+    _check_platform(dst, src)
+    zero = np.zeros(1, np.int32)
+    if any(_is_tracer(a) for a in (dst, src, tokens)):
+        return _block_copy_call(dst[None], src[None], zero, zero, tokens, True)[0]
+    return _eager_fn("block", dst.sharding, True)(dst, src, zero, zero, tokens)
