@@ -1,10 +1,24 @@
 """jax_kvxfer: KV-cache block transfers between GPU and pinned host memory for JAX.
 
-The ops (`copy_blocks`, `partial_block_copy`) are XLA FFI custom calls usable inside `jax.jit`.
+- `copy_blocks`, `partial_block_copy`: batched and partial block copies, XLA FFI custom calls
+  usable inside `jax.jit` (CPU and CUDA).
+- `KVCacheBlockPool`, `KVCacheBlock`, `KVCacheTransferManager`: TensorRT-LLM's offload/onboard
+  machinery with pools held as `jax.Array`s (primary in `device`, secondary in `pinned_host`).
 """
 
 from ._native import HAS_CUDA_HANDLERS
+from .manager import KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import copy_blocks, partial_block_copy
+from .pool import KVCacheBlock, KVCacheBlockPool
 
-__all__ = ["HAS_CUDA_HANDLERS", "copy_blocks", "partial_block_copy"]
+__all__ = [
+    "HAS_CUDA_HANDLERS",
+    "KVCacheBlock",
+    "KVCacheBlockPool",
+    "KVCacheTransferManager",
+    "PendingTransfer",
+    "TransferStats",
+    "copy_blocks",
+    "partial_block_copy",
+]
 __version__ = "0.1.0"

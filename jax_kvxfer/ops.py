@@ -64,6 +64,24 @@ def _check_pool(name: str, pool: Any, rank: int) -> None:
     kind = pool.sharding.memory_kind
     if kind is not None and kind not in MEMORY_KINDS:
         raise ValueError(f"{name} must live in memory kind 'device' or 'pinned_host', got {kind!r}")
+    check_memory_space(name, pool)
+
+
+def check_memory_space(name: str, array: jax.Array) -> None:
+    """Rejects an array whose JAX type disagrees with where its buffer lives.
+
+    With jax 0.10, `jax.jit(f, out_shardings=<pinned_host>)` returns arrays whose type still says
+    device memory; passing one to another jitted function aborts the process inside XLA.
+    """
+    on_host = array.sharding.memory_kind == "pinned_host"
+    space = getattr(jax.typeof(array), "memory_space", None)
+    if space is not None and on_host != (getattr(space, "name", "") == "Host"):
+        raise ValueError(
+            f"{name} is in pinned_host memory but its JAX type says {space}: this JAX version "
+            "mislabels arrays made by jax.jit(..., out_shardings=<pinned_host sharding>); make "
+            "them with jax.device_put(x, <pinned_host sharding>) or return them from a jitted "
+            "function whose input was already in pinned_host"
+        )
 
 
 def _check_same_blocks(dst: jax.Array, src: jax.Array, dst_name: str, src_name: str,

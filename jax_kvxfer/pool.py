@@ -1,0 +1,188 @@
+"""Block pools: a primary pool in GPU (`device`) memory and a secondary pool in `pinned_host` memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .ops import _check_byte_rows, check_memory_space, dtype_bits
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheBlock:
+    """A logical block: `memory_pool_block_index` indexes `primary` or `secondary` of every pool.
+
+    TensorRT-LLM: `KVCacheBlock` + `computeBlockPointer` (the `is_primary` flag picks the pool).
+    """
+
+    block_id: int
+    memory_pool_block_index: int
+    is_primary: bool
+
+    @property
+    def slot(self) -> tuple[int, bool]:
+        """The memory slot this block occupies: `(memory_pool_block_index, is_primary)`."""
+        return (self.memory_pool_block_index, self.is_primary)
+
+
+def _sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class KVCacheBlockPool:
+    """One KV-cache pool: `primary` on the GPU, `secondary` in pinned host memory (or None).
+
+    TensorRT-LLM: `KVCacheBlockPool` (`primaryPtr`, `secondaryPtr`). Both are
+    `[num_blocks, num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head]`.
+
+    The pool is a mutable holder: transfers replace `primary` / `secondary` with new arrays
+    (the old ones are donated), and user code may assign an array of the same shape, dtype and
+    memory kind to either, e.g. the output of an attention step that wrote new tokens.
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, size_per_head: int,
+                 tokens_per_block: int, dtype: Any, num_primary_blocks: int,
+                 num_secondary_blocks: int, kv_factor: int = 2,
+                 device: jax.Device | None = None) -> None:
+        """Describes a pool without allocating it; use `KVCacheBlockPool.create`."""
+        self.num_layers = _check_positive("num_layers", num_layers)
+        self.kv_factor = _check_positive("kv_factor", kv_factor)
+        if self.kv_factor not in (1, 2):
+            raise ValueError(f"kv_factor must be 1 (K only / MLA) or 2 (K and V), got {kv_factor}")
+        self.num_kv_heads = _check_positive("num_kv_heads", num_kv_heads)
+        self.tokens_per_block = _check_positive("tokens_per_block", tokens_per_block)
+        self.size_per_head = _check_positive("size_per_head", size_per_head)
+        self.num_primary_blocks = _check_positive("num_primary_blocks", num_primary_blocks)
+        self.num_secondary_blocks = _check_positive("num_secondary_blocks", num_secondary_blocks, 0)
+        try:
+            self.dtype = jnp.dtype(dtype)
+        except TypeError as e:
+            raise TypeError(f"dtype must be a JAX dtype, got {dtype!r}") from e
+        dtype_bits(self.dtype)
+        _check_byte_rows(self.block_shape, self.dtype, partial_possible=False)
+        self.device = device if device is not None else jax.devices()[0]
+        self._primary: jax.Array | None = None
+        self._secondary: jax.Array | None = None
+
+    @classmethod
+    def create(cls, *, num_layers: int, num_kv_heads: int, size_per_head: int,
+               tokens_per_block: int, dtype: Any, num_primary_blocks: int,
+               num_secondary_blocks: int, kv_factor: int = 2,
+               device: jax.Device | None = None) -> KVCacheBlockPool:
+        """Allocates a zero-filled pool.
+
+        Args:
+          num_layers, num_kv_heads, size_per_head, tokens_per_block: the block geometry.
+          dtype: element type (any JAX dtype; 4-bit types need whole-byte blocks).
+          num_primary_blocks: blocks in `device` memory (>= 1).
+          num_secondary_blocks: blocks in `pinned_host` memory (0: no secondary pool).
+          kv_factor: 2 for K and V, 1 for K-only (MLA) caches.
+          device: the device (default: the first one).
+
+        Raises:
+          ValueError, TypeError: a bad geometry or dtype, named in the message.
+          MemoryError: the pool does not fit the device or the pinned-host limit.
+        """
+        pool = cls(num_layers=num_layers, num_kv_heads=num_kv_heads, size_per_head=size_per_head,
+                   tokens_per_block=tokens_per_block, dtype=dtype,
+                   num_primary_blocks=num_primary_blocks,
+                   num_secondary_blocks=num_secondary_blocks, kv_factor=kv_factor, device=device)
+        pool._primary = pool._allocate(pool.num_primary_blocks, "device")
+        if pool.num_secondary_blocks:
+            pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
+        return pool
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """`(num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head)`."""
+        return (self.num_layers, self.kv_factor, self.num_kv_heads, self.tokens_per_block,
+                self.size_per_head)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block (4-bit types packed two per byte)."""
+        return math.prod(self.block_shape) * dtype_bits(self.dtype) // 8
+
+    def token_run_nbytes(self, num_tokens: int) -> int:
+        """Bytes a copy of the first `num_tokens` tokens moves (whole block when out of (0, T))."""
+        if num_tokens <= 0 or num_tokens >= self.tokens_per_block:
+            return self.block_nbytes
+        return self.block_nbytes // self.tokens_per_block * num_tokens
+
+    def _allocate(self, num_blocks: int, memory_kind: str) -> jax.Array:
+        from .limits import check_fits  # noqa: PLC0415 - keeps the limit probing out of import
+
+        shape = (num_blocks, *self.block_shape)
+        check_fits(self.device, memory_kind, num_blocks * self.block_nbytes,
+                   f"{'primary' if memory_kind == 'device' else 'secondary'} pool {shape}")
+        sharding = _sharding(self.device, memory_kind)
+        if memory_kind == "device":
+            return jnp.zeros(shape, self.dtype, device=sharding)
+        # Not jax.jit(..., out_shardings=pinned_host): with jax 0.10 such an array's type still
+        # says device memory, and the next jit given it aborts the process.
+        return jax.device_put(np.zeros(shape, self.dtype), sharding)
+
+    @property
+    def primary(self) -> jax.Array:
+        """The current primary pool (memory kind `device`)."""
+        return self._primary
+
+    @primary.setter
+    def primary(self, value: jax.Array) -> None:
+        self._primary = self._checked("primary", value, self.num_primary_blocks, "device")
+
+    @property
+    def secondary(self) -> jax.Array | None:
+        """The current secondary pool (memory kind `pinned_host`), None with 0 blocks."""
+        return self._secondary
+
+    @secondary.setter
+    def secondary(self, value: jax.Array) -> None:
+        if self.num_secondary_blocks == 0:
+            raise ValueError("secondary: this pool has 0 secondary blocks; nothing can be assigned")
+        self._secondary = self._checked("secondary", value, self.num_secondary_blocks,
+                                        "pinned_host")
+
+    def _checked(self, name: str, value: Any, num_blocks: int, memory_kind: str) -> jax.Array:
+        if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+            raise TypeError(f"pool.{name} must be a concrete jax.Array, got {type(value).__name__}")
+        expected = (num_blocks, *self.block_shape)
+        if tuple(value.shape) != expected or value.dtype != self.dtype:
+            raise ValueError(f"pool.{name} must be {self.dtype}{list(expected)}, "
+                             f"got {value.dtype}{list(value.shape)}")
+        if value.is_deleted():
+            raise ValueError(f"pool.{name}: the array has been deleted (donated?)")
+        kind = value.sharding.memory_kind or "device"
+        if kind != memory_kind:
+            raise ValueError(f"pool.{name} must live in memory kind {memory_kind!r}, got {kind!r}")
+        check_memory_space(f"pool.{name}", value)
+        return value
+
+    def current(self, is_primary: bool, what: str) -> jax.Array:
+        """The live primary or secondary array, with a clear error if it was deleted or absent."""
+        array = self._primary if is_primary else self._secondary
+        name = "primary" if is_primary else "secondary"
+        if array is None:
+            raise ValueError(f"{what}: the pool has no {name} blocks")
+        if array.is_deleted():
+            raise ValueError(
+                f"{what}: pool.{name} has been deleted — it was donated to a jitted function; "
+                f"assign the function's result back to pool.{name}"
+            )
+        return array
+
+    def __repr__(self) -> str:
+        return (f"KVCacheBlockPool(block_shape={self.block_shape}, dtype={self.dtype.name}, "
+                f"num_primary_blocks={self.num_primary_blocks}, "
+                f"num_secondary_blocks={self.num_secondary_blocks}, device={self.device})")
