@@ -1,0 +1,36 @@
+# Common verbs. `make demo` and `make test` set everything up in .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: setup demo test bench lint gpu-check clean
+
+setup: $(STAMP)
+
+# Rebuilt when the build or the native sources change; Python sources are installed editable.
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard ffi/*)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "jax>=0.10,<0.13" "scikit-build-core>=0.10" "nanobind>=2.0" ninja cmake
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+demo: setup
+	$(PY) -m jax_kvxfer demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m jax_kvxfer bench
+
+lint: setup
+	$(PY) -m pip install -q ruff && $(PY) -m ruff check jax_kvxfer tests
+
+# On the GPU machine (no network): builds in place, runs the tests and the benchmark.
+gpu-check:
+	bash scripts/gpu-check.sh
+
+clean:
+	rm -rf build $(VENV) .pytest_cache

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build without network, run the whole test suite on the GPU,
+# run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
+#   scripts/gpu-check.sh [tests] [bench] [demo] [sanitize] [stress]   (default: tests bench demo)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvxfer-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench demo)
+summary=()
+has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
+if python3 -m pip install --no-build-isolation --no-deps -C cmake.define.KVXFER_CUDA=ON -e . > "$OUT/build.log" 2>&1 \
+   && python3 -c "import jax_kvxfer as k; assert k.HAS_CUDA_HANDLERS" >> "$OUT/build.log" 2>&1; then
+  summary+=("build: ok ($(( $(date +%s) - t0 )) s)")
+else
+  tail -40 "$OUT/build.log"; echo "SUMMARY build: FAILED"; exit 1
+fi
+
+if has tests; then
+  t=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+  summary+=("tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - t )) s)")
+  grep -E "FAILED|ERROR" "$OUT/tests.log" | head -20
+fi
+if has bench; then
+  t=$(date +%s)
+  python3 -m jax_kvxfer bench --out "$OUT" > "$OUT/bench.txt" 2> "$OUT/bench.log"
+  summary+=("bench: exit $? ($(( $(date +%s) - t )) s)")
+  cat "$OUT/bench.txt"
+fi
+if has demo; then
+  t=$(date +%s)
+  python3 -m jax_kvxfer demo --preset h200 > "$OUT/demo.txt" 2> "$OUT/demo.log"
+  summary+=("demo: exit $? ($(( $(date +%s) - t )) s)")
+  tail -25 "$OUT/demo.txt"
+fi
+if has sanitize && [ -x scripts/sanitize.sh ]; then
+  t=$(date +%s)
+  bash scripts/sanitize.sh > "$OUT/sanitize.log" 2>&1
+  summary+=("sanitize: exit $? ($(( $(date +%s) - t )) s): $(grep -h 'ERROR SUMMARY' "$OUT/sanitize.log" | sort | uniq -c | tr '\n' ' ')")
+fi
+if has stress && [ -f scripts/stress.py ]; then
+  t=$(date +%s)
+  python3 scripts/stress.py > "$OUT/stress.log" 2>&1
+  summary+=("stress: exit $? ($(( $(date +%s) - t )) s): $(tail -1 "$OUT/stress.log")")
+fi
+
+echo; cat "$OUT/gpu.txt"
+for line in "${summary[@]}"; do echo "SUMMARY $line"; done

@@ -1,0 +1,403 @@
+"""KVCacheTransferManager: ordering guarantees, bookkeeping, validation, a model-based test."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvxfer as kvx
+from jax_kvxfer import manager as manager_module
+
+T = 4  # tokens per block
+
+
+def P(i: int) -> kvx.KVCacheBlock:
+    return kvx.KVCacheBlock(block_id=100 + i, memory_pool_block_index=i, is_primary=True)
+
+
+def S(i: int) -> kvx.KVCacheBlock:
+    return kvx.KVCacheBlock(block_id=200 + i, memory_pool_block_index=i, is_primary=False)
+
+
+def make_pools(rng, num_primary=6, num_secondary=5):
+    """Two pools of one manager with different head counts and dtypes, filled at random."""
+    pools = [
+        kvx.KVCacheBlockPool.create(num_layers=2, num_kv_heads=3, size_per_head=4,
+                                    tokens_per_block=T, dtype=jnp.float32,
+                                    num_primary_blocks=num_primary,
+                                    num_secondary_blocks=num_secondary),
+        kvx.KVCacheBlockPool.create(num_layers=2, num_kv_heads=1, size_per_head=2,
+                                    tokens_per_block=T, dtype=jnp.bfloat16, kv_factor=1,
+                                    num_primary_blocks=num_primary,
+                                    num_secondary_blocks=num_secondary),
+    ]
+    for pool in pools:
+        pool.primary = jax.device_put(random_like(rng, pool.primary), pool.primary.sharding)
+        if pool.secondary is not None:
+            pool.secondary = jax.device_put(random_like(rng, pool.secondary),
+                                            pool.secondary.sharding)
+    return pools
+
+
+def random_like(rng, array) -> np.ndarray:
+    return rng.standard_normal(array.shape).astype(array.dtype)
+
+
+def snapshot(pools):
+    return [(np.asarray(p.primary).copy(),
+             None if p.secondary is None else np.asarray(p.secondary).copy()) for p in pools]
+
+
+def assert_same(actual, expected):
+    for (ap, as_), (ep, es) in zip(actual, expected):
+        np.testing.assert_array_equal(ap.view(np.uint8), ep.view(np.uint8))
+        if es is not None:
+            np.testing.assert_array_equal(as_.view(np.uint8), es.view(np.uint8))
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+# -- pools ----------------------------------------------------------------------------------
+
+
+def test_create_allocates_primary_on_device_and_secondary_in_pinned_host():
+    pool = kvx.KVCacheBlockPool.create(num_layers=3, num_kv_heads=2, size_per_head=8,
+                                       tokens_per_block=16, dtype=jnp.bfloat16,
+                                       num_primary_blocks=5, num_secondary_blocks=7)
+    assert pool.primary.shape == (5, 3, 2, 2, 16, 8)
+    assert pool.secondary.shape == (7, 3, 2, 2, 16, 8)
+    assert pool.primary.sharding.memory_kind == "device"
+    assert pool.secondary.sharding.memory_kind == "pinned_host"
+    assert pool.block_nbytes == 3 * 2 * 2 * 16 * 8 * 2
+    assert (pool.num_layers, pool.kv_factor, pool.num_kv_heads, pool.tokens_per_block,
+            pool.size_per_head, pool.dtype) == (3, 2, 2, 16, 8, jnp.dtype(jnp.bfloat16))
+
+
+def test_create_without_secondary_blocks_has_none():
+    pool = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=2,
+                                       tokens_per_block=2, dtype=jnp.float32,
+                                       num_primary_blocks=2, num_secondary_blocks=0)
+    assert pool.secondary is None
+    assert kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=2,
+                                       tokens_per_block=2, dtype=jnp.int4, num_primary_blocks=1,
+                                       num_secondary_blocks=1).block_nbytes == (
+        4 if jax.devices()[0].platform == "gpu" else 8)  # int4 is packed on GPUs only
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_layers=0), "num_layers"),
+    (dict(tokens_per_block=-1), "tokens_per_block"),
+    (dict(kv_factor=3), "kv_factor"),
+    (dict(num_secondary_blocks=-2), "num_secondary_blocks"),
+    (dict(size_per_head=1.5), "size_per_head"),
+])
+def test_create_rejects_bad_geometry(kwargs, match):
+    args = dict(num_layers=1, num_kv_heads=1, size_per_head=2, tokens_per_block=2,
+                dtype=jnp.float32, num_primary_blocks=2, num_secondary_blocks=1) | kwargs
+    with pytest.raises(ValueError, match=match):
+        kvx.KVCacheBlockPool.create(**args)
+
+
+def test_assigning_a_wrong_array_is_rejected(rng):
+    pool = make_pools(rng)[0]
+    before = snapshot([pool])
+    with pytest.raises(ValueError, match="pool.primary must be float32"):
+        pool.primary = jnp.zeros((2, 2), jnp.float32)
+    with pytest.raises(ValueError, match="memory kind 'pinned_host'"):
+        pool.secondary = jnp.zeros(pool.secondary.shape, pool.dtype)
+    with pytest.raises(TypeError, match="pool.primary"):
+        pool.primary = np.zeros(pool.primary.shape, np.float32)
+    assert_same(snapshot([pool]), before)
+
+
+# -- the ordering guarantees ------------------------------------------------------------------
+
+
+def test_onboard_of_a_slot_being_offloaded_reads_the_offloaded_data(rng):
+    pools = make_pools(rng)
+    old = snapshot(pools)
+    m = kvx.KVCacheTransferManager(pools)
+    m.offload(P(1), S(2))
+    m.onboard(S(2), P(3))  # no sync in between
+    m.sync_transfers()
+    for pool, (prim, _) in zip(pools, old):
+        np.testing.assert_array_equal(np.asarray(pool.primary)[3], prim[1])
+        np.testing.assert_array_equal(np.asarray(pool.secondary)[2], prim[1])
+
+
+def test_two_offloads_into_one_slot_the_later_wins(rng):
+    pools = make_pools(rng)
+    old = snapshot(pools)
+    m = kvx.KVCacheTransferManager(pools)
+    m.offload(P(1), S(0))
+    m.offload(P(2), S(0))
+    assert m.pending_transfers[(0, False)].writes == 2
+    m.sync_transfers()
+    for pool, (prim, _) in zip(pools, old):
+        np.testing.assert_array_equal(np.asarray(pool.secondary)[0], prim[2])
+
+
+def test_partial_copy_reads_a_block_whose_onboard_is_in_flight(rng):
+    pools = make_pools(rng)
+    old = snapshot(pools)
+    m = kvx.KVCacheTransferManager(pools)
+    m.onboard(S(1), P(2))
+    m.onboard(P(2), P(3), num_tokens=2)  # intra-device partial copy of the onboarded block
+    m.sync_transfers()
+    for pool, (prim, sec) in zip(pools, old):
+        got = np.asarray(pool.primary)
+        np.testing.assert_array_equal(got[3][..., :2, :], sec[1][..., :2, :])
+        np.testing.assert_array_equal(got[3][..., 2:, :], prim[3][..., 2:, :])
+
+
+def test_user_may_overwrite_a_block_right_after_offloading_it(rng):
+    pools = make_pools(rng)
+    old = snapshot(pools)
+    m = kvx.KVCacheTransferManager(pools)
+    overwrite = jax.jit(lambda a: a.at[1].set(jnp.full(a.shape[1:], 7, a.dtype)), donate_argnums=0)
+    m.offload(P(1), S(4))
+    for pool in pools:
+        pool.primary = overwrite(pool.primary)  # at once, no sync
+    m.sync_transfers()
+    for pool, (prim, _) in zip(pools, old):
+        np.testing.assert_array_equal(np.asarray(pool.secondary)[4], prim[1])
+        assert np.all(np.asarray(pool.primary)[1] == 7)
+
+
+def test_user_donating_primary_between_transfers(rng):
+    pools = make_pools(rng)
+    m = kvx.KVCacheTransferManager(pools)
+    step = jax.jit(lambda a: a * 2, donate_argnums=0)
+    m.offload(P(0), S(0))
+    old = snapshot(pools)
+    for pool in pools:
+        pool.primary = step(pool.primary)
+    m.onboard(S(0), P(5))
+    m.sync_transfers()
+    for pool, (prim, sec) in zip(pools, old):
+        got = np.asarray(pool.primary)
+        np.testing.assert_array_equal(got[5], sec[0])
+        np.testing.assert_array_equal(got[:5], (prim[:5].astype(np.float32) * 2).astype(prim.dtype))
+
+
+def test_a_deleted_pool_array_is_a_clear_error_and_nothing_moves(rng):
+    pools = make_pools(rng)
+    m = kvx.KVCacheTransferManager(pools)
+    before = snapshot(pools)
+    jax.jit(lambda a: a + 1, donate_argnums=0)(pools[1].primary)  # result not assigned back
+    with pytest.raises(ValueError, match="pool.primary has been deleted"):
+        m.offload(P(0), S(1))
+    assert_same(snapshot(pools[:1]), before[:1])
+    assert not m.pending_transfers
+
+
+def test_methods_do_not_block_and_sync_clears_pending(rng, monkeypatch):
+    pools = make_pools(rng)
+    m = kvx.KVCacheTransferManager(pools)
+    calls = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: calls.append(1) or real(x))
+    monkeypatch.setattr(jax.Array, "block_until_ready",
+                        lambda self: pytest.fail("a transfer blocked"), raising=False)
+    m.offload_blocks([(P(0), S(0)), (P(1), S(1))])
+    m.onboard_blocks([(S(2), P(2))], num_tokens=[3])
+    assert calls == []
+    pending = m.pending_transfers
+    assert set(pending) == {(0, True), (1, True), (0, False), (1, False), (2, False), (2, True)}
+    assert pending[(2, True)] == kvx.PendingTransfer(reads=0, writes=1, ops=("onboard",))
+    with pytest.raises(TypeError):
+        pending[(9, True)] = None  # read-only view
+    m.sync_transfers()
+    assert calls == [1]
+    assert not m.pending_transfers
+
+
+# -- batching and statistics ------------------------------------------------------------------
+
+
+def test_a_batch_is_one_copy_per_pool_and_matches_sequential_semantics(rng, monkeypatch):
+    pools = make_pools(rng)
+    old = snapshot(pools)
+    m = kvx.KVCacheTransferManager(pools)
+    calls = []
+    real = manager_module._copy_across
+    monkeypatch.setattr(manager_module, "_copy_across",
+                        lambda *a: calls.append(len(a[0])) or real(*a))
+    pairs = [(P(0), S(0)), (P(1), S(1)), (P(2), S(0)), (P(4), S(3))]
+    m.offload_blocks(pairs, num_tokens=[0, 2, 1, 9])
+    assert calls == [len(pools)]  # one dispatch, one custom call per pool
+    m.sync_transfers()
+    for pool, (prim, sec) in zip(pools, old):
+        expected = sec.copy()
+        expected[0] = prim[0]
+        expected[1][..., :2, :] = prim[1][..., :2, :]
+        expected[0][..., :1, :] = prim[2][..., :1, :]  # later pair wins on the tokens it writes
+        expected[3] = prim[4]
+        np.testing.assert_array_equal(np.asarray(pool.secondary), expected)
+
+
+def test_stats_count_blocks_and_bytes_by_direction(rng):
+    pools = make_pools(rng)
+    m = kvx.KVCacheTransferManager(pools)
+    m.offload_blocks([(P(0), S(0)), (P(1), S(1))])
+    m.onboard(S(0), P(2), num_tokens=1)
+    m.onboard(P(2), P(3))
+    stats = m.get_and_reset_transfer_stats()
+    block = sum(p.block_nbytes for p in pools)
+    assert stats == kvx.TransferStats(onboarded_blocks=1, onboarded_bytes=block // T,
+                                      offloaded_blocks=2, offloaded_bytes=2 * block,
+                                      copied_blocks=1, copied_bytes=block)
+    assert m.get_and_reset_transfer_stats() == kvx.TransferStats()
+
+
+def test_batch_sizes_are_bucketed_so_they_do_not_recompile(rng):
+    pools = make_pools(rng, num_primary=8, num_secondary=8)
+    m = kvx.KVCacheTransferManager(pools)
+    m.offload_blocks([(P(i), S(i)) for i in range(5)])
+    size = manager_module._copy_across._cache_size()
+    for n in (6, 7, 8):
+        m.offload_blocks([(P(i), S(7 - i)) for i in range(n)])
+    assert manager_module._copy_across._cache_size() == size
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m: m.offload(P(6), S(0)), IndexError, "memory_pool_block_index 6"),
+    (lambda m: m.offload(P(0), S(5)), IndexError, "secondary pool's 0..4"),
+    (lambda m: m.offload(P(-1), S(0)), IndexError, "memory_pool_block_index -1"),
+    (lambda m: m.offload(P(0), "S0"), TypeError, "KVCacheBlock"),
+    (lambda m: m.offload(P(0), S(0), num_tokens=1.5), TypeError, "num_tokens"),
+    (lambda m: m.offload_blocks([(P(0), S(0))], num_tokens=[1, 2]), ValueError, "num_tokens"),
+    (lambda m: m.offload_blocks([(P(0), S(0)), (P(9), S(1))]), IndexError, r"pairs\[1\]"),
+    (lambda m: m.offload_blocks([(P(0),)]), ValueError, r"pairs\[0\]"),
+])
+def test_bad_calls_raise_and_leave_pools_unchanged(rng, call, error, match):
+    pools = make_pools(rng)
+    m = kvx.KVCacheTransferManager(pools)
+    before = snapshot(pools)
+    with pytest.raises(error, match=match):
+        call(m)
+    assert not m.pending_transfers
+    m.sync_transfers()
+    assert_same(snapshot(pools), before)
+
+
+def test_offload_into_a_pool_without_secondary_blocks_is_an_error(rng):
+    pool = make_pools(rng, num_secondary=0)[0]
+    m = kvx.KVCacheTransferManager([pool])
+    with pytest.raises(ValueError, match="0 secondary blocks"):
+        m.offload(P(0), S(0))
+
+
+def test_pools_of_one_manager_must_agree(rng):
+    a = make_pools(rng)[0]
+    b = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=2,
+                                    tokens_per_block=T * 2, dtype=jnp.float32,
+                                    num_primary_blocks=6, num_secondary_blocks=5)
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        kvx.KVCacheTransferManager([a, b])
+    with pytest.raises(ValueError, match="at least one"):
+        kvx.KVCacheTransferManager([])
+    with pytest.raises(TypeError, match=r"pools\[1\]"):
+        kvx.KVCacheTransferManager([a, "b"])
+
+
+def test_partial_copy_of_odd_int4_rows_is_rejected():
+    pool = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=2, size_per_head=3,
+                                       tokens_per_block=2, dtype=jnp.int4,
+                                       num_primary_blocks=2, num_secondary_blocks=2)
+    m = kvx.KVCacheTransferManager([pool])
+    with pytest.raises(ValueError, match="even size_per_head"):
+        m.offload(P(0), S(0), num_tokens=1)
+    m.offload(P(0), S(0))  # whole blocks are fine
+    m.sync_transfers()
+
+
+# -- a model-based randomized test --------------------------------------------------------------
+
+
+def apply_to_shadow(shadow, pairs, tokens):
+    for (src, dst), n in zip(pairs, tokens):
+        for arrays in shadow:
+            t = arrays[0].shape[4]
+            n_eff = t if (n <= 0 or n >= t) else n
+            src_arr = arrays[0] if src.is_primary else arrays[1]
+            dst_arr = arrays[0] if dst.is_primary else arrays[1]
+            dst_arr[dst.memory_pool_block_index][..., :n_eff, :] = (
+                src_arr[src.memory_pool_block_index][..., :n_eff, :].copy())
+
+
+def run_random_operations(seed: int, num_ops: int, manager=None, pools=None):
+    rng = np.random.default_rng(seed)
+    pools = pools or make_pools(rng)
+    m = manager or kvx.KVCacheTransferManager(pools)
+    shadow = [list(s) for s in snapshot(pools)]
+    npri, nsec = pools[0].num_primary_blocks, pools[0].num_secondary_blocks
+
+    def block():
+        if rng.random() < 0.5:
+            return P(int(rng.integers(npri)))
+        return S(int(rng.integers(nsec)))
+
+    def tokens():
+        return int(rng.choice([-1, 0, 1, 2, 3, 4, 7]))
+
+    for _ in range(num_ops):
+        r = rng.random()
+        if r < 0.08:
+            m.sync_transfers()
+            assert_same(snapshot(pools), shadow)
+            continue
+        if r < 0.5:
+            pairs, n = [(block(), block())], [tokens()]
+            (m.offload if rng.random() < 0.5 else m.onboard)(*pairs[0], num_tokens=n[0])
+        else:
+            pairs = [(block(), block()) for _ in range(int(rng.integers(1, 9)))]
+            n = [tokens() for _ in pairs]
+            (m.offload_blocks if rng.random() < 0.5 else m.onboard_blocks)(pairs, num_tokens=n)
+        apply_to_shadow(shadow, pairs, n)
+    m.sync_transfers()
+    assert_same(snapshot(pools), shadow)
+
+
+def test_random_operations_match_a_numpy_shadow():
+    run_random_operations(seed=1234, num_ops=1500)
+
+
+def test_two_threads_sharing_a_manager_keep_their_order(rng):
+    # Each thread owns its own blocks, so the final state is independent of interleaving.
+    pools = make_pools(rng, num_primary=8, num_secondary=8)
+    m = kvx.KVCacheTransferManager(pools)
+    old = snapshot(pools)
+    errors = []
+
+    def worker(base):
+        try:
+            for _ in range(40):
+                m.offload(P(base), S(base))
+                m.onboard(S(base), P(base + 1))
+                m.offload_blocks([(P(base + 1), S(base + 1)), (P(base), S(base + 2))])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(b,)) for b in (0, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    m.sync_transfers()
+    for pool, (prim, _) in zip(pools, old):
+        got_p, got_s = np.asarray(pool.primary), np.asarray(pool.secondary)
+        for b in (0, 4):
+            for blk in (got_p[b + 1], got_s[b], got_s[b + 1], got_s[b + 2]):
+                np.testing.assert_array_equal(blk, prim[b])
