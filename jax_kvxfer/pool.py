@@ -111,11 +111,8 @@ class KVCacheBlockPool:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block as stored (4-bit types: packed two per byte on GPUs, not on CPUs)."""
-        bits = dtype_bits(self.dtype)
-        if bits < 8 and self.device.platform == "cpu":
-            bits = 8
-        return math.prod(self.block_shape) * bits // 8
+        """Bytes of one block as the copy kernels see it (4-bit types packed two per byte)."""
+        return math.prod(self.block_shape) * dtype_bits(self.dtype) // 8
 
     def token_run_nbytes(self, num_tokens: int) -> int:
         """Bytes a copy of the first `num_tokens` tokens moves (whole block when out of (0, T))."""

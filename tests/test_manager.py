@@ -87,8 +87,7 @@ def test_create_without_secondary_blocks_has_none():
     assert pool.secondary is None
     assert kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=2,
                                        tokens_per_block=2, dtype=jnp.int4, num_primary_blocks=1,
-                                       num_secondary_blocks=1).block_nbytes == (
-        4 if jax.devices()[0].platform == "gpu" else 8)  # int4 is packed on GPUs only
+                                       num_secondary_blocks=1).block_nbytes == 4  # packed
 
 
 @pytest.mark.parametrize("kwargs, match", [
