@@ -28,8 +28,8 @@ struct PoolGeometry {
   int64_t block_bytes = 0;  // bytes of one block
 };
 
-// Bits one element occupies in memory. Sub-byte types are packed two per byte on the GPU and
-// stored one per byte on the CPU, so the caller says which.
+// Bits one element occupies in memory. XLA hands custom calls 4-bit operands packed two per byte
+// (layout E(4)) on the GPU and, with current jaxlib, on the CPU too; the caller says which.
 inline int64_t StoredBits(ffi::DataType type, bool packs_sub_byte) {
   switch (type) {
     case ffi::DataType::S4:

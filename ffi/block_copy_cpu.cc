@@ -24,8 +24,9 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
                         ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
   PoolGeometry g;
   int64_t num_pairs = 0;
+  // XLA's CPU layouts pack 4-bit types two per byte too (E(4)), like the GPU's.
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens,
-                            /*packs_sub_byte=*/false, &g, &num_pairs);
+                            /*packs_sub_byte=*/true, &g, &num_pairs);
       err.failure()) {
     return err;
   }
@@ -61,7 +62,24 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+// Copies within one pool. One operand rather than the same array passed twice: XLA would copy
+// a donated operand that another operand of the same call also reads.
+ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
+                              ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                              ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
+  return BlockCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, hazard_free);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // pool, aliased to the result
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
+                                  .Ret<ffi::AnyBuffer>()         // new pool
+                                  .Attr<bool>("hazard_free"));   // no block is read and written
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
                               ffi::Ffi::Bind()
@@ -80,6 +98,8 @@ NB_MODULE(_kvxfer_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
+    d["jax_kvxfer_block_copy_within"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
     return d;
   });
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "block_copy.h"
 #include "nanobind/nanobind.h"
@@ -53,6 +54,22 @@ __device__ void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, i
                          int64_t run_bytes, int64_t pitch, int64_t first, int64_t stride) {
   const int64_t per_run = run_bytes / sizeof(V);
   const int64_t total = runs * per_run;
+  if (runs == 1) {  // a whole block: one contiguous run, no index arithmetic
+    const V* __restrict__ s = reinterpret_cast<const V*>(src);
+    V* __restrict__ d = reinterpret_cast<V*>(dst);
+    for (int64_t base = first; base < total; base += stride * kUnroll) {
+      V v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * stride < total) v[k] = s[base + k * stride];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * stride < total) d[base + k * stride] = v[k];
+      }
+    }
+    return;
+  }
   for (int64_t base = first; base < total; base += stride * kUnroll) {
     V v[kUnroll];
     int64_t off[kUnroll];
@@ -226,7 +243,28 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   return Launch(stream, b);
 }
 
+// Copies within one pool. One operand rather than the same array passed twice: XLA would copy
+// a donated operand that another operand of the same call also reads.
+ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                               ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
+                               ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                               ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
+  return BlockCopyCuda(stream, std::move(scratch), pool, pool, src_idx, dst_idx, num_tokens, out,
+                       hazard_free);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()         // pool, aliased to the result
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
+                                  .Ret<ffi::AnyBuffer>()         // new pool
+                                  .Attr<bool>("hazard_free"));   // no block is read and written
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
                               ffi::Ffi::Bind()
@@ -247,6 +285,8 @@ NB_MODULE(_kvxfer_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCuda));
+    d["jax_kvxfer_block_copy_within"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCuda));
     return d;
   });
 }

@@ -11,7 +11,8 @@ try:  # built only where a CUDA compiler was found
 except ImportError:  # pragma: no cover - depends on the build
     _kvxfer_cuda = None
 
-BLOCK_COPY_TARGET = "jax_kvxfer_block_copy"
+BLOCK_COPY_TARGET = "jax_kvxfer_block_copy"  # (dst, src, src_idx, dst_idx, num_tokens)
+BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst_idx, num_tokens)
 
 HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None
 """True when this build carries the CUDA handlers (built with a CUDA compiler present)."""

@@ -115,7 +115,9 @@ def _check_byte_rows(block_shape: tuple[int, ...], dtype: Any, partial_possible:
 
 def _as_index_array(name: str, x: Any) -> jax.Array | np.ndarray:
     """An int32 vector from indices given as a list, NumPy or JAX array (traced or not)."""
-    if isinstance(x, (jax.Array, np.ndarray)):
+    if isinstance(x, jax.Array) and not _is_tracer(x):
+        arr = np.asarray(x)  # known values: checked on the host, like NumPy input
+    elif isinstance(x, (jax.Array, np.ndarray)):
         arr = x
     else:
         try:
@@ -133,6 +135,13 @@ def _as_index_array(name: str, x: Any) -> jax.Array | np.ndarray:
         if arr.size and (arr.min() < info.min or arr.max() > info.max):
             raise IndexError(f"{name} holds values outside int32: min {arr.min()}, max {arr.max()}")
         return arr.astype(np.int32)
+    # Traced: values beyond int32 must not wrap into valid ones. Clamp them to values that mean
+    # the same (-1: skip / whole block; int32 max: out of range / whole block).
+    info, i32 = jnp.iinfo(arr.dtype), np.iinfo(np.int32)
+    if info.max > i32.max:
+        arr = jnp.minimum(arr, i32.max)
+    if info.min < i32.min:
+        arr = jnp.maximum(arr, -1)
     return arr.astype(jnp.int32)
 
 
@@ -161,7 +170,10 @@ def _normalize_tokens(num_tokens: TokensLike, batch: int) -> jax.Array | np.ndar
     if isinstance(num_tokens, (jax.Array, np.ndarray)) and num_tokens.ndim == 0:
         if not jnp.issubdtype(num_tokens.dtype, jnp.integer) or num_tokens.dtype == np.bool_:
             raise TypeError(f"num_tokens must hold integers, got dtype {num_tokens.dtype}")
-        return jnp.broadcast_to(num_tokens.astype(jnp.int32), (batch,))
+        tokens = _as_index_array("num_tokens", num_tokens.reshape(1))
+        if _is_tracer(tokens):
+            return jnp.broadcast_to(tokens, (batch,))
+        return np.repeat(tokens, batch)
     tokens = _as_index_array("num_tokens", num_tokens)
     if tokens.shape[0] != batch:
         raise ValueError(f"num_tokens has length {tokens.shape[0]}, expected {batch} (one per pair)")
@@ -186,14 +198,19 @@ def _hazard_free(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int
 
 
 def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free: bool):
+    """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool."""
+    # Within one pool the pool is passed once: were it passed twice with one operand donated,
+    # XLA would copy the whole pool to keep the other operand's read safe.
+    within = src_pool is dst_pool
     call = jax.ffi.ffi_call(
-        _native.BLOCK_COPY_TARGET,
+        _native.BLOCK_COPY_WITHIN_TARGET if within else _native.BLOCK_COPY_TARGET,
         # The result has dst_pool's type, memory space included: a pinned_host pool stays there.
         jax.typeof(dst_pool),
         input_output_aliases={0: 0},
         vmap_method="sequential",
     )
-    return call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free=np.bool_(hazard_free))
+    pools = (dst_pool,) if within else (dst_pool, src_pool)
+    return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(hazard_free))
 
 
 @functools.lru_cache(maxsize=64)
