@@ -93,6 +93,8 @@ class KVCacheTransferManager:
         for i, p in enumerate(self._pools):
             if not isinstance(p, KVCacheBlockPool):
                 raise TypeError(f"pools[{i}] must be a KVCacheBlockPool, got {type(p).__name__}")
+        if len({id(p) for p in self._pools}) != len(self._pools):
+            raise ValueError("pools holds the same KVCacheBlockPool twice; pass each pool once")
         first = self._pools[0]
         for i, p in enumerate(self._pools[1:], start=1):
             for field in ("num_primary_blocks", "num_secondary_blocks", "tokens_per_block",
@@ -103,8 +105,11 @@ class KVCacheTransferManager:
                         f"{getattr(first, field)}: the pools of one manager must agree on it"
                     )
         self._lock = threading.RLock()
-        self._pending: dict[Slot, PendingTransfer] = {}
+        self._pending: dict[Slot, list] = {}  # slot -> [reads, writes, [op, ...]]
         self._stats = TransferStats()
+        # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
+        self._block_nbytes = sum(p.block_nbytes for p in self._pools)
+        self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
 
     @property
     def pools(self) -> tuple[KVCacheBlockPool, ...]:
@@ -169,7 +174,9 @@ class KVCacheTransferManager:
         offloaded into one secondary slot race. A read-only snapshot.
         """
         with self._lock:
-            return types.MappingProxyType(dict(self._pending))
+            return types.MappingProxyType({
+                slot: PendingTransfer(reads, writes, tuple(ops))
+                for slot, (reads, writes, ops) in self._pending.items()})
 
     def get_and_reset_transfer_stats(self) -> TransferStats:
         """Returns the blocks and bytes moved since the last call and starts counting anew."""
@@ -183,10 +190,10 @@ class KVCacheTransferManager:
         with self._lock:
             pairs = self._checked_pairs(pairs)
             tokens = self._checked_tokens(num_tokens, len(pairs))
-            for src, dst in pairs:  # every array must be live before anything is dispatched
-                for pool in self._pools:
-                    pool.current(src.is_primary, op)
-                    pool.current(dst.is_primary, op)
+            memories = {b.is_primary for pair in pairs for b in pair}
+            for pool in self._pools:  # every array must be live before anything is dispatched
+                for is_primary in memories:
+                    pool.current(is_primary, op)
             for segment in self._segments(pairs):
                 self._dispatch([pairs[i] for i in segment], [tokens[i] for i in segment])
             self._record(op, pairs, tokens)
@@ -196,23 +203,24 @@ class KVCacheTransferManager:
             pairs = [tuple(p) for p in pairs]
         except TypeError as e:
             raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples") from e
-        pool = self._pools[0]
+        limits = {True: self._pools[0].num_primary_blocks,
+                  False: self._pools[0].num_secondary_blocks}
         for i, pair in enumerate(pairs):
             if len(pair) != 2:
                 raise ValueError(f"pairs[{i}] must be a (src_block, dst_block) tuple, got {pair!r}")
             for role, block in zip(("src", "dst"), pair):
                 if not isinstance(block, KVCacheBlock):
                     raise TypeError(f"pairs[{i}] {role} must be a KVCacheBlock, got {block!r}")
-                index = _as_int(f"pairs[{i}] {role} memory_pool_block_index",
-                                block.memory_pool_block_index)
-                limit = pool.num_primary_blocks if block.is_primary else pool.num_secondary_blocks
-                memory = "primary" if block.is_primary else "secondary"
-                if limit == 0:
-                    raise ValueError(f"pairs[{i}] {role} is a secondary block, but the pools "
-                                     "have 0 secondary blocks")
-                if not 0 <= index < limit:
-                    raise IndexError(f"pairs[{i}] {role} has memory_pool_block_index {index}, "
-                                     f"outside the {memory} pool's 0..{limit - 1}")
+                limit = limits[block.is_primary]
+                if not 0 <= block.memory_pool_block_index < limit:
+                    memory = "primary" if block.is_primary else "secondary"
+                    if limit == 0:
+                        raise ValueError(f"pairs[{i}] {role} is a secondary block, but the pools "
+                                         "have 0 secondary blocks")
+                    raise IndexError(
+                        f"pairs[{i}] {role} has memory_pool_block_index "
+                        f"{block.memory_pool_block_index}, outside the {memory} pool's "
+                        f"0..{limit - 1}")
         return pairs
 
     def _checked_tokens(self, num_tokens: Any, count: int) -> list[int]:
@@ -278,13 +286,15 @@ class KVCacheTransferManager:
 
     def _record(self, op: str, pairs: list[tuple[KVCacheBlock, KVCacheBlock]],
                 tokens: list[int]) -> None:
+        t, s = self._pools[0].tokens_per_block, self._stats
         for (src, dst), n in zip(pairs, tokens):
-            for slot, is_write in ((src.slot, False), (dst.slot, True)):
-                old = self._pending.get(slot, PendingTransfer(0, 0, ()))
-                self._pending[slot] = PendingTransfer(old.reads + (not is_write),
-                                                      old.writes + is_write, (*old.ops, op))
-            nbytes = sum(p.token_run_nbytes(n) for p in self._pools)
-            s = self._stats
+            for slot, index in ((src.slot, 0), (dst.slot, 1)):  # index 0: a read, 1: a write
+                record = self._pending.get(slot)
+                if record is None:
+                    record = self._pending[slot] = [0, 0, []]
+                record[index] += 1
+                record[2].append(op)
+            nbytes = self._block_nbytes if n <= 0 or n >= t else n * self._token_nbytes
             if src.is_primary and not dst.is_primary:
                 s.offloaded_blocks += 1
                 s.offloaded_bytes += nbytes

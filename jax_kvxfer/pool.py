@@ -24,6 +24,16 @@ class KVCacheBlock:
     memory_pool_block_index: int
     is_primary: bool
 
+    def __post_init__(self) -> None:
+        for name in ("block_id", "memory_pool_block_index"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"KVCacheBlock.{name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.is_primary, (bool, np.bool_)):
+            raise TypeError(f"KVCacheBlock.is_primary must be a bool, got {self.is_primary!r}")
+        object.__setattr__(self, "is_primary", bool(self.is_primary))
+
     @property
     def slot(self) -> tuple[int, bool]:
         """The memory slot this block occupies: `(memory_pool_block_index, is_primary)`."""
