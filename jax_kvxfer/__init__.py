@@ -7,12 +7,17 @@
 """
 
 from ._native import HAS_CUDA_HANDLERS
+from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 from .manager import KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import copy_blocks, partial_block_copy
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 __all__ = [
     "HAS_CUDA_HANDLERS",
+    "BlockManager",
+    "BlockManagerStats",
+    "PoolExhaustedError",
+    "PrefixMatch",
     "KVCacheBlock",
     "KVCacheBlockPool",
     "KVCacheTransferManager",

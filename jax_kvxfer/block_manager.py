@@ -1,0 +1,363 @@
+"""`BlockManager`: prefix reuse, LRU eviction with priorities, offload to host and onboard back.
+
+TensorRT-LLM: `BlockManager` / `WindowBlockManager` around its `KVCacheTransferManager`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Hashable, Sequence
+
+from .block_cache import (
+    DEFAULT_PRIORITY,
+    DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
+    ROOT_KEY,
+    BlockIndex,
+    BlockManagerStats,
+    CachedBlock,
+    EvictionQueue,
+    PoolExhaustedError,
+    PrefixMatch,
+    TransferQueue,
+    block_key,
+    check_priority,
+    check_token_ids,
+    checked_pools,
+)
+from .manager import KVCacheTransferManager
+from .pool import KVCacheBlockPool
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    tokens: list[int]
+    blocks: list[CachedBlock]
+    priority: int
+
+
+class BlockManager:
+    """Allocates KV-cache blocks to sequences and reuses cached prefixes across them.
+
+    TensorRT-LLM: `BlockManager` (reuse, eviction policy, `onboardBlock`, `offloadBlock`).
+
+    Blocks are found by a chained hash of (parent block's hash, the block's token ids). When the
+    primary pool is full, the least recently used reusable block of the lowest priority is
+    evicted: offloaded to the secondary pool when its priority is at least
+    `secondary_offload_min_priority` (the secondary pool then evicts its own LRU block of no
+    higher priority if full), dropped otherwise. A prompt's matched blocks in the secondary pool
+    are onboarded; a partially matched block is copied into a fresh block
+    (copy-on-partial-reuse). Transfers are queued during allocation and issued in batches; call
+    `sync_transfers()` at the step boundary, after allocating and before the forward pass.
+
+    Usage per step: `add_sequence` / `append_tokens` for every sequence, `sync_transfers()`,
+    then run the model with `block_table(seq_id)` (primary block indices, in order); at the
+    end, `release_sequence` stores the blocks for reuse. Add only tokens whose K/V the model
+    writes: the cache holds what the sequence's tokens say it holds.
+    """
+
+    def __init__(self, pools: KVCacheBlockPool | Sequence[KVCacheBlockPool], *,
+                 transfer_manager: KVCacheTransferManager | None = None,
+                 secondary_offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
+                 enable_offload: bool = True, enable_partial_reuse: bool = True) -> None:
+        """Args:
+          pools: the pool(s) a block spans (their block counts and tokens per block agree).
+          transfer_manager: moves the blocks (default: `KVCacheTransferManager(pools)`).
+          secondary_offload_min_priority: evicted blocks of lower priority are not offloaded.
+          enable_offload: False never offloads (TensorRT-LLM's `onboard_blocks=false`).
+          enable_partial_reuse: False ignores partially matched blocks.
+        """
+        pools = checked_pools(pools)
+        first = pools[0]
+        self.tokens_per_block = first.tokens_per_block
+        self.num_primary_blocks = first.num_primary_blocks
+        self.num_secondary_blocks = first.num_secondary_blocks
+        self.secondary_offload_min_priority = check_priority(secondary_offload_min_priority)
+        self.enable_offload = bool(enable_offload)
+        self.enable_partial_reuse = bool(enable_partial_reuse)
+        self.transfer_manager = transfer_manager or KVCacheTransferManager(pools)
+        self._free = {True: collections.deque(range(self.num_primary_blocks)),
+                      False: collections.deque(range(self.num_secondary_blocks))}
+        self._reusable = {True: EvictionQueue(), False: EvictionQueue()}
+        self._index = BlockIndex()
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._next_block_id = 0
+        self._stats = BlockManagerStats()
+        self._queue = TransferQueue()
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], *,
+                     priority: int = DEFAULT_PRIORITY) -> int:
+        """Allocates blocks for a prompt, reusing its cached prefix; returns that prefix's length.
+
+        The caller computes K/V for positions `[returned, len(token_ids))`; at least the last
+        token is always left to compute (its logits are needed).
+
+        Args:
+          seq_id: any hashable id not in use.
+          token_ids: the prompt (non-empty, non-negative ints).
+          priority: 0-100, the retention priority its blocks get when released.
+
+        Raises:
+          KeyError: seq_id is in use. TypeError, ValueError: bad tokens or priority.
+          PoolExhaustedError: the primary pool cannot hold the prompt (nothing is changed).
+        """
+        try:
+            hash(seq_id)
+        except TypeError as e:
+            raise TypeError(f"seq_id must be hashable, got {seq_id!r}") from e
+        if seq_id in self._seqs:
+            raise KeyError(f"seq_id {seq_id!r} is already in use; release it first")
+        tokens = check_token_ids("token_ids", token_ids)
+        if not tokens:
+            raise ValueError("token_ids must hold at least one token")
+        priority = check_priority(priority)
+        full, partial, reused = self._match(tokens)
+        num_blocks = math.ceil(len(tokens) / self.tokens_per_block)
+        pinned = [*full, *([partial[0]] if partial else [])]
+        for block in pinned:
+            self._ref(block)
+        need = num_blocks - sum(b.is_primary for b in full)
+        if need > self._available_primary():
+            for block in pinned:
+                self._unref(block)
+            raise PoolExhaustedError(
+                f"add_sequence({seq_id!r}): needs {need} free primary blocks but only "
+                f"{self._available_primary()} can be freed (the rest are in use by running "
+                f"sequences); release sequences or use a larger primary pool")
+        s = self._stats
+        s.prompt_tokens += len(tokens)
+        s.reused_tokens += reused
+        for block in full:
+            if block.is_primary:
+                s.reused_blocks += 1
+            else:
+                self._onboard(block)
+        blocks = list(full)
+        if partial:
+            src, n = partial
+            dst = self._new_block()
+            # The pin taken above is released once the copy is issued.
+            self._queue.onboard(src, dst.slot, n, pin=src)
+            if src.is_primary:
+                s.partial_copies += 1
+            else:
+                s.partial_onboards += 1
+            blocks.append(dst)
+        while len(blocks) < num_blocks:
+            blocks.append(self._new_block())
+        self._seqs[seq_id] = _Sequence(list(tokens), blocks, priority)
+        return reused
+
+    def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Extends a sequence (e.g. by a generated token), allocating blocks as needed.
+
+        Raises:
+          KeyError: unknown seq_id. PoolExhaustedError: no block can be freed (no change).
+        """
+        seq = self._seq(seq_id)
+        tokens = check_token_ids("token_ids", token_ids)
+        need = math.ceil((len(seq.tokens) + len(tokens)) / self.tokens_per_block) - len(seq.blocks)
+        if need > self._available_primary():
+            raise PoolExhaustedError(f"append_tokens({seq_id!r}): needs {need} free primary "
+                                     f"blocks, only {self._available_primary()} can be freed")
+        seq.tokens.extend(tokens)
+        for _ in range(need):
+            seq.blocks.append(self._new_block())
+
+    def release_sequence(self, seq_id: Hashable, *, store_for_reuse: bool = True) -> None:
+        """Ends a sequence; its blocks become reusable (cached) unless `store_for_reuse=False`.
+
+        TensorRT-LLM: `releaseBlocks` / `storeBlocks`. Blocks are keyed by the sequence's
+        tokens, partially filled last block included; blocks whose content is already cached
+        are freed.
+        """
+        self._seq(seq_id)
+        seq = self._seqs.pop(seq_id)
+        parent = ROOT_KEY
+        t = self.tokens_per_block
+        for i, block in enumerate(seq.blocks):
+            tokens = tuple(seq.tokens[i * t:(i + 1) * t])
+            if not store_for_reuse or not tokens:
+                break
+            if block.key is None:
+                key = block_key(parent, tokens)
+                old = self._index.by_key.get(key)
+                if old is not None and old.ref_count == 0 and not old.is_primary:
+                    self._drop_secondary(old)  # the same content, now on the device: keep this
+                    old = None
+                if old is None:
+                    block.key, block.parent_key, block.tokens = key, parent, tokens
+                    self._index.add(block)
+            else:
+                key = block.key
+            block.priority = seq.priority  # ref_count > 0: not in a queue, safe to change
+            parent = key
+        # Last block first, so that a prefix is evicted after the blocks that extend it.
+        for block in reversed(seq.blocks):
+            self._unref(block)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's primary block indices, in token order (issues queued transfers)."""
+        seq = self._seq(seq_id)
+        self._timed_issue()
+        return [b.slot for b in seq.blocks]
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return len(self._seq(seq_id).tokens)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """What `add_sequence(token_ids)` would reuse, without allocating anything."""
+        tokens = check_token_ids("token_ids", token_ids)
+        full, partial, reused = self._match(tokens)
+        return PrefixMatch(reused, sum(b.is_primary for b in full),
+                           sum(not b.is_primary for b in full), partial[1] if partial else 0,
+                           partial[0].is_primary if partial else None)
+
+    # -- step boundary and introspection ----------------------------------------------------
+
+    def sync_transfers(self) -> None:
+        """Issues the queued transfers and waits for them (the step boundary).
+
+        TensorRT-LLM: `syncTransfers` after allocation, before the forward pass.
+        """
+        t0 = time.perf_counter()
+        self._issue()
+        self.transfer_manager.sync_transfers()
+        self._stats.transfer_seconds += time.perf_counter() - t0
+
+    @property
+    def stats(self) -> BlockManagerStats:
+        return dataclasses.replace(self._stats)
+
+    def get_and_reset_stats(self) -> BlockManagerStats:
+        stats, self._stats = self._stats, BlockManagerStats()
+        return stats
+
+    @property
+    def num_free_primary_blocks(self) -> int:
+        """Primary blocks holding nothing (reusable cached blocks are not counted)."""
+        return len(self._free[True])
+
+    @property
+    def num_free_secondary_blocks(self) -> int:
+        return len(self._free[False])
+
+    def reusable_blocks(self, primary: bool = True) -> list[tuple[int, ...]]:
+        """Token ids of the cached, unused blocks of one pool, in eviction order."""
+        return [b.tokens for b in self._reusable[primary]]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._index)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _seq(self, seq_id: Hashable) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"unknown seq_id {seq_id!r}") from None
+
+    def _match(self, tokens: tuple[int, ...]):
+        """Full blocks matched in order, then an optional (block, n) partial match."""
+        t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
+        full, parent, n = [], ROOT_KEY, 0
+        while n + t <= limit:
+            block = self._index.full_block(parent, tokens[n:n + t])
+            if block is None:
+                break
+            full.append(block)
+            parent, n = block.key, n + t
+        partial = None
+        if self.enable_partial_reuse and n < limit:
+            block, common = self._index.longest_partial(parent, tokens[n:min(n + t, limit)])
+            if block is not None:
+                partial, n = (block, common), n + common
+        return full, partial, n
+
+    def _available_primary(self) -> int:
+        return len(self._free[True]) + len(self._reusable[True])
+
+    def _ref(self, block: CachedBlock) -> None:
+        if block.ref_count == 0 and block.key is not None:
+            self._reusable[block.is_primary].remove(block)
+        block.ref_count += 1
+
+    def _unref(self, block: CachedBlock) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.key is not None:
+                self._reusable[block.is_primary].push(block)
+            else:
+                self._free[block.is_primary].append(block.slot)
+
+    def _new_block(self) -> CachedBlock:
+        block = CachedBlock(self._next_block_id, self._primary_slot(), True, ref_count=1)
+        self._next_block_id += 1
+        return block
+
+    def _onboard(self, block: CachedBlock) -> None:
+        """Moves a matched (referenced) secondary block back into a primary slot."""
+        dst = self._primary_slot()
+        # Its secondary slot is freed once the onboard reading it is issued.
+        self._queue.onboard(block, dst, 0, free_secondary_slot=block.slot)
+        block.slot, block.is_primary = dst, True
+        self._stats.onboarded_blocks += 1
+
+    def _primary_slot(self) -> int:
+        """A free primary slot, evicting (offloading or dropping) a reusable block if needed."""
+        if self._free[True]:
+            return self._free[True].popleft()
+        victim = self._reusable[True].peek()
+        assert victim is not None, "callers check _available_primary first"
+        self._reusable[True].remove(victim)
+        if self._queue.writes_primary(victim.slot):
+            # Queued offloads are issued before queued onboards; this offload must read what
+            # a queued onboard writes, so issue the queue first.
+            self._timed_issue()
+        dst = None
+        if (self.enable_offload and self.num_secondary_blocks
+                and victim.priority >= self.secondary_offload_min_priority):
+            dst = self._secondary_slot(victim.priority)
+        slot = victim.slot
+        if dst is None:
+            self._index.remove(victim)
+            self._stats.dropped_primary_blocks += 1
+            return slot
+        self._queue.offload(victim, dst)
+        victim.slot, victim.is_primary = dst, False
+        self._reusable[False].push(victim)
+        self._stats.offloaded_blocks += 1
+        return slot
+
+    def _secondary_slot(self, priority: int) -> int | None:
+        """A free secondary slot; else drops the secondary LRU block of priority <= `priority`."""
+        if self._free[False]:
+            return self._free[False].popleft()
+        victim = self._reusable[False].peek()
+        if victim is None or victim.priority > priority:
+            return None
+        self._stats.dropped_secondary_blocks += 1
+        return self._drop_secondary(victim, free_slot=False)
+
+    def _drop_secondary(self, block: CachedBlock, free_slot: bool = True) -> int:
+        self._reusable[False].remove(block)
+        self._index.remove(block)
+        if free_slot:
+            self._free[False].append(block.slot)
+        return block.slot
+
+    def _issue(self) -> None:
+        pins, slots = self._queue.issue(self.transfer_manager)
+        for block in pins:
+            self._unref(block)
+        self._free[False].extend(slots)
+
+    def _timed_issue(self) -> None:
+        t0 = time.perf_counter()
+        self._issue()
+        self._stats.transfer_seconds += time.perf_counter() - t0
