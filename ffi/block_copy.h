@@ -28,14 +28,14 @@ struct PoolGeometry {
   int64_t block_bytes = 0;  // bytes of one block
 };
 
-// Bits one element occupies in memory. XLA hands custom calls 4-bit operands packed two per byte
-// (layout E(4)) on the GPU and, with current jaxlib, on the CPU too; the caller says which.
-inline int64_t StoredBits(ffi::DataType type, bool packs_sub_byte) {
+// Bits one element occupies in memory: XLA hands custom calls 4-bit operands packed two per
+// byte (layout E(4)), on the GPU and on the CPU alike.
+inline int64_t StoredBits(ffi::DataType type) {
   switch (type) {
     case ffi::DataType::S4:
     case ffi::DataType::U4:
     case ffi::DataType::F4E2M1FN:
-      return packs_sub_byte ? 4 : 8;
+      return 4;
     default:
       return 8 * static_cast<int64_t>(ffi::ByteWidth(type));
   }
@@ -51,7 +51,7 @@ inline std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
 // arrays have one length; fills the geometry. Never dereferences a data pointer.
 inline ffi::Error CheckPools(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuffer out,
                              ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
-                             ffi::Buffer<ffi::S32> num_tokens, bool packs_sub_byte,
+                             ffi::Buffer<ffi::S32> num_tokens,
                              PoolGeometry* geometry, int64_t* num_pairs) {
   auto dd = dst.dimensions(), sd = src.dimensions(), od = out.dimensions();
   if (dd.size() != 6 || sd.size() != 6 || od.size() != 6) {
@@ -74,7 +74,7 @@ inline ffi::Error CheckPools(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuf
         "jax_kvxfer block copy: src_indices, dst_indices and num_tokens differ in length");
   }
   int64_t outer = dd[1] * dd[2] * dd[3];
-  int64_t row_bits = dd[5] * StoredBits(dst.element_type(), packs_sub_byte);
+  int64_t row_bits = dd[5] * StoredBits(dst.element_type());
   int64_t block_bits = outer * dd[4] * row_bits;
   if (block_bits % 8 != 0) {
     return ffi::Error::InvalidArgument(
@@ -85,6 +85,21 @@ inline ffi::Error CheckPools(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuf
   geometry->row_bytes = row_bits % 8 == 0 ? row_bits / 8 : 0;
   geometry->block_bytes = block_bits / 8;
   *num_pairs = n;
+  return ffi::Error::Success();
+}
+
+// The workspaces XLA allocates as extra results: one int32 per pair, and room for every pair's
+// source block when a copy within one pool must be staged (sized by the Python side).
+inline ffi::Error CheckWorkspaces(int64_t num_pairs, const PoolGeometry& g, bool stage,
+                                  size_t superseded_count, size_t staging_bytes) {
+  if (superseded_count < static_cast<size_t>(num_pairs)) {
+    return ffi::Error::InvalidArgument("jax_kvxfer block copy: workspace smaller than the batch");
+  }
+  if (stage && staging_bytes < static_cast<size_t>(num_pairs * g.block_bytes)) {
+    return ffi::Error::InvalidArgument(
+        "jax_kvxfer block copy: source and destination are one buffer but no staging space was "
+        "given; copy within one pool through copy_blocks(pool, pool, ...)");
+  }
   return ffi::Error::Success();
 }
 

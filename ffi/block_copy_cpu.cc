@@ -1,6 +1,5 @@
 // CPU handler of the jax_kvxfer block copy: the reference implementation of the op's semantics.
 #include <cstring>
-#include <vector>
 
 #include "block_copy.h"
 #include "nanobind/nanobind.h"
@@ -21,12 +20,12 @@ void CopyBlockPrefix(char* dst, const char* src, int64_t n, const PoolGeometry& 
 
 ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
                         ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
+                        ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                        ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
   PoolGeometry g;
   int64_t num_pairs = 0;
-  // XLA's CPU layouts pack 4-bit types two per byte too (E(4)), like the GPU's.
-  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens,
-                            /*packs_sub_byte=*/true, &g, &num_pairs);
+  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
       err.failure()) {
     return err;
   }
@@ -34,6 +33,13 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
   char* out_data = static_cast<char*>(out->untyped_data());
   if (out_data != dst.untyped_data()) {  // XLA did not alias: start from dst's contents
     std::memcpy(out_data, dst.untyped_data(), dst_blocks * g.block_bytes);
+  }
+  const char* src_data = static_cast<const char*>(src.untyped_data());
+  const bool stage = src_data == out_data && !hazard_free;
+  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded->element_count(),
+                                 staging->element_count());
+      err.failure()) {
+    return err;
   }
   const int32_t* si = src_idx.typed_data();
   const int32_t* di = dst_idx.typed_data();
@@ -44,19 +50,16 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
 
   // Every pair reads the source as it was before the call. When the source is the pool being
   // written and a block may be both read and written, read the sources out first.
-  const char* src_data = static_cast<const char*>(src.untyped_data());
-  std::vector<char> staged;
-  bool staging = src_data == out_data && !hazard_free;
-  if (staging) {
-    staged.resize(static_cast<size_t>(num_pairs * g.block_bytes));
+  char* staged = reinterpret_cast<char*>(staging->typed_data());
+  if (stage) {
     for (int64_t i = 0; i < num_pairs; ++i) {
-      if (valid(i)) std::memcpy(&staged[i * g.block_bytes], src_data + si[i] * g.block_bytes, g.block_bytes);
+      if (valid(i)) std::memcpy(staged + i * g.block_bytes, src_data + si[i] * g.block_bytes, g.block_bytes);
     }
   }
   // Pairs apply in order, so the last pair writing a token wins.
   for (int64_t i = 0; i < num_pairs; ++i) {
     if (!valid(i)) continue;
-    const char* from = staging ? &staged[i * g.block_bytes] : src_data + si[i] * g.block_bytes;
+    const char* from = stage ? staged + i * g.block_bytes : src_data + si[i] * g.block_bytes;
     CopyBlockPrefix(out_data + di[i] * g.block_bytes, from, TokensToCopy(nt[i], g), g);
   }
   return ffi::Error::Success();
@@ -66,8 +69,11 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
 // a donated operand that another operand of the same call also reads.
 ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
                               ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                              ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
-  return BlockCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, hazard_free);
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                              ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
+  return BlockCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
+                      hazard_free);
 }
 
 }  // namespace
@@ -79,6 +85,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
                                   .Ret<ffi::AnyBuffer>()         // new pool
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B] (GPU only)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
                                   .Attr<bool>("hazard_free"));   // no block is read and written
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
@@ -89,6 +97,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
                                   .Ret<ffi::AnyBuffer>()         // new dst pool
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B] (GPU only)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
                                   .Attr<bool>("hazard_free"));   // no block is read and written
 
 }  // namespace kvxfer

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <utility>
 
 #include "block_copy.h"
 #include "nanobind/nanobind.h"
@@ -178,14 +177,14 @@ ffi::Error Launch(cudaStream_t stream, const Batch& b) {
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
 }
 
-ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dst,
-                         ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
-                         ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                         ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
+ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
+                         ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                         ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                         ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
   PoolGeometry g;
   int64_t num_pairs = 0;
-  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens,
-                            /*packs_sub_byte=*/true, &g, &num_pairs);
+  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
       err.failure()) {
     return err;
   }
@@ -204,6 +203,12 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
   if (num_pairs == 0 || dst_blocks == 0 || src_blocks == 0 || g.block_bytes == 0) {
     return ffi::Error::Success();
   }
+  const bool stage = src.untyped_data() == out_data && !hazard_free;
+  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded->element_count(),
+                                 staging->element_count());
+      err.failure()) {
+    return err;
+  }
 
   Batch b{{out_data, false},
           {static_cast<char*>(src.untyped_data()), false},
@@ -216,40 +221,32 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi
           dst_blocks,
           g};
   if (num_pairs > 1) {
-    auto first = scratch.Allocate(num_pairs * sizeof(int32_t), alignof(int32_t));
-    if (!first) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jax_kvxfer block copy: no scratch memory");
-    SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(
-        b, static_cast<int32_t*>(*first));
+    int32_t* first = superseded->typed_data();
+    SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError(err, "duplicate-scan kernel launch");
-    b.first = static_cast<int32_t*>(*first);
+    b.first = first;
   }
-
   // Every pair reads the source as it was before the call. When the source is the pool being
-  // written and a block may be both read and written, gather the sources into scratch first.
-  if (b.src.data == out_data && !hazard_free) {
-    auto staged = scratch.Allocate(num_pairs * g.block_bytes, 256);
-    if (!staged) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted, 
-          "jax_kvxfer block copy: no scratch memory to stage a copy within one pool (" +
-          std::to_string(num_pairs * g.block_bytes) + " bytes)");
-    }
+  // written and a block may be both read and written, gather the sources out first.
+  if (stage) {
     Batch gather = b;
-    gather.dst = {static_cast<char*>(*staged), true};
+    gather.dst = {reinterpret_cast<char*>(staging->typed_data()), true};
     gather.first = nullptr;
     if (auto err = Launch(stream, gather); err.failure()) return err;
-    b.src = {static_cast<char*>(*staged), true};
+    b.src = {reinterpret_cast<char*>(staging->typed_data()), true};
   }
   return Launch(stream, b);
 }
 
 // Copies within one pool. One operand rather than the same array passed twice: XLA would copy
 // a donated operand that another operand of the same call also reads.
-ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                               ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
-                               ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                               ffi::Result<ffi::AnyBuffer> out, bool hazard_free) {
-  return BlockCopyCuda(stream, std::move(scratch), pool, pool, src_idx, dst_idx, num_tokens, out,
+ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
+                               ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                               ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                               ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
+  return BlockCopyCuda(stream, pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
                        hazard_free);
 }
 
@@ -258,24 +255,26 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::ScratchAllocator scratc
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()         // pool, aliased to the result
                                   .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
                                   .Ret<ffi::AnyBuffer>()         // new pool
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
                                   .Attr<bool>("hazard_free"));   // no block is read and written
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()         // dst pool, aliased to the result
                                   .Arg<ffi::AnyBuffer>()         // src pool
                                   .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
                                   .Ret<ffi::AnyBuffer>()         // new dst pool
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
                                   .Attr<bool>("hazard_free"));   // no block is read and written
 
 }  // namespace kvxfer

@@ -8,7 +8,7 @@
 
 from ._native import HAS_CUDA_HANDLERS
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
-from .manager import KVCacheTransferManager, PendingTransfer, TransferStats
+from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import copy_blocks, partial_block_copy
 from .pool import KVCacheBlock, KVCacheBlockPool
 
@@ -16,6 +16,7 @@ __all__ = [
     "HAS_CUDA_HANDLERS",
     "BlockManager",
     "BlockManagerStats",
+    "DonationWarning",
     "PoolExhaustedError",
     "PrefixMatch",
     "KVCacheBlock",

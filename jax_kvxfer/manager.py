@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import threading
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,16 +51,27 @@ class PendingTransfer:
 
 # One jitted dispatch per batch covers every pool: one custom call per pool, the destinations
 # donated so that each copy happens in place.
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_across(dsts, srcs, src_idx, dst_idx, num_tokens):
+def _copy_across_impl(dsts, srcs, src_idx, dst_idx, num_tokens):
     return tuple(_block_copy_call(d, s, src_idx, dst_idx, num_tokens, hazard_free=True)
                  for d, s in zip(dsts, srcs))
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="hazard_free")
-def _copy_within(pools, src_idx, dst_idx, num_tokens, hazard_free):
+def _copy_within_impl(pools, src_idx, dst_idx, num_tokens, hazard_free):
     return tuple(_block_copy_call(p, p, src_idx, dst_idx, num_tokens, hazard_free)
                  for p in pools)
+
+
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=0)
+_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames="hazard_free")
+# The same without donation, for a destination that cannot be donated: on GPUs, reading a
+# pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
+# viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
+_copy_across_undonated = jax.jit(_copy_across_impl)
+_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames="hazard_free")
+
+
+class DonationWarning(UserWarning):
+    """A pool array could not be donated, so a transfer copied the whole pool."""
 
 
 def _bucket(n: int) -> int:
@@ -274,10 +286,24 @@ class KVCacheTransferManager:
         if src_primary == dst_primary:
             n = len(pairs)
             hazard_free = _hazard_free(src_idx[:n], dst_idx[:n], dsts[0].shape[0], dsts[0].shape[0])
-            results = _copy_within(dsts, src_idx, dst_idx, num_tokens, hazard_free=hazard_free)
+            args = (dsts, src_idx, dst_idx, num_tokens)
+            kwargs = {"hazard_free": hazard_free}
+            donated, undonated = _copy_within, _copy_within_undonated
         else:
             srcs = tuple(p.current(src_primary, "transfer") for p in self._pools)
-            results = _copy_across(dsts, srcs, src_idx, dst_idx, num_tokens)
+            args, kwargs = (dsts, srcs, src_idx, dst_idx, num_tokens), {}
+            donated, undonated = _copy_across, _copy_across_undonated
+        try:
+            results = donated(*args, **kwargs)
+        except jax.errors.JaxRuntimeError as e:
+            if "external reference" not in str(e):
+                raise
+            warnings.warn(
+                f"pool.{'primary' if dst_primary else 'secondary'} could not be updated in place "
+                "because a NumPy view of it exists (np.asarray on a host-memory array keeps "
+                "one); this transfer copied the whole pool instead.", DonationWarning,
+                stacklevel=4)
+            results = undonated(*args, **kwargs)
         for pool, result in zip(self._pools, results):
             if dst_primary:
                 pool._primary = result  # noqa: SLF001 - same shape, dtype and memory kind

@@ -9,6 +9,7 @@ the destination's sharding (and so its memory kind).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -202,15 +203,25 @@ def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free: 
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
     within = src_pool is dst_pool
+    batch = src_idx.shape[0]
+    # Workspaces, allocated by XLA as extra results: an int32 per pair (the GPU's duplicate
+    # scan), and room to stage every source block when a copy within one pool may read a
+    # block that another pair writes.
+    block_nbytes = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype) // 8
+    staging = batch * block_nbytes if within and not hazard_free else 0
     call = jax.ffi.ffi_call(
         _native.BLOCK_COPY_WITHIN_TARGET if within else _native.BLOCK_COPY_TARGET,
-        # The result has dst_pool's type, memory space included: a pinned_host pool stays there.
-        jax.typeof(dst_pool),
+        (
+            # The result has dst_pool's type, memory space included: pinned_host stays there.
+            jax.typeof(dst_pool),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((staging,), jnp.uint8),
+        ),
         input_output_aliases={0: 0},
         vmap_method="sequential",
     )
     pools = (dst_pool,) if within else (dst_pool, src_pool)
-    return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(hazard_free))
+    return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(hazard_free))[0]
 
 
 @functools.lru_cache(maxsize=64)

@@ -698,8 +698,9 @@ def test_error_deleted_pool(rng):
 
 def test_error_unpinned_host_memory(pools):
     d, s = pools
-    unpinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="unpinned_host")
     try:
+        unpinned = jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                     memory_kind="unpinned_host")
         du = jax.device_put(d, unpinned)
     except (ValueError, RuntimeError) as e:  # pragma: no cover - depends on the backend
         pytest.skip(f"no unpinned_host memory here: {e}")
