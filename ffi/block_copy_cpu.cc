@@ -22,7 +22,8 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
                         ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
                         ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                        ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
+                        ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                        bool unique_dst) {
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
@@ -71,9 +72,10 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
                               ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                              ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
+                              ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                        bool unique_dst) {
   return BlockCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                      hazard_free);
+                      hazard_free, unique_dst);
 }
 
 }  // namespace
@@ -87,7 +89,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
                                   .Ret<ffi::AnyBuffer>()         // new pool
                                   .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B] (GPU only)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free"));   // no block is read and written
+                                  .Attr<bool>("hazard_free")     // no block is read and written
+                                  .Attr<bool>("unique_dst"));    // no block is written twice
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
                               ffi::Ffi::Bind()
@@ -99,7 +102,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
                                   .Ret<ffi::AnyBuffer>()         // new dst pool
                                   .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B] (GPU only)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free"));   // no block is read and written
+                                  .Attr<bool>("hazard_free")     // no block is read and written
+                                  .Attr<bool>("unique_dst"));    // no block is written twice
 
 }  // namespace kvxfer
 

@@ -1,7 +1,9 @@
 // CUDA handler of the jax_kvxfer block copy: one launch copies a whole batch of (partial) blocks.
 //
 // Pools may live in device memory or in pinned host memory (XLA hands a `pinned_host` operand's
-// host pointer to the handler); the kernel reaches both through unified addressing.
+// host pointer to the handler); the kernel reaches both through unified addressing. JAX offers
+// no other memory kind on GPUs (no pageable host memory), and the Python side checks kinds, so
+// the handler does not query pointer attributes on every call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,44 +48,44 @@ __device__ __forceinline__ int64_t SlotOf(const Side& side, const int32_t* idx, 
   return side.by_pair ? pair : idx[pair];
 }
 
-// Copies `runs` runs of `run_bytes` each, `pitch` bytes apart, using vectors of type V. This CTA
-// takes every `stride`-th vector from `first`.
+// Copies `runs` runs of `run_bytes` each, `pitch` bytes apart, using vectors of type V. The
+// `stride` threads of this pair take the work from `first` (the thread's rank among them).
 template <typename V>
 __device__ void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, int64_t runs,
                          int64_t run_bytes, int64_t pitch, int64_t first, int64_t stride) {
   const int64_t per_run = run_bytes / sizeof(V);
-  const int64_t total = runs * per_run;
-  if (runs == 1) {  // a whole block: one contiguous run, no index arithmetic
+  if (runs == 1) {  // a whole block: one contiguous run, every thread strides over it
     const V* __restrict__ s = reinterpret_cast<const V*>(src);
     V* __restrict__ d = reinterpret_cast<V*>(dst);
-    for (int64_t base = first; base < total; base += stride * kUnroll) {
+    for (int64_t base = first; base < per_run; base += stride * kUnroll) {
       V v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * stride < total) v[k] = s[base + k * stride];
+        if (base + k * stride < per_run) v[k] = s[base + k * stride];
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * stride < total) d[base + k * stride] = v[k];
+        if (base + k * stride < per_run) d[base + k * stride] = v[k];
       }
     }
     return;
   }
-  for (int64_t base = first; base < total; base += stride * kUnroll) {
-    V v[kUnroll];
-    int64_t off[kUnroll];
+  // A partial block: `runs` short runs (one per layer, K/V and head). Each warp takes whole
+  // runs and its lanes stride along one, so no thread divides to find its run.
+  const int lane = static_cast<int>(first % 32);
+  for (int64_t r = first / 32; r < runs; r += stride / 32) {
+    const V* __restrict__ s = reinterpret_cast<const V*>(src + r * pitch);
+    V* __restrict__ d = reinterpret_cast<V*>(dst + r * pitch);
+    for (int64_t base = lane; base < per_run; base += 32 * kUnroll) {
+      V v[kUnroll];
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      int64_t u = base + k * stride;
-      if (u < total) {
-        int64_t r = u / per_run;
-        off[k] = r * pitch + (u - r * per_run) * static_cast<int64_t>(sizeof(V));
-        v[k] = *reinterpret_cast<const V*>(src + off[k]);
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * 32 < per_run) v[k] = s[base + k * 32];
       }
-    }
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      if (base + k * stride < total) *reinterpret_cast<V*>(dst + off[k]) = v[k];
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * 32 < per_run) d[base + k * 32] = v[k];
+      }
     }
   }
 }
@@ -154,20 +156,6 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
                               cudaGetErrorString(err));
 }
 
-// The kernel can only reach device memory and page-locked (pinned) host memory.
-ffi::Error CheckReachable(const void* ptr, const char* name) {
-  if (ptr == nullptr) return ffi::Error::Success();  // empty pool
-  cudaPointerAttributes attr;
-  cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
-  if (err != cudaSuccess) return CudaError(err, "cudaPointerGetAttributes");
-  if (attr.type == cudaMemoryTypeUnregistered) {
-    return ffi::Error::InvalidArgument(std::string("jax_kvxfer block copy: ") + name +
-                                       " is in pageable host memory; use memory kind "
-                                       "'device' or 'pinned_host'");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error Launch(cudaStream_t stream, const Batch& b) {
   const int64_t per_cta = int64_t{kThreads} * 16 * kUnroll;
   int64_t ctas = std::clamp<int64_t>((b.g.block_bytes + per_cta - 1) / per_cta, 1, kMaxCtasPerPair);
@@ -181,7 +169,8 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
                          ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                          ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                         ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
+                         ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                        bool unique_dst) {
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
@@ -190,11 +179,6 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
   }
   const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
   char* out_data = static_cast<char*>(out->untyped_data());
-  for (auto [ptr, name] : {std::pair<const void*, const char*>{dst.untyped_data(), "dst_pool"},
-                           {src.untyped_data(), "src_pool"},
-                           {out_data, "result pool"}}) {
-    if (auto err = CheckReachable(ptr, name); err.failure()) return err;
-  }
   if (out_data != dst.untyped_data() && dst_blocks > 0) {  // XLA did not alias
     cudaError_t err = cudaMemcpyAsync(out_data, dst.untyped_data(), dst_blocks * g.block_bytes,
                                       cudaMemcpyDefault, stream);
@@ -220,7 +204,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
           src_blocks,
           dst_blocks,
           g};
-  if (num_pairs > 1) {
+  if (num_pairs > 1 && !unique_dst) {
     int32_t* first = superseded->typed_data();
     SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
     cudaError_t err = cudaGetLastError();
@@ -245,9 +229,10 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                                ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                                ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                               ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free) {
+                               ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                        bool unique_dst) {
   return BlockCopyCuda(stream, pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                       hazard_free);
+                       hazard_free, unique_dst);
 }
 
 }  // namespace
@@ -262,7 +247,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinCuda,
                                   .Ret<ffi::AnyBuffer>()         // new pool
                                   .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B]
                                   .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free"));   // no block is read and written
+                                  .Attr<bool>("hazard_free")     // no block is read and written
+                                  .Attr<bool>("unique_dst"));    // no block is written twice
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
                               ffi::Ffi::Bind()
@@ -275,7 +261,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
                                   .Ret<ffi::AnyBuffer>()         // new dst pool
                                   .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B]
                                   .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free"));   // no block is read and written
+                                  .Attr<bool>("hazard_free")     // no block is read and written
+                                  .Attr<bool>("unique_dst"));    // no block is written twice
 
 }  // namespace kvxfer
 

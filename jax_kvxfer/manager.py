@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .ops import _block_copy_call, _check_byte_rows, _hazard_free
+from .ops import _block_copy_call, _check_byte_rows, index_facts
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
@@ -50,24 +50,24 @@ class PendingTransfer:
 
 
 # One jitted dispatch per batch covers every pool: one custom call per pool, the destinations
-# donated so that each copy happens in place.
-def _copy_across_impl(dsts, srcs, src_idx, dst_idx, num_tokens):
-    return tuple(_block_copy_call(d, s, src_idx, dst_idx, num_tokens, hazard_free=True)
+# donated so that each copy happens in place. `plan` is [3, B]: source indices, destination
+# indices and token counts in one array, so a dispatch moves one small array to the device.
+def _copy_across_impl(dsts, srcs, plan, facts):
+    return tuple(_block_copy_call(d, s, plan[0], plan[1], plan[2], facts)
                  for d, s in zip(dsts, srcs))
 
 
-def _copy_within_impl(pools, src_idx, dst_idx, num_tokens, hazard_free):
-    return tuple(_block_copy_call(p, p, src_idx, dst_idx, num_tokens, hazard_free)
-                 for p in pools)
+def _copy_within_impl(pools, plan, facts):
+    return tuple(_block_copy_call(p, p, plan[0], plan[1], plan[2], facts) for p in pools)
 
 
-_copy_across = jax.jit(_copy_across_impl, donate_argnums=0)
-_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames="hazard_free")
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames="facts")
+_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames="facts")
 # The same without donation, for a destination that cannot be donated: on GPUs, reading a
 # pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
 # viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
-_copy_across_undonated = jax.jit(_copy_across_impl)
-_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames="hazard_free")
+_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames="facts")
+_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames="facts")
 
 
 class DonationWarning(UserWarning):
@@ -274,28 +274,28 @@ class KVCacheTransferManager:
         return runs
 
     def _dispatch(self, pairs: list[tuple[KVCacheBlock, KVCacheBlock]], tokens: list[int]) -> None:
-        size = _bucket(len(pairs))
-        src_idx = np.full(size, -1, np.int32)  # -1: padding pair, skipped by the kernel
-        dst_idx = np.full(size, -1, np.int32)
-        num_tokens = np.zeros(size, np.int32)
-        src_idx[: len(pairs)] = [s.memory_pool_block_index for s, _ in pairs]
-        dst_idx[: len(pairs)] = [d.memory_pool_block_index for _, d in pairs]
-        num_tokens[: len(pairs)] = tokens
+        n = len(pairs)
+        plan = np.full((3, _bucket(n)), -1, np.int32)  # -1: a padding pair, skipped
+        plan[0, :n] = [s.memory_pool_block_index for s, _ in pairs]
+        plan[1, :n] = [d.memory_pool_block_index for _, d in pairs]
+        plan[2, :n] = tokens
         src_primary, dst_primary = pairs[0][0].is_primary, pairs[0][1].is_primary
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
-            n = len(pairs)
-            hazard_free = _hazard_free(src_idx[:n], dst_idx[:n], dsts[0].shape[0], dsts[0].shape[0])
-            args = (dsts, src_idx, dst_idx, num_tokens)
-            kwargs = {"hazard_free": hazard_free}
+            facts = index_facts(plan[0, :n], plan[1, :n], dsts[0].shape[0], dsts[0].shape[0])
+            args = (dsts, plan)
             donated, undonated = _copy_within, _copy_within_undonated
         else:
             srcs = tuple(p.current(src_primary, "transfer") for p in self._pools)
-            args, kwargs = (dsts, srcs, src_idx, dst_idx, num_tokens), {}
+            # Source and destination are different arrays: only duplicate writes matter.
+            facts = index_facts(plan[0, :n], plan[1, :n], srcs[0].shape[0], dsts[0].shape[0])
+            facts = facts._replace(hazard_free=True)
+            args = (dsts, srcs, plan)
             donated, undonated = _copy_across, _copy_across_undonated
+        kwargs = {"facts": facts}
         try:
             results = donated(*args, **kwargs)
-        except jax.errors.JaxRuntimeError as e:
+        except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
             if "external reference" not in str(e):
                 raise
             warnings.warn(

@@ -8,10 +8,11 @@ the destination's sharding (and so its memory kind).
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -181,24 +182,36 @@ def _normalize_tokens(num_tokens: TokensLike, batch: int) -> jax.Array | np.ndar
     return tokens
 
 
-def _hazard_free(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
-                 dst_blocks: int) -> bool:
-    """True when no block is written by one pair and read by another (known indices only).
+class IndexFacts(NamedTuple):
+    """What known (non-traced) indices prove; the kernels skip work that is then not needed."""
 
-    Only matters when source and destination are one buffer; then a hazard makes the kernel
-    read all sources out first. Unknown (traced) indices count as a possible hazard.
+    hazard_free: bool = False  # no block is written by one pair and read by another
+    unique_dst: bool = False  # no two pairs write one block
+
+
+UNKNOWN = IndexFacts()
+
+
+def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
+                dst_blocks: int) -> IndexFacts:
+    """The facts of known indices; traced (None) indices prove nothing.
+
+    A hazard only matters when source and destination are one buffer: the kernel then reads
+    all sources out first. Without unique destinations the GPU kernel first scans for later
+    pairs writing the same block (so the last one wins).
     """
     if src is None or dst is None:
-        return False
-    valid = (src >= 0) & (src < src_blocks) & (dst >= 0) & (dst < dst_blocks)
-    writers: dict[int, set[int]] = {}
-    for pair in np.flatnonzero(valid):
-        writers.setdefault(int(dst[pair]), set()).add(int(pair))
-    return all(writers.get(int(src[pair]), {int(pair)}) == {int(pair)}
-               for pair in np.flatnonzero(valid))
+        return UNKNOWN
+    pairs = [(a, b) for a, b in zip(src.tolist(), dst.tolist())
+             if 0 <= a < src_blocks and 0 <= b < dst_blocks]
+    writers = collections.Counter(b for _, b in pairs)
+    unique_dst = len(writers) == len(pairs)
+    # A read is safe when no pair writes that block, or only the reading pair itself does.
+    hazard_free = all(writers[a] == 0 or (writers[a] == 1 and a == b) for a, b in pairs)
+    return IndexFacts(bool(hazard_free), bool(unique_dst))
 
 
-def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free: bool):
+def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts):
     """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool."""
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
@@ -208,7 +221,7 @@ def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free: 
     # scan), and room to stage every source block when a copy within one pool may read a
     # block that another pair writes.
     block_nbytes = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype) // 8
-    staging = batch * block_nbytes if within and not hazard_free else 0
+    staging = batch * block_nbytes if within and not facts.hazard_free else 0
     call = jax.ffi.ffi_call(
         _native.BLOCK_COPY_WITHIN_TARGET if within else _native.BLOCK_COPY_TARGET,
         (
@@ -221,18 +234,19 @@ def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, hazard_free: 
         vmap_method="sequential",
     )
     pools = (dst_pool,) if within else (dst_pool, src_pool)
-    return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(hazard_free))[0]
+    return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(facts.hazard_free),
+                unique_dst=np.bool_(facts.unique_dst))[0]
 
 
 @functools.lru_cache(maxsize=64)
-def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, hazard_free: bool):
+def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts):
     """A jitted op for calls made outside jit; the result keeps the destination's sharding."""
     if kind == "pool":
         def fn(dst, src, si, di, nt):
-            return _block_copy_call(dst, src, si, di, nt, hazard_free)
+            return _block_copy_call(dst, src, si, di, nt, facts)
     else:
         def fn(dst, src, si, di, nt):
-            return _block_copy_call(dst[None], src[None], si, di, nt, hazard_free)[0]
+            return _block_copy_call(dst[None], src[None], si, di, nt, facts)[0]
     return jax.jit(fn, out_shardings=out_sharding)
 
 
@@ -297,10 +311,10 @@ def copy_blocks(
     _check_in_range("src_indices", si_host, src_pool.shape[0], "src_pool")
     _check_in_range("dst_indices", di_host, dst_pool.shape[0], "dst_pool")
     _check_platform(dst_pool, src_pool)
-    hazard_free = _hazard_free(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
+    facts = index_facts(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
     if any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens)):
-        return _block_copy_call(dst_pool, src_pool, si, di, tokens, hazard_free)
-    return _eager_fn("pool", dst_pool.sharding, hazard_free)(dst_pool, src_pool, si, di, tokens)
+        return _block_copy_call(dst_pool, src_pool, si, di, tokens, facts)
+    return _eager_fn("pool", dst_pool.sharding, facts)(dst_pool, src_pool, si, di, tokens)
 
 
 def _may_be_partial(tokens: Any, tokens_per_block: int) -> bool:
@@ -339,6 +353,7 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
     _check_byte_rows(dst.shape, dst.dtype, _may_be_partial(tokens, dst.shape[3]))
     _check_platform(dst, src)
     zero = np.zeros(1, np.int32)
+    one_pair = IndexFacts(hazard_free=True, unique_dst=True)
     if any(_is_tracer(a) for a in (dst, src, tokens)):
-        return _block_copy_call(dst[None], src[None], zero, zero, tokens, True)[0]
-    return _eager_fn("block", dst.sharding, True)(dst, src, zero, zero, tokens)
+        return _block_copy_call(dst[None], src[None], zero, zero, tokens, one_pair)[0]
+    return _eager_fn("block", dst.sharding, one_pair)(dst, src, zero, zero, tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable
 
@@ -90,8 +91,11 @@ def run(model: ModelConfig, params: dict, workload: Workload, *, batch: int, chu
         jax.ShapeDtypeStruct((batch, max_blocks), np.int32),
         jax.ShapeDtypeStruct((batch,), np.int32)]
     step = make_step(model).lower(params, pool.primary, *shapes).compile()
+    t1 = time.perf_counter()
     _warm_up_transfers(bm, pool, min(primary_blocks, batch * max_blocks))
     compile_seconds = time.perf_counter() - t0
+    print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets {compile_seconds - t1 + t0:.1f} s",
+          file=sys.stderr)
 
     n_conv, n_turns = len(workload.user), len(workload.user[0])
     waves = [list(range(i, min(i + batch, n_conv))) for i in range(0, n_conv, batch)]

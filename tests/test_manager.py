@@ -228,7 +228,7 @@ def test_a_batch_is_one_copy_per_pool_and_matches_sequential_semantics(rng, monk
     calls = []
     real = manager_module._copy_across
     monkeypatch.setattr(manager_module, "_copy_across",
-                        lambda *a: calls.append(len(a[0])) or real(*a))
+                        lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
     pairs = [(P(0), S(0)), (P(1), S(1)), (P(2), S(0)), (P(4), S(3))]
     m.offload_blocks(pairs, num_tokens=[0, 2, 1, 9])
     assert calls == [len(pools)]  # one dispatch, one custom call per pool
