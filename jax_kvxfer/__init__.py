@@ -10,7 +10,7 @@ from ._native import HAS_CUDA_HANDLERS
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import copy_blocks, partial_block_copy
-from .pool import KVCacheBlock, KVCacheBlockPool
+from .pool import KVCacheBlock, KVCacheBlockPool, to_numpy
 
 __all__ = [
     "HAS_CUDA_HANDLERS",
@@ -26,5 +26,6 @@ __all__ = [
     "TransferStats",
     "copy_blocks",
     "partial_block_copy",
+    "to_numpy",
 ]
 __version__ = "0.1.0"

@@ -142,7 +142,7 @@ class KVCacheTransferManager:
         Raises:
           TypeError, ValueError, IndexError: bad blocks or num_tokens; nothing is copied.
         """
-        self._transfer("offload", [(block, offload_block)], [num_tokens])
+        self._transfer("offload", [(block, offload_block)], [_as_int("num_tokens", num_tokens)])
 
     def onboard(self, offload_block: KVCacheBlock, block: KVCacheBlock,
                 num_tokens: int = 0) -> None:
@@ -151,7 +151,7 @@ class KVCacheTransferManager:
         TensorRT-LLM: `KVCacheTransferManager::onboard` (an onboard from a primary block is
         the intra-device copy of partial reuse). Arguments and errors as for `offload`.
         """
-        self._transfer("onboard", [(offload_block, block)], [num_tokens])
+        self._transfer("onboard", [(offload_block, block)], [_as_int("num_tokens", num_tokens)])
 
     def offload_blocks(self, pairs: Sequence[tuple[KVCacheBlock, KVCacheBlock]],
                        num_tokens: None | int | Sequence[int] = None) -> None:
@@ -301,8 +301,8 @@ class KVCacheTransferManager:
             warnings.warn(
                 f"pool.{'primary' if dst_primary else 'secondary'} could not be updated in place "
                 "because a NumPy view of it exists (np.asarray on a host-memory array keeps "
-                "one); this transfer copied the whole pool instead.", DonationWarning,
-                stacklevel=4)
+                "one); this transfer copied the whole pool instead. Read pools with "
+                "jax_kvxfer.to_numpy.", DonationWarning, stacklevel=4)
             results = undonated(*args, **kwargs)
         for pool, result in zip(self._pools, results):
             if dst_primary:

@@ -104,7 +104,7 @@ def _check_byte_rows(block_shape: tuple[int, ...], dtype: Any, partial_possible:
         return
     if int(np.prod(block_shape)) * bits % 8:
         raise ValueError(
-            f"a {jnp.dtype(dtype).name} block of shape {tuple(block_shape)} is not a whole "
+            f"a block of {jnp.dtype(dtype).name} with shape {tuple(block_shape)} is not a whole "
             "number of bytes; use an even number of elements per block"
         )
     if partial_possible and block_shape[-1] * bits % 8:
@@ -117,9 +117,7 @@ def _check_byte_rows(block_shape: tuple[int, ...], dtype: Any, partial_possible:
 
 def _as_index_array(name: str, x: Any) -> jax.Array | np.ndarray:
     """An int32 vector from indices given as a list, NumPy or JAX array (traced or not)."""
-    if isinstance(x, jax.Array) and not _is_tracer(x):
-        arr = np.asarray(x)  # known values: checked on the host, like NumPy input
-    elif isinstance(x, (jax.Array, np.ndarray)):
+    if isinstance(x, (jax.Array, np.ndarray)):
         arr = x
     else:
         try:
@@ -132,6 +130,8 @@ def _as_index_array(name: str, x: Any) -> jax.Array | np.ndarray:
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
+    if isinstance(arr, jax.Array) and not _is_tracer(arr):
+        arr = np.asarray(arr)  # known values: checked on the host, like NumPy input
     if isinstance(arr, np.ndarray):
         info = np.iinfo(np.int32)
         if arr.size and (arr.min() < info.min or arr.max() > info.max):

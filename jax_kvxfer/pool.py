@@ -40,6 +40,17 @@ class KVCacheBlock:
         return (self.memory_pool_block_index, self.is_primary)
 
 
+def to_numpy(array: jax.Array) -> np.ndarray:
+    """A NumPy copy of a pool array that leaves the array donatable.
+
+    `np.asarray` on a `pinned_host` array makes JAX keep a NumPy view of it (on GPUs), and a
+    viewed array cannot be donated, so the next transfer into it would copy the whole pool.
+    Reading through a fresh device copy avoids that.
+    """
+    fresh = jax.device_put(array, array.sharding.with_memory_kind("device"), may_alias=False)
+    return np.array(fresh)  # writable, and no view of the fresh copy outlives this call
+
+
 def _sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
 

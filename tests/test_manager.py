@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,10 @@ def random_like(rng, array) -> np.ndarray:
 
 
 def snapshot(pools):
-    return [(np.asarray(p.primary).copy(),
-             None if p.secondary is None else np.asarray(p.secondary).copy()) for p in pools]
+    # kvx.to_numpy, not np.asarray: a NumPy view would make the pools undonatable on GPUs, and
+    # the tests would then exercise the copying fallback instead of the in-place path.
+    return [(kvx.to_numpy(p.primary),
+             None if p.secondary is None else kvx.to_numpy(p.secondary)) for p in pools]
 
 
 def assert_same(actual, expected):
@@ -369,7 +372,25 @@ def run_random_operations(seed: int, num_ops: int, manager=None, pools=None):
 
 
 def test_random_operations_match_a_numpy_shadow():
-    run_random_operations(seed=1234, num_ops=1500)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvx.DonationWarning)  # every transfer in place
+        run_random_operations(seed=1234, num_ops=1500)
+
+
+def test_a_pool_viewed_by_numpy_still_gets_the_transfer(rng):
+    pools = make_pools(rng)
+    old = snapshot(pools)
+    m = kvx.KVCacheTransferManager(pools)
+    views = [np.asarray(p.secondary) for p in pools]  # on GPUs this pins the buffers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.offload(P(1), S(3))
+        m.sync_transfers()
+    for pool, (prim, _) in zip(pools, old):
+        np.testing.assert_array_equal(kvx.to_numpy(pool.secondary)[3], prim[1])
+    on_gpu = jax.devices()[0].platform == "gpu"
+    assert any(w.category is kvx.DonationWarning for w in caught) == on_gpu
+    del views
 
 
 def test_two_threads_sharing_a_manager_keep_their_order(rng):

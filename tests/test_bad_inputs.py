@@ -1,0 +1,648 @@
+"""The bad-input matrix (issue 6, item 5): every bad input to the ops, the pools and the manager
+raises a clear exception of a known type and message, and leaves every pool unchanged.
+
+`CASES` is the single source of the table in docs/bad-inputs.md: `test_doc_table_is_current`
+fails when the two differ. Regenerate the doc with
+
+    python tests/test_bad_inputs.py
+
+Messages are written in full; `…` stands for a part that varies (a device name, a repr), and
+the test checks the pieces in order, anchored at both ends of the message.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvxfer as kvx
+from jax_kvxfer import limits
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
+BEGIN, END = "<!-- BEGIN bad-input table (generated) -->", "<!-- END bad-input table -->"
+
+# Bugs found by this matrix and not fixed yet: each such case states the behaviour it should
+# have and is a strict xfail until the fix lands (then delete its id here). The two this matrix
+# found (one pool passed twice; a non-bool is_primary) reached XLA as INVALID_ARGUMENT at
+# dispatch; both are fixed.
+KNOWN_BUGS: dict[str, str] = {}
+
+T = 4  # tokens per block
+BLOCK = (1, 2, 2, T, 4)  # [num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head]
+NUM_PRIMARY, NUM_SECONDARY = 6, 8
+
+
+def P(i: Any) -> kvx.KVCacheBlock:
+    return kvx.KVCacheBlock(block_id=100, memory_pool_block_index=i, is_primary=True)
+
+
+def S(i: Any) -> kvx.KVCacheBlock:
+    return kvx.KVCacheBlock(block_id=200, memory_pool_block_index=i, is_primary=False)
+
+
+def sharding(kind: str) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# the world each case starts from, and the check that it is unchanged afterwards
+
+
+class Ctx:
+    """Fresh random pools for one case: op operands and two pools of one manager."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.arrays: list[jax.Array] = []  # op operands that must stay intact
+        self.pools: list[kvx.KVCacheBlockPool] = []  # pools that must stay intact
+        self.managers: list[kvx.KVCacheTransferManager] = []
+        self.deleted_on_purpose: set[int] = set()
+        self.dst = self.array((6, *BLOCK), jnp.float32, "device")  # 6 blocks
+        self.src = self.array((5, *BLOCK), jnp.float32, "pinned_host")  # 5 blocks
+        self.pair = self.make_pools()
+        self.manager = self.make_manager(self.pair)
+
+    def array(self, shape, dtype, kind: str, track: bool = True) -> jax.Array:
+        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        if kind not in kinds:
+            pytest.skip(f"this device has no {kind} memory (it has {sorted(kinds)})")
+        dtype = jnp.dtype(dtype)
+        if dtype.itemsize == 1 and dtype.name in ("int4", "uint4"):
+            host = np.asarray(self.rng.integers(0, 8, shape), dtype=dtype)
+        else:
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            host = self.rng.integers(0, 256, nbytes, dtype=np.uint8).view(dtype).reshape(shape)
+        a = jax.device_put(host, sharding(kind))
+        if track:
+            self.arrays.append(a)
+        return a
+
+    def pool(self, *, dtype=jnp.float32, num_kv_heads=2, size_per_head=4, kv_factor=2,
+             tokens_per_block=T, num_primary_blocks=NUM_PRIMARY,
+             num_secondary_blocks=NUM_SECONDARY) -> kvx.KVCacheBlockPool:
+        pool = kvx.KVCacheBlockPool.create(
+            num_layers=1, num_kv_heads=num_kv_heads, size_per_head=size_per_head,
+            tokens_per_block=tokens_per_block, dtype=dtype, kv_factor=kv_factor,
+            num_primary_blocks=num_primary_blocks, num_secondary_blocks=num_secondary_blocks)
+        pool.primary = self.array(pool.primary.shape, dtype, "device", track=False)
+        if pool.secondary is not None:
+            pool.secondary = self.array(pool.secondary.shape, dtype, "pinned_host", track=False)
+        self.pools.append(pool)
+        return pool
+
+    def make_pools(self, **kw) -> list[kvx.KVCacheBlockPool]:
+        """Two pools of one manager: different head counts and dtypes."""
+        return [self.pool(dtype=jnp.float32, num_kv_heads=2, **kw),
+                self.pool(dtype=jnp.bfloat16, num_kv_heads=1, kv_factor=1, **kw)]
+
+    def make_manager(self, pools) -> kvx.KVCacheTransferManager:
+        m = kvx.KVCacheTransferManager(pools)
+        self.managers.append(m)
+        return m
+
+    def delete(self, array: jax.Array) -> None:
+        """Deletes an array the way donation does (the user did not assign the result back)."""
+        _donate(array)
+        if not array.is_deleted():  # a backend that ignored the donation
+            array.delete()
+        self.deleted_on_purpose.add(id(array))
+
+    def mislabeled_pinned_host(self, shape, dtype=jnp.float32) -> jax.Array:
+        """A pinned_host array whose JAX type says device memory (jax 0.10's jit bug)."""
+        x = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding("pinned_host"))()
+        space = getattr(jax.typeof(x), "memory_space", None)
+        if space is None or getattr(space, "name", "") == "Host":
+            pytest.skip("this JAX labels jit outputs in pinned_host correctly")
+        return x
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        gc.collect()
+        return {
+            "arrays": [(a, None if id(a) in self.deleted_on_purpose else np.asarray(a).copy())
+                       for a in self.arrays],
+            "pools": [(p, p.primary, p.secondary,
+                       None if p.primary.is_deleted() else np.asarray(p.primary).copy(),
+                       None if p.secondary is None or p.secondary.is_deleted()
+                       else np.asarray(p.secondary).copy()) for p in self.pools],
+            "live": len(jax.live_arrays()),
+        }
+
+    def assert_unchanged(self, snap: dict) -> None:
+        for m in self.managers:
+            assert not m.pending_transfers, "a failed call left pending transfers"
+            assert m.get_and_reset_transfer_stats() == kvx.TransferStats(), "stats moved"
+            m.sync_transfers()
+        for a, before in snap["arrays"]:
+            if before is None:
+                continue
+            assert not a.is_deleted(), "an operand was consumed by a failed call"
+            assert_bitwise(a, before, "operand")
+        for pool, prim, sec, prim_before, sec_before in snap["pools"]:
+            assert pool.primary is prim and pool.secondary is sec, "a pool array was replaced"
+            if prim_before is not None:
+                assert_bitwise(pool.primary, prim_before, "pool.primary")
+            if sec_before is not None:
+                assert_bitwise(pool.secondary, sec_before, "pool.secondary")
+        gc.collect()
+        assert len(jax.live_arrays()) <= snap["live"], "a failed call left arrays alive"
+
+
+_donate = jax.jit(lambda a: a, donate_argnums=0)
+
+
+def assert_bitwise(actual: jax.Array, expected: np.ndarray, what: str) -> None:
+    a = np.ascontiguousarray(np.asarray(actual))
+    assert a.shape == expected.shape and a.dtype == expected.dtype, what
+    assert np.array_equal(a.view(np.uint8), np.ascontiguousarray(expected).view(np.uint8)), (
+        f"{what} changed")
+
+
+def message_matches(message: str, pattern: str) -> bool:
+    """`pattern` is the whole message, with `…` for parts that vary."""
+    regex = ".*".join(re.escape(piece) for piece in pattern.split("…"))
+    return re.fullmatch(regex, message, flags=re.DOTALL) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# the matrix
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    api: str  # what is called
+    bad: str  # the bad input, in words
+    error: type[BaseException]
+    message: str  # the whole message; … marks a part that varies
+    setup: Callable[[Ctx, pytest.MonkeyPatch], Callable[[], Any]]  # returns the failing call
+    gpu_only: bool = False
+
+
+def _copy(ctx: Ctx, dst=None, src=None, si=(0,), di=(1,), nt=None):
+    dst = ctx.dst if dst is None else dst
+    src = ctx.src if src is None else src
+    return lambda: kvx.copy_blocks(dst, src, si, di, nt)
+
+
+def _jit_copy(ctx: Ctx, dst, src, si=(0,), di=(1,), nt=None):
+    """copy_blocks inside jax.jit: indices and token counts traced."""
+    si, di = np.int32(si), np.int32(di)
+    return lambda: jax.jit(kvx.copy_blocks)(dst, src, si, di, nt)
+
+
+def _traced_int2_copy():
+    """int2 pools, traced only: no backend has to hold a 2-bit array for this check."""
+    pool = jax.ShapeDtypeStruct((2, *BLOCK), jnp.int2)
+    return lambda: jax.eval_shape(lambda d, s: kvx.copy_blocks(d, s, [0], [1]), pool, pool)
+
+
+def _int4_pools(ctx: Ctx, size_per_head: int):
+    dst = ctx.array((2, 1, 2, 1, T, size_per_head), jnp.int4, "device")
+    src = ctx.array((2, 1, 2, 1, T, size_per_head), jnp.int4, "pinned_host")
+    return dst, src
+
+
+def _odd_int4_manager(ctx: Ctx):
+    m = ctx.make_manager([ctx.pool(dtype=jnp.int4, size_per_head=3)])
+    return lambda: m.offload(P(0), S(0), num_tokens=1)
+
+
+def _no_secondary_manager(ctx: Ctx, verb: str):
+    m = ctx.make_manager(ctx.make_pools(num_secondary_blocks=0))
+    if verb == "offload":
+        return lambda: m.offload(P(0), S(0))
+    return lambda: m.onboard(S(0), P(1))
+
+
+def _donated_primary(ctx: Ctx):
+    ctx.delete(ctx.pair[1].primary)
+    return lambda: ctx.manager.offload(P(0), S(1))
+
+
+def _deleted_secondary(ctx: Ctx):
+    ctx.delete(ctx.pair[0].secondary)
+    return lambda: ctx.manager.onboard(S(0), P(1))
+
+
+def _disagreeing_pools(ctx: Ctx, **kw):
+    a, b = ctx.pool(), ctx.pool(**kw)
+    return lambda: kvx.KVCacheTransferManager([a, b])
+
+
+def _assign(pool: kvx.KVCacheBlockPool, name: str, value: Any):
+    return lambda: setattr(pool, name, value)
+
+
+def _assign_deleted(ctx: Ctx):
+    array = ctx.array((NUM_PRIMARY, *BLOCK), jnp.float32, "device", track=False)
+    ctx.delete(array)
+    return _assign(ctx.pair[0], "primary", array)
+
+
+def _copy_deleted(ctx: Ctx):
+    ctx.delete(ctx.dst)
+    return _copy(ctx)
+
+
+def _too_big_for_device(ctx: Ctx, mp: pytest.MonkeyPatch):
+    mp.setattr(limits, "free_device_bytes", lambda device: 2**30)  # 1 GiB free
+    return lambda: kvx.KVCacheBlockPool.create(
+        num_layers=32, num_kv_heads=8, size_per_head=128, tokens_per_block=32,
+        dtype=jnp.bfloat16, num_primary_blocks=512, num_secondary_blocks=0)  # 2 GiB
+
+
+def _too_big_for_pinned_host(ctx: Ctx, mp: pytest.MonkeyPatch):
+    mp.setattr(limits, "pinned_host_limit_bytes", lambda device: 2**30)  # 1 GiB limit
+    return lambda: kvx.KVCacheBlockPool.create(
+        num_layers=32, num_kv_heads=8, size_per_head=128, tokens_per_block=32,
+        dtype=jnp.bfloat16, num_primary_blocks=1, num_secondary_blocks=512)  # 2 GiB
+
+
+def _too_big_for_this_gpu(ctx: Ctx, mp: pytest.MonkeyPatch):
+    return lambda: kvx.KVCacheBlockPool.create(
+        num_layers=80, num_kv_heads=8, size_per_head=128, tokens_per_block=64,
+        dtype=jnp.bfloat16, num_primary_blocks=100_000, num_secondary_blocks=0)  # 1.9 TiB
+
+
+POOL_SHAPE = f"[{NUM_PRIMARY}, {', '.join(map(str, BLOCK))}]"
+SEC_SHAPE = f"[{NUM_SECONDARY}, {', '.join(map(str, BLOCK))}]"
+TOKENS_TYPE = "num_tokens must be None, an int or a sequence of ints, got "
+
+CASES: list[Case] = [
+    # -- ops: copy_blocks / partial_block_copy ---------------------------------------------
+    Case("ops-dtype", "copy_blocks", "src_pool of another dtype (bfloat16 into float32)",
+         TypeError, "src_pool has dtype bfloat16, expected dst_pool's float32",
+         lambda c, mp: _copy(c, src=c.array((5, *BLOCK), jnp.bfloat16, "pinned_host"))),
+    Case("ops-block-shape", "copy_blocks", "src_pool with another block shape (3 heads, not 2)",
+         ValueError, "src_pool has block shape (1, 2, 3, 4, 4), expected dst_pool's "
+         "(1, 2, 2, 4, 4)",
+         lambda c, mp: _copy(c, src=c.array((5, 1, 2, 3, T, 4), jnp.float32, "pinned_host"))),
+    Case("ops-rank", "copy_blocks", "a 5-D array (one block) as dst_pool", ValueError,
+         "dst_pool must be a 6-D pool [num_blocks, num_layers, kv_factor, num_kv_heads, "
+         "tokens_per_block, size_per_head], got shape (1, 2, 2, 4, 4)",
+         lambda c, mp: _copy(c, dst=c.array(BLOCK, jnp.float32, "device"))),
+    Case("ops-partial-rank", "partial_block_copy", "6-D pools instead of 5-D blocks",
+         ValueError, "dst must be a 5-D block [num_layers, kv_factor, num_kv_heads, "
+         "tokens_per_block, size_per_head], got shape (6, 1, 2, 2, 4, 4)",
+         lambda c, mp: lambda: kvx.partial_block_copy(c.dst, c.dst, 2)),
+    Case("ops-not-an-array", "copy_blocks", "a NumPy array as dst_pool", TypeError,
+         "dst_pool must be a jax.Array, got ndarray",
+         lambda c, mp: _copy(c, dst=np.zeros((6, *BLOCK), np.float32))),
+    Case("ops-unpinned-host", "copy_blocks", "src_pool in memory kind unpinned_host",
+         ValueError, "src_pool must live in memory kind 'device' or 'pinned_host', got "
+         "'unpinned_host'",
+         lambda c, mp: _copy(c, src=c.array((5, *BLOCK), jnp.float32, "unpinned_host"))),
+    Case("ops-mislabeled-pinned-host", "copy_blocks",
+         "a pinned_host array whose JAX type says device memory (jax 0.10: made by "
+         "`jax.jit(f, out_shardings=<pinned_host>)`)", ValueError,
+         "dst_pool is in pinned_host memory but its JAX type says …: this JAX version mislabels "
+         "arrays made by jax.jit(..., out_shardings=<pinned_host sharding>); make them with "
+         "jax.device_put(x, <pinned_host sharding>) or return them from a jitted function "
+         "whose input was already in pinned_host",
+         lambda c, mp: _copy(c, dst=c.mislabeled_pinned_host((6, *BLOCK)))),
+    Case("ops-deleted", "copy_blocks", "a dst_pool already donated to another jitted call",
+         ValueError, "dst_pool has been deleted (was it donated to a jitted function?)",
+         lambda c, mp: _copy_deleted(c)),
+    Case("ops-dst-index-out-of-range", "copy_blocks", "dst index 6 into a 6-block pool (known)",
+         IndexError, "dst_indices holds block index 6, but dst_pool has 6 blocks (valid: "
+         "0..num_blocks-1, or negative to skip the pair)",
+         lambda c, mp: _copy(c, si=[0], di=[6])),
+    Case("ops-src-index-out-of-range", "copy_blocks", "src index 5 of a 5-block pool (known)",
+         IndexError, "src_indices holds block index 5, but src_pool has 5 blocks (valid: "
+         "0..num_blocks-1, or negative to skip the pair)",
+         lambda c, mp: _copy(c, si=np.array([0, 5]), di=np.array([1, 2]))),
+    Case("ops-index-beyond-int32", "copy_blocks", "an index of 2**40", IndexError,
+         "src_indices holds values outside int32: min 1099511627776, max 1099511627776",
+         lambda c, mp: _copy(c, si=[2**40])),
+    Case("ops-index-float", "copy_blocks", "float indices ([1.5])", TypeError,
+         "src_indices must hold integers, got dtype float64",
+         lambda c, mp: _copy(c, si=[1.5])),
+    Case("ops-index-jax-float", "copy_blocks", "a float jax.Array of indices", TypeError,
+         "dst_indices must hold integers, got dtype float32",
+         lambda c, mp: _copy(c, di=jnp.array([1.0]))),
+    Case("ops-traced-index-float", "copy_blocks (in jax.jit)", "traced float indices",
+         TypeError, "src_indices must hold integers, got dtype float32",
+         lambda c, mp: lambda: jax.jit(kvx.copy_blocks)(c.dst, c.src, jnp.array([1.0]),
+                                                        jnp.array([1]))),
+    Case("ops-index-bool", "copy_blocks", "boolean indices ([True])", TypeError,
+         "src_indices must hold integers, got dtype bool",
+         lambda c, mp: _copy(c, si=[True])),
+    Case("ops-index-str", "copy_blocks", "string indices (['0'])", TypeError,
+         "src_indices must hold integers, got dtype <U1",
+         lambda c, mp: _copy(c, si=["0"])),
+    Case("ops-index-2d", "copy_blocks", "2-D indices ([[0]])", ValueError,
+         "src_indices must be 1-D, got shape (1, 1)",
+         lambda c, mp: _copy(c, si=[[0]])),
+    Case("ops-index-lengths", "copy_blocks", "src and dst index vectors of different lengths",
+         ValueError, "src_indices has length 2 but dst_indices has length 1",
+         lambda c, mp: _copy(c, si=[0, 1], di=[2])),
+    Case("ops-num-tokens-float", "copy_blocks", "num_tokens=1.5", TypeError,
+         "num_tokens must hold integers, got dtype float64",
+         lambda c, mp: _copy(c, nt=1.5)),
+    Case("ops-num-tokens-bool", "copy_blocks", "num_tokens=True", TypeError,
+         "num_tokens must be an integer, got True",
+         lambda c, mp: _copy(c, nt=True)),
+    Case("ops-num-tokens-str", "copy_blocks", "num_tokens='2'", TypeError,
+         "num_tokens must hold integers, got dtype <U1",
+         lambda c, mp: _copy(c, nt="2")),
+    Case("ops-num-tokens-length", "copy_blocks", "two token counts for one pair", ValueError,
+         "num_tokens has length 2, expected 1 (one per pair)",
+         lambda c, mp: _copy(c, nt=[1, 2])),
+    Case("ops-partial-num-tokens-list", "partial_block_copy", "num_tokens=[1] (not a scalar)",
+         TypeError, "num_tokens must be an int or an integer scalar array, got [1]",
+         lambda c, mp: lambda: kvx.partial_block_copy(c.dst[0], c.dst[1], [1])),
+    Case("ops-partial-num-tokens-float", "partial_block_copy", "num_tokens=2.0", TypeError,
+         "num_tokens must be an int or an integer scalar array, got 2.0",
+         lambda c, mp: lambda: kvx.partial_block_copy(c.dst[0], c.dst[1], 2.0)),
+    Case("ops-sub-byte-odd-partial", "copy_blocks",
+         "partial copy of int4 with odd size_per_head (3)", ValueError,
+         "partial copies of int4 need an even size_per_head (a token row must be a whole "
+         "number of bytes), got size_per_head=3; copy whole blocks (num_tokens=None) instead",
+         lambda c, mp: _copy(c, *_int4_pools(c, 3), si=[0], di=[1], nt=[1])),
+    Case("ops-sub-byte-odd-traced-tokens", "copy_blocks (in jax.jit)",
+         "traced num_tokens (maybe partial) on int4 with odd size_per_head", ValueError,
+         "partial copies of int4 need an even size_per_head (a token row must be a whole "
+         "number of bytes), got size_per_head=3; copy whole blocks (num_tokens=None) instead",
+         lambda c, mp: _jit_copy(c, *_int4_pools(c, 3), nt=np.int32([0]))),
+    Case("ops-sub-byte-odd-block", "copy_blocks",
+         "int4 blocks of an odd number of elements (1x1x1x1x3)", ValueError,
+         "a block of int4 with shape (1, 1, 1, 1, 3) is not a whole number of bytes; use an even "
+         "number of elements per block",
+         lambda c, mp: _copy(c, c.array((2, 1, 1, 1, 1, 3), jnp.int4, "device"),
+                             c.array((2, 1, 1, 1, 1, 3), jnp.int4, "device"))),
+    Case("ops-unsupported-dtype", "copy_blocks (traced)", "2-bit pools (int2)", TypeError,
+         "dtype int2 is not supported: only 4-bit sub-byte types are",
+         lambda c, mp: _traced_int2_copy()),
+    # -- pools: KVCacheBlockPool.create and assignment ---------------------------------------
+    Case("pool-bad-geometry", "KVCacheBlockPool.create", "num_layers=0", ValueError,
+         "num_layers must be an integer >= 1, got 0",
+         lambda c, mp: lambda: kvx.KVCacheBlockPool.create(
+             num_layers=0, num_kv_heads=1, size_per_head=2, tokens_per_block=2,
+             dtype=jnp.float32, num_primary_blocks=2, num_secondary_blocks=1)),
+    Case("pool-not-a-dtype", "KVCacheBlockPool.create", "dtype='foo'", TypeError,
+         "dtype must be a JAX dtype, got 'foo'",
+         lambda c, mp: lambda: c.pool(dtype="foo")),
+    Case("pool-unsupported-dtype", "KVCacheBlockPool.create", "dtype=int2", TypeError,
+         "dtype int2 is not supported: only 4-bit sub-byte types are",
+         lambda c, mp: lambda: c.pool(dtype=jnp.int2)),
+    Case("pool-odd-sub-byte-block", "KVCacheBlockPool.create",
+         "int4 blocks of an odd number of elements", ValueError,
+         "a block of int4 with shape (1, 1, 1, 3, 3) is not a whole number of bytes; use an even "
+         "number of elements per block",
+         lambda c, mp: lambda: c.pool(dtype=jnp.int4, num_kv_heads=1, kv_factor=1,
+                                      tokens_per_block=3, size_per_head=3)),
+    Case("pool-larger-than-free-device-memory", "KVCacheBlockPool.create",
+         "a 2 GiB primary pool with 1 GiB of device memory free (simulated)", MemoryError,
+         "primary pool (512, 32, 2, 8, 32, 128) needs 2.00 GiB but … has 1.00 GiB free; use "
+         "fewer blocks, or give XLA more of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)",
+         _too_big_for_device),
+    Case("pool-larger-than-this-gpu", "KVCacheBlockPool.create",
+         "a 1.9 TiB primary pool, against the device's real free memory", MemoryError,
+         "primary pool (100000, 80, 2, 8, 64, 128) needs 1953.12 GiB but … GiB free; use "
+         "fewer blocks, or give XLA more of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)",
+         _too_big_for_this_gpu, gpu_only=True),
+    Case("pool-larger-than-pinned-host-limit", "KVCacheBlockPool.create",
+         "a 2 GiB secondary pool over a 1 GiB pinned-host limit (simulated)", MemoryError,
+         "secondary pool (512, 32, 2, 8, 32, 128) needs 2.00 GiB of pinned host memory, over "
+         "XLA's limit of 1.00 GiB; raise it with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> (set "
+         "before JAX starts) or use fewer secondary blocks",
+         _too_big_for_pinned_host),
+    Case("pool-assign-wrong-shape", "pool.primary = …", "an array of another shape",
+         ValueError, f"pool.primary must be float32{POOL_SHAPE}, got float32[2, 2]",
+         lambda c, mp: _assign(c.pair[0], "primary", c.array((2, 2), jnp.float32, "device"))),
+    Case("pool-assign-wrong-dtype", "pool.primary = …", "an array of another dtype",
+         ValueError, f"pool.primary must be float32{POOL_SHAPE}, got bfloat16{POOL_SHAPE}",
+         lambda c, mp: _assign(c.pair[0], "primary",
+                               c.array((NUM_PRIMARY, *BLOCK), jnp.bfloat16, "device"))),
+    Case("pool-assign-wrong-memory-kind", "pool.secondary = …", "a device array", ValueError,
+         "pool.secondary must live in memory kind 'pinned_host', got 'device'",
+         lambda c, mp: _assign(c.pair[0], "secondary",
+                               c.array((NUM_SECONDARY, *BLOCK), jnp.float32, "device"))),
+    Case("pool-assign-unpinned-host", "pool.secondary = …", "an unpinned_host array",
+         ValueError, "pool.secondary must live in memory kind 'pinned_host', got 'unpinned_host'",
+         lambda c, mp: _assign(c.pair[0], "secondary",
+                               c.array((NUM_SECONDARY, *BLOCK), jnp.float32, "unpinned_host"))),
+    Case("pool-assign-mislabeled-pinned-host", "pool.secondary = …",
+         "a pinned_host array whose JAX type says device memory (jax 0.10)", ValueError,
+         "pool.secondary is in pinned_host memory but its JAX type says …: this JAX version "
+         "mislabels arrays made by jax.jit(..., out_shardings=<pinned_host sharding>); make "
+         "them with jax.device_put(x, <pinned_host sharding>) or return them from a jitted "
+         "function whose input was already in pinned_host",
+         lambda c, mp: _assign(c.pair[0], "secondary",
+                               c.mislabeled_pinned_host((NUM_SECONDARY, *BLOCK)))),
+    Case("pool-assign-deleted", "pool.primary = …", "a deleted (donated) array", ValueError,
+         "pool.primary: the array has been deleted (donated?)",
+         lambda c, mp: _assign_deleted(c)),
+    Case("pool-assign-numpy", "pool.primary = …", "a NumPy array", TypeError,
+         "pool.primary must be a concrete jax.Array, got ndarray",
+         lambda c, mp: _assign(c.pair[0], "primary", np.zeros((NUM_PRIMARY, *BLOCK)))),
+    Case("pool-assign-secondary-of-size-0", "pool.secondary = …",
+         "any array, on a pool with 0 secondary blocks", ValueError,
+         "secondary: this pool has 0 secondary blocks; nothing can be assigned",
+         lambda c, mp: _assign(c.pool(num_secondary_blocks=0), "secondary", c.src)),
+    # -- the manager ---------------------------------------------------------------------------
+    Case("manager-primary-index-out-of-range", "offload", "primary block index 6 of 6",
+         IndexError, "pairs[0] src has memory_pool_block_index 6, outside the primary pool's 0..5",
+         lambda c, mp: lambda: c.manager.offload(P(6), S(0))),
+    Case("manager-secondary-index-out-of-range", "offload", "secondary block index 8 of 8",
+         IndexError, "pairs[0] dst has memory_pool_block_index 8, outside the secondary pool's "
+         "0..7",
+         lambda c, mp: lambda: c.manager.offload(P(0), S(8))),
+    Case("manager-negative-index", "onboard", "block index -1", IndexError,
+         "pairs[0] dst has memory_pool_block_index -1, outside the primary pool's 0..5",
+         lambda c, mp: lambda: c.manager.onboard(S(0), P(-1))),
+    Case("manager-later-pair-bad", "offload_blocks",
+         "a batch whose second pair is out of range (the first is valid)", IndexError,
+         "pairs[1] dst has memory_pool_block_index 99, outside the secondary pool's 0..7",
+         lambda c, mp: lambda: c.manager.offload_blocks([(P(0), S(0)), (P(1), S(99))])),
+    Case("block-index-float", "KVCacheBlock(...)", "memory_pool_block_index=1.0", TypeError,
+         "KVCacheBlock.memory_pool_block_index must be an integer, got 1.0",
+         lambda c, mp: lambda: c.manager.offload(P(1.0), S(0))),
+    Case("block-id-str", "KVCacheBlock(...)", "block_id='7'", TypeError,
+         "KVCacheBlock.block_id must be an integer, got '7'",
+         lambda c, mp: lambda: kvx.KVCacheBlock(block_id="7", memory_pool_block_index=0,
+                                                is_primary=True)),
+    Case("manager-not-a-block", "offload", "a tuple instead of a KVCacheBlock", TypeError,
+         "pairs[0] dst must be a KVCacheBlock, got (0, False)",
+         lambda c, mp: lambda: c.manager.offload(P(0), (0, False))),
+    Case("block-is-primary-not-bool", "KVCacheBlock(...)", "is_primary='yes'", TypeError,
+         "KVCacheBlock.is_primary must be a bool, got 'yes'",
+         lambda c, mp: lambda: c.manager.onboard(
+             kvx.KVCacheBlock(block_id=1, memory_pool_block_index=0, is_primary="yes"), P(1))),
+    Case("block-is-primary-none", "KVCacheBlock(...)", "is_primary=None", TypeError,
+         "KVCacheBlock.is_primary must be a bool, got None",
+         lambda c, mp: lambda: kvx.KVCacheBlock(block_id=1, memory_pool_block_index=0,
+                                                is_primary=None)),
+    Case("manager-pair-length", "offload_blocks", "a 1-tuple as a pair", ValueError,
+         "pairs[0] must be a (src_block, dst_block) tuple, got (KVCacheBlock(…),)",
+         lambda c, mp: lambda: c.manager.offload_blocks([(P(0),)])),
+    Case("manager-pairs-not-a-sequence", "onboard_blocks", "pairs=None", TypeError,
+         "pairs must be a sequence of (src_block, dst_block) tuples",
+         lambda c, mp: lambda: c.manager.onboard_blocks(None)),
+    Case("manager-num-tokens-float", "offload", "num_tokens=1.5", TypeError,
+         "num_tokens must be an integer, got 1.5",
+         lambda c, mp: lambda: c.manager.offload(P(0), S(0), 1.5)),
+    Case("manager-num-tokens-bool", "offload", "num_tokens=True", TypeError,
+         "num_tokens must be an integer, got True",
+         lambda c, mp: lambda: c.manager.offload(P(0), S(0), True)),
+    Case("manager-num-tokens-str", "onboard", "num_tokens='2'", TypeError,
+         "num_tokens must be an integer, got '2'",
+         lambda c, mp: lambda: c.manager.onboard(S(0), P(0), "2")),
+    Case("manager-batch-num-tokens-float", "offload_blocks", "num_tokens=1.5 for a batch",
+         TypeError, TOKENS_TYPE + "1.5",
+         lambda c, mp: lambda: c.manager.offload_blocks([(P(0), S(0))], 1.5)),
+    Case("manager-batch-num-tokens-str", "onboard_blocks", "num_tokens='2' for a batch",
+         TypeError, TOKENS_TYPE + "'2'",
+         lambda c, mp: lambda: c.manager.onboard_blocks([(S(0), P(0))], "2")),
+    Case("manager-num-tokens-jax-array", "offload_blocks",
+         "num_tokens as a jax.Array (host ints expected)", TypeError,
+         TOKENS_TYPE + "Array([1], dtype=int32)",
+         lambda c, mp: lambda: c.manager.offload_blocks([(P(0), S(0))], jnp.array([1]))),
+    Case("manager-num-tokens-float-entry", "offload_blocks", "num_tokens=[1.0]", TypeError,
+         "num_tokens[0] must be an integer, got 1.0",
+         lambda c, mp: lambda: c.manager.offload_blocks([(P(0), S(0))], [1.0])),
+    Case("manager-num-tokens-length", "offload_blocks", "two token counts for one pair",
+         ValueError, "num_tokens has 2 entries for 1 pairs",
+         lambda c, mp: lambda: c.manager.offload_blocks([(P(0), S(0))], [1, 2])),
+    Case("manager-secondary-of-size-0", "offload",
+         "an offload into pools with 0 secondary blocks", ValueError,
+         "pairs[0] dst is a secondary block, but the pools have 0 secondary blocks",
+         lambda c, mp: _no_secondary_manager(c, "offload")),
+    Case("manager-onboard-from-size-0", "onboard",
+         "an onboard from pools with 0 secondary blocks", ValueError,
+         "pairs[0] src is a secondary block, but the pools have 0 secondary blocks",
+         lambda c, mp: _no_secondary_manager(c, "onboard")),
+    Case("manager-donated-primary", "offload",
+         "pool.primary donated to the user's jitted step, result not assigned back", ValueError,
+         "offload: pool.primary has been deleted — it was donated to a jitted function; "
+         "assign the function's result back to pool.primary",
+         lambda c, mp: _donated_primary(c)),
+    Case("manager-deleted-secondary", "onboard", "pool.secondary deleted", ValueError,
+         "onboard: pool.secondary has been deleted — it was donated to a jitted function; "
+         "assign the function's result back to pool.secondary",
+         lambda c, mp: _deleted_secondary(c)),
+    Case("manager-sub-byte-odd-partial", "offload",
+         "partial offload of an int4 pool with odd size_per_head (3)", ValueError,
+         "partial copies of int4 need an even size_per_head (a token row must be a whole "
+         "number of bytes), got size_per_head=3; copy whole blocks (num_tokens=None) instead",
+         lambda c, mp: _odd_int4_manager(c)),
+    Case("manager-pools-disagree-tokens", "KVCacheTransferManager",
+         "pools with 4 and 8 tokens per block", ValueError,
+         "pools[1].tokens_per_block is 8, but pools[0].tokens_per_block is 4: the pools of one "
+         "manager must agree on it",
+         lambda c, mp: _disagreeing_pools(c, tokens_per_block=8)),
+    Case("manager-pools-disagree-primary", "KVCacheTransferManager",
+         "pools with 6 and 5 primary blocks", ValueError,
+         "pools[1].num_primary_blocks is 5, but pools[0].num_primary_blocks is 6: the pools of "
+         "one manager must agree on it",
+         lambda c, mp: _disagreeing_pools(c, num_primary_blocks=5)),
+    Case("manager-pools-disagree-secondary", "KVCacheTransferManager",
+         "pools with 8 and 0 secondary blocks", ValueError,
+         "pools[1].num_secondary_blocks is 0, but pools[0].num_secondary_blocks is 8: the "
+         "pools of one manager must agree on it",
+         lambda c, mp: _disagreeing_pools(c, num_secondary_blocks=0)),
+    Case("manager-same-pool-twice", "KVCacheTransferManager", "one pool passed twice",
+         ValueError, "pools holds the same KVCacheBlockPool twice; pass each pool once",
+         lambda c, mp: lambda: kvx.KVCacheTransferManager(c.pair[:1] * 2).offload(P(0), S(0))),
+    Case("manager-no-pools", "KVCacheTransferManager", "an empty list", ValueError,
+         "pools must hold at least one KVCacheBlockPool",
+         lambda c, mp: lambda: kvx.KVCacheTransferManager([])),
+    Case("manager-not-a-pool", "KVCacheTransferManager", "a string among the pools",
+         TypeError, "pools[1] must be a KVCacheBlockPool, got str",
+         lambda c, mp: lambda: kvx.KVCacheTransferManager([c.pair[0], "pool"])),
+]
+
+
+def _params():
+    for case in CASES:
+        marks = []
+        if case.id in KNOWN_BUGS:
+            marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[case.id]))
+        if case.gpu_only:
+            marks.append(pytest.mark.skipif(
+                limits.free_device_bytes(jax.devices()[0]) is None,
+                reason="this backend reports no free-memory figure (a GPU does)"))
+        yield pytest.param(case, id=case.id, marks=marks)
+
+
+@pytest.mark.parametrize("case", _params())
+def test_bad_input(case: Case, monkeypatch: pytest.MonkeyPatch):
+    ctx = Ctx(seed=sum(map(ord, case.id)))
+    call = case.setup(ctx, monkeypatch)
+    snap = ctx.snapshot()
+    error: BaseException | None = None
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the type is asserted below
+        error = e
+    assert error is not None, f"{case.id}: no exception"
+    got = f"{type(error).__name__}: {error}"
+    del error  # drops the traceback and whatever its frames hold
+    assert got.split(":", 1)[0] == case.error.__name__, f"{case.id}: got {got}"
+    assert message_matches(got.split(": ", 1)[1], case.message), (
+        f"{case.id}: message\n  {got}\ndoes not match\n  {case.message}")
+    ctx.assert_unchanged(snap)
+
+
+def test_case_ids_are_unique_and_known_bugs_exist():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+    assert set(KNOWN_BUGS) <= set(ids)
+
+
+def test_message_matcher():
+    assert message_matches("a b c", "a b c")
+    assert message_matches("a XX c", "a … c")
+    assert not message_matches("a b c d", "a b c")
+    assert not message_matches("x a b c", "a b c")
+
+
+# ---------------------------------------------------------------------------------------------
+# the doc table, generated from CASES
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_table() -> str:
+    lines = ["| id | called | bad input | exception | message (… varies) |",
+             "| --- | --- | --- | --- | --- |"]
+    for c in CASES:
+        note = " (where the backend reports free memory: GPUs)" if c.gpu_only else ""
+        bug = " **(bug: fix proposed, test xfails)**" if c.id in KNOWN_BUGS else ""
+        lines.append(f"| `{c.id}` | `{_cell(c.api)}` | {_cell(c.bad)}{note}{bug} | "
+                     f"`{c.error.__name__}` | `{_cell(c.message)}` |")
+    return "\n".join(lines)
+
+
+def render_doc(current: str) -> str:
+    head, rest = current.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{render_table()}\n{END}{tail}"
+
+
+def test_doc_table_is_current():
+    text = DOC.read_text(encoding="utf-8")
+    assert BEGIN in text and END in text, f"{DOC} lost its table markers"
+    assert render_doc(text) == text, (
+        f"{DOC.name} differs from CASES in tests/test_bad_inputs.py: run "
+        "`python tests/test_bad_inputs.py` to regenerate it")
+
+
+if __name__ == "__main__":
+    DOC.write_text(render_doc(DOC.read_text(encoding="utf-8")), encoding="utf-8")
+    print(f"wrote {DOC} ({len(CASES)} cases)")
+    sys.exit(0)
