@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .ops import _block_copy_call, _check_byte_rows, index_facts
+from .ops import IndexFacts, _block_copy_call, _check_byte_rows, index_facts
+from .batch import PairBatch, check_pairs, check_tokens, split_runs
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
@@ -117,7 +118,9 @@ class KVCacheTransferManager:
                         f"{getattr(first, field)}: the pools of one manager must agree on it"
                     )
         self._lock = threading.RLock()
-        self._pending: dict[Slot, list] = {}  # slot -> [reads, writes, [op, ...]]
+        # Batches issued since the last sync; `pending_transfers` is derived from them only
+        # when asked, which keeps that bookkeeping off every transfer's path.
+        self._issued: list[tuple[str, PairBatch]] = []
         self._stats = TransferStats()
         # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
@@ -176,7 +179,7 @@ class KVCacheTransferManager:
         with self._lock:
             arrays = [a for p in self._pools for a in (p.primary, p.secondary) if a is not None]
             jax.block_until_ready([a for a in arrays if not a.is_deleted()])
-            self._pending.clear()
+            self._issued.clear()
 
     @property
     def pending_transfers(self) -> Mapping[Slot, PendingTransfer]:
@@ -186,9 +189,17 @@ class KVCacheTransferManager:
         offloaded into one secondary slot race. A read-only snapshot.
         """
         with self._lock:
+            records: dict[Slot, list] = {}  # slot -> [reads, writes, [op, ...]]
+            for op, batch in self._issued:
+                for i in range(len(batch)):
+                    for slot, kind in (((int(batch.src[i]), bool(batch.src_primary[i])), 0),
+                                       ((int(batch.dst[i]), bool(batch.dst_primary[i])), 1)):
+                        record = records.setdefault(slot, [0, 0, []])
+                        record[kind] += 1
+                        record[2].append(op)
             return types.MappingProxyType({
                 slot: PendingTransfer(reads, writes, tuple(ops))
-                for slot, (reads, writes, ops) in self._pending.items()})
+                for slot, (reads, writes, ops) in records.items()})
 
     def get_and_reset_transfer_stats(self) -> TransferStats:
         """Returns the blocks and bytes moved since the last call and starts counting anew."""
@@ -200,86 +211,30 @@ class KVCacheTransferManager:
 
     def _transfer(self, op: str, pairs: Sequence[Any], num_tokens: Any) -> None:
         with self._lock:
-            pairs = self._checked_pairs(pairs)
-            tokens = self._checked_tokens(num_tokens, len(pairs))
-            memories = {b.is_primary for pair in pairs for b in pair}
+            first = self._pools[0]
+            batch = check_pairs(pairs, first.num_primary_blocks, first.num_secondary_blocks)
+            batch.tokens[:] = check_tokens(num_tokens, len(batch))
+            if not len(batch):
+                return
+            if np.any((batch.tokens > 0) & (batch.tokens < first.tokens_per_block)):
+                for pool in self._pools:
+                    _check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
+            memories = set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist())
             for pool in self._pools:  # every array must be live before anything is dispatched
                 for is_primary in memories:
                     pool.current(is_primary, op)
-            for segment in self._segments(pairs):
-                self._dispatch([pairs[i] for i in segment], [tokens[i] for i in segment])
-            self._record(op, pairs, tokens)
+            for rows in split_runs(batch):
+                run = batch.take(rows)
+                self._dispatch(run)
+                self._count(run)
+            self._issued.append((op, batch))
 
-    def _checked_pairs(self, pairs: Any) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
-        try:
-            pairs = [tuple(p) for p in pairs]
-        except TypeError as e:
-            raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples") from e
-        limits = {True: self._pools[0].num_primary_blocks,
-                  False: self._pools[0].num_secondary_blocks}
-        for i, pair in enumerate(pairs):
-            if len(pair) != 2:
-                raise ValueError(f"pairs[{i}] must be a (src_block, dst_block) tuple, got {pair!r}")
-            for role, block in zip(("src", "dst"), pair):
-                if not isinstance(block, KVCacheBlock):
-                    raise TypeError(f"pairs[{i}] {role} must be a KVCacheBlock, got {block!r}")
-                limit = limits[block.is_primary]
-                if not 0 <= block.memory_pool_block_index < limit:
-                    memory = "primary" if block.is_primary else "secondary"
-                    if limit == 0:
-                        raise ValueError(f"pairs[{i}] {role} is a secondary block, but the pools "
-                                         "have 0 secondary blocks")
-                    raise IndexError(
-                        f"pairs[{i}] {role} has memory_pool_block_index "
-                        f"{block.memory_pool_block_index}, outside the {memory} pool's "
-                        f"0..{limit - 1}")
-        return pairs
-
-    def _checked_tokens(self, num_tokens: Any, count: int) -> list[int]:
-        if num_tokens is None:
-            tokens = [0] * count
-        elif isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, bool):
-            tokens = [int(num_tokens)] * count
-        elif isinstance(num_tokens, (Sequence, np.ndarray)) and not isinstance(num_tokens, str):
-            if len(num_tokens) != count:
-                raise ValueError(f"num_tokens has {len(num_tokens)} entries for {count} pairs")
-            tokens = [_as_int(f"num_tokens[{i}]", n) for i, n in enumerate(num_tokens)]
-        else:
-            raise TypeError(f"num_tokens must be None, an int or a sequence of ints, "
-                            f"got {num_tokens!r}")
-        limit = np.iinfo(np.int32).max
-        tokens = [min(max(n, -1), limit) for n in tokens]
-        t = self._pools[0].tokens_per_block
-        if any(0 < n < t for n in tokens):
-            for pool in self._pools:
-                _check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
-        return tokens
-
-    @staticmethod
-    def _segments(pairs: list[tuple[KVCacheBlock, KVCacheBlock]]) -> list[list[int]]:
-        """Splits pairs into runs that one copy per pool can do, keeping call order.
-
-        A run has one direction (source and destination memory), and no pair in it reads a
-        slot that an earlier pair of the run writes (that read must see the new data).
-        """
-        runs: list[list[int]] = []
-        direction, written = None, set()
-        for i, (src, dst) in enumerate(pairs):
-            d = (src.is_primary, dst.is_primary)
-            if d != direction or src.slot in written:
-                runs.append([])
-                direction, written = d, set()
-            runs[-1].append(i)
-            written.add(dst.slot)
-        return runs
-
-    def _dispatch(self, pairs: list[tuple[KVCacheBlock, KVCacheBlock]], tokens: list[int]) -> None:
-        n = len(pairs)
+    def _dispatch(self, run: PairBatch) -> None:
+        """One jitted copy per pool for a run of one direction."""
+        n = len(run)
         plan = np.full((3, _bucket(n)), -1, np.int32)  # -1: a padding pair, skipped
-        plan[0, :n] = [s.memory_pool_block_index for s, _ in pairs]
-        plan[1, :n] = [d.memory_pool_block_index for _, d in pairs]
-        plan[2, :n] = tokens
-        src_primary, dst_primary = pairs[0][0].is_primary, pairs[0][1].is_primary
+        plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
+        src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
             facts = index_facts(plan[0, :n], plan[1, :n], dsts[0].shape[0], dsts[0].shape[0])
@@ -288,8 +243,7 @@ class KVCacheTransferManager:
         else:
             srcs = tuple(p.current(src_primary, "transfer") for p in self._pools)
             # Source and destination are different arrays: only duplicate writes matter.
-            facts = index_facts(plan[0, :n], plan[1, :n], srcs[0].shape[0], dsts[0].shape[0])
-            facts = facts._replace(hazard_free=True)
+            facts = IndexFacts(hazard_free=True, unique_dst=np.unique(run.dst).size == n)
             args = (dsts, srcs, plan)
             donated, undonated = _copy_across, _copy_across_undonated
         kwargs = {"facts": facts}
@@ -310,23 +264,14 @@ class KVCacheTransferManager:
             else:
                 pool._secondary = result  # noqa: SLF001
 
-    def _record(self, op: str, pairs: list[tuple[KVCacheBlock, KVCacheBlock]],
-                tokens: list[int]) -> None:
-        t, s = self._pools[0].tokens_per_block, self._stats
-        for (src, dst), n in zip(pairs, tokens):
-            for slot, index in ((src.slot, 0), (dst.slot, 1)):  # index 0: a read, 1: a write
-                record = self._pending.get(slot)
-                if record is None:
-                    record = self._pending[slot] = [0, 0, []]
-                record[index] += 1
-                record[2].append(op)
-            nbytes = self._block_nbytes if n <= 0 or n >= t else n * self._token_nbytes
-            if src.is_primary and not dst.is_primary:
-                s.offloaded_blocks += 1
-                s.offloaded_bytes += nbytes
-            elif dst.is_primary and not src.is_primary:
-                s.onboarded_blocks += 1
-                s.onboarded_bytes += nbytes
-            else:
-                s.copied_blocks += 1
-                s.copied_bytes += nbytes
+    def _count(self, run: PairBatch) -> None:
+        """Adds a run of one direction to the statistics."""
+        t = self._pools[0].tokens_per_block
+        whole = (run.tokens <= 0) | (run.tokens >= t)
+        nbytes = int(np.where(whole, self._block_nbytes,
+                              run.tokens.astype(np.int64) * self._token_nbytes).sum())
+        src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
+        kind = ("offloaded" if src_primary and not dst_primary else
+                "onboarded" if dst_primary and not src_primary else "copied")
+        setattr(self._stats, f"{kind}_blocks", getattr(self._stats, f"{kind}_blocks") + len(run))
+        setattr(self._stats, f"{kind}_bytes", getattr(self._stats, f"{kind}_bytes") + nbytes)

@@ -33,6 +33,8 @@ class KVCacheBlock:
         if not isinstance(self.is_primary, (bool, np.bool_)):
             raise TypeError(f"KVCacheBlock.is_primary must be a bool, got {self.is_primary!r}")
         object.__setattr__(self, "is_primary", bool(self.is_primary))
+        # The slot as one integer, so a batch of blocks is read into NumPy in one pass.
+        object.__setattr__(self, "_slot_code", 2 * self.memory_pool_block_index + self.is_primary)
 
     @property
     def slot(self) -> tuple[int, bool]:
