@@ -26,7 +26,7 @@ bench: setup
 	$(PY) -m jax_kvxfer bench
 
 lint: setup
-	$(PY) -m pip install -q ruff && $(PY) -m ruff check jax_kvxfer tests
+	$(PY) -m pip install -q "ruff==0.17.6" && $(PY) -m ruff check jax_kvxfer tests scripts examples
 
 # On the GPU machine (no network): builds in place, runs the tests and the benchmark.
 gpu-check:

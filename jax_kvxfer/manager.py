@@ -9,7 +9,6 @@ made; `pending_transfers` makes that bookkeeping visible and `sync_transfers` wa
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import types
 import warnings
@@ -19,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .ops import IndexFacts, _block_copy_call, _check_byte_rows, index_facts
 from .batch import PairBatch, check_pairs, check_tokens, split_runs
+from .ops import IndexFacts, _block_copy_call, _check_byte_rows, index_facts
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
@@ -260,9 +259,9 @@ class KVCacheTransferManager:
             results = undonated(*args, **kwargs)
         for pool, result in zip(self._pools, results):
             if dst_primary:
-                pool._primary = result  # noqa: SLF001 - same shape, dtype and memory kind
+                pool._primary = result
             else:
-                pool._secondary = result  # noqa: SLF001
+                pool._secondary = result
 
     def _count(self, run: PairBatch) -> None:
         """Adds a run of one direction to the statistics."""

@@ -12,7 +12,7 @@ import collections
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,8 @@ import numpy as np
 
 from . import _native
 
-IndexLike = Union[jax.Array, np.ndarray, Sequence[int]]
-TokensLike = Union[None, int, jax.Array, np.ndarray, Sequence[int]]
+IndexLike = jax.Array | np.ndarray | Sequence[int]
+TokensLike = None | int | jax.Array | np.ndarray | Sequence[int]
 
 POOL_RANK = 6
 BLOCK_RANK = POOL_RANK - 1

@@ -144,7 +144,7 @@ class KVCacheBlockPool:
         return self.block_nbytes // self.tokens_per_block * num_tokens
 
     def _allocate(self, num_blocks: int, memory_kind: str) -> jax.Array:
-        from .limits import check_fits  # noqa: PLC0415 - keeps the limit probing out of import
+        from .limits import check_fits
 
         shape = (num_blocks, *self.block_shape)
         check_fits(self.device, memory_kind, num_blocks * self.block_nbytes,

@@ -94,15 +94,15 @@ def test_create_without_secondary_blocks_has_none():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(num_layers=0), "num_layers"),
-    (dict(tokens_per_block=-1), "tokens_per_block"),
-    (dict(kv_factor=3), "kv_factor"),
-    (dict(num_secondary_blocks=-2), "num_secondary_blocks"),
-    (dict(size_per_head=1.5), "size_per_head"),
+    ({"num_layers": 0}, "num_layers"),
+    ({"tokens_per_block": -1}, "tokens_per_block"),
+    ({"kv_factor": 3}, "kv_factor"),
+    ({"num_secondary_blocks": -2}, "num_secondary_blocks"),
+    ({"size_per_head": 1.5}, "size_per_head"),
 ])
 def test_create_rejects_bad_geometry(kwargs, match):
-    args = dict(num_layers=1, num_kv_heads=1, size_per_head=2, tokens_per_block=2,
-                dtype=jnp.float32, num_primary_blocks=2, num_secondary_blocks=1) | kwargs
+    args = {"num_layers": 1, "num_kv_heads": 1, "size_per_head": 2, "tokens_per_block": 2,
+                "dtype": jnp.float32, "num_primary_blocks": 2, "num_secondary_blocks": 1} | kwargs
     with pytest.raises(ValueError, match=match):
         kvx.KVCacheBlockPool.create(**args)
 
