@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -101,6 +102,20 @@ inline ffi::Error CheckWorkspaces(int64_t num_pairs, const PoolGeometry& g, bool
         "given; copy within one pool through copy_blocks(pool, pool, ...)");
   }
   return ffi::Error::Success();
+}
+
+// The FFI binding of everything after the pool operand(s), shared by all four handlers:
+// `binding` already holds the platform context (if any) and the pool(s).
+template <typename Binding>
+auto BindIndicesResultsAndAttrs(Binding binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+      .template Arg<ffi::Buffer<ffi::S32>>()            // dst_indices [B]
+      .template Arg<ffi::Buffer<ffi::S32>>()            // num_tokens [B]
+      .template Ret<ffi::AnyBuffer>()                   // new dst pool, aliased to operand 0
+      .template Ret<ffi::Buffer<ffi::S32>>()            // workspace [B] (the GPU's duplicate scan)
+      .template Ret<ffi::Buffer<ffi::U8>>()             // staging [B * block bytes] or [0]
+      .template Attr<bool>("hazard_free")               // no block is read and written
+      .template Attr<bool>("unique_dst");               // no block is written twice
 }
 
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole

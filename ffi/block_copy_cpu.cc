@@ -81,29 +81,13 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // pool, aliased to the result
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .Ret<ffi::AnyBuffer>()         // new pool
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B] (GPU only)
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free")     // no block is read and written
-                                  .Attr<bool>("unique_dst"));    // no block is written twice
+                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind()
+                                                             .Arg<ffi::AnyBuffer>()));  // pool
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // dst pool, aliased to the result
-                                  .Arg<ffi::AnyBuffer>()         // src pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .Ret<ffi::AnyBuffer>()         // new dst pool
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B] (GPU only)
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free")     // no block is read and written
-                                  .Attr<bool>("unique_dst"));    // no block is written twice
+                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind()
+                                                             .Arg<ffi::AnyBuffer>()    // dst pool
+                                                             .Arg<ffi::AnyBuffer>()));  // src pool
 
 }  // namespace kvxfer
 

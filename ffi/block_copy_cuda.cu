@@ -238,31 +238,13 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // pool, aliased to the result
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .Ret<ffi::AnyBuffer>()         // new pool
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B]
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free")     // no block is read and written
-                                  .Attr<bool>("unique_dst"));    // no block is written twice
+                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                             .Arg<ffi::AnyBuffer>()));  // pool
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()         // dst pool, aliased to the result
-                                  .Arg<ffi::AnyBuffer>()         // src pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .Ret<ffi::AnyBuffer>()         // new dst pool
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // workspace [B]
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // staging [B * block bytes] or [0]
-                                  .Attr<bool>("hazard_free")     // no block is read and written
-                                  .Attr<bool>("unique_dst"));    // no block is written twice
+                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                             .Arg<ffi::AnyBuffer>()    // dst pool
+                                                             .Arg<ffi::AnyBuffer>()));  // src pool
 
 }  // namespace kvxfer
 
