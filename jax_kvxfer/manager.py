@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from .batch import PairBatch, check_pairs, check_tokens, split_runs
-from .ops import IndexFacts, _block_copy_call, _check_byte_rows, index_facts
+from .ops import IndexFacts, block_copy_call, check_byte_rows, index_facts
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
@@ -53,12 +53,12 @@ class PendingTransfer:
 # donated so that each copy happens in place. `plan` is [3, B]: source indices, destination
 # indices and token counts in one array, so a dispatch moves one small array to the device.
 def _copy_across_impl(dsts, srcs, plan, facts):
-    return tuple(_block_copy_call(d, s, plan[0], plan[1], plan[2], facts)
+    return tuple(block_copy_call(d, s, plan[0], plan[1], plan[2], facts)
                  for d, s in zip(dsts, srcs))
 
 
 def _copy_within_impl(pools, plan, facts):
-    return tuple(_block_copy_call(p, p, plan[0], plan[1], plan[2], facts) for p in pools)
+    return tuple(block_copy_call(p, p, plan[0], plan[1], plan[2], facts) for p in pools)
 
 
 _copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames="facts")
@@ -217,7 +217,7 @@ class KVCacheTransferManager:
                 return
             if np.any((batch.tokens > 0) & (batch.tokens < first.tokens_per_block)):
                 for pool in self._pools:
-                    _check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
+                    check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
             memories = set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist())
             for pool in self._pools:  # every array must be live before anything is dispatched
                 for is_primary in memories:

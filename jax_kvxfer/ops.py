@@ -97,7 +97,7 @@ def _check_same_blocks(dst: jax.Array, src: jax.Array, dst_name: str, src_name: 
         )
 
 
-def _check_byte_rows(block_shape: tuple[int, ...], dtype: Any, partial_possible: bool) -> None:
+def check_byte_rows(block_shape: tuple[int, ...], dtype: Any, partial_possible: bool) -> None:
     """Sub-byte pools need whole-byte blocks, and whole-byte token rows for partial copies."""
     bits = dtype_bits(dtype)
     if bits >= 8:
@@ -211,7 +211,7 @@ def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
     return IndexFacts(bool(hazard_free), bool(unique_dst))
 
 
-def _block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts):
+def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts):
     """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool."""
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
@@ -243,10 +243,10 @@ def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts)
     """A jitted op for calls made outside jit; the result keeps the destination's sharding."""
     if kind == "pool":
         def fn(dst, src, si, di, nt):
-            return _block_copy_call(dst, src, si, di, nt, facts)
+            return block_copy_call(dst, src, si, di, nt, facts)
     else:
         def fn(dst, src, si, di, nt):
-            return _block_copy_call(dst[None], src[None], si, di, nt, facts)[0]
+            return block_copy_call(dst[None], src[None], si, di, nt, facts)[0]
     return jax.jit(fn, out_shardings=out_sharding)
 
 
@@ -306,14 +306,14 @@ def copy_blocks(
             f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}"
         )
     tokens = _normalize_tokens(num_tokens, si.shape[0])
-    _check_byte_rows(dst_pool.shape[1:], dst_pool.dtype, _may_be_partial(tokens, dst_pool.shape[4]))
+    check_byte_rows(dst_pool.shape[1:], dst_pool.dtype, _may_be_partial(tokens, dst_pool.shape[4]))
     si_host, di_host = _concrete(si), _concrete(di)
     _check_in_range("src_indices", si_host, src_pool.shape[0], "src_pool")
     _check_in_range("dst_indices", di_host, dst_pool.shape[0], "dst_pool")
     _check_platform(dst_pool, src_pool)
     facts = index_facts(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
     if any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens)):
-        return _block_copy_call(dst_pool, src_pool, si, di, tokens, facts)
+        return block_copy_call(dst_pool, src_pool, si, di, tokens, facts)
     return _eager_fn("pool", dst_pool.sharding, facts)(dst_pool, src_pool, si, di, tokens)
 
 
@@ -350,10 +350,10 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
     ):
         raise TypeError(f"num_tokens must be an int or an integer scalar array, got {num_tokens!r}")
     tokens = _normalize_tokens(num_tokens, 1)
-    _check_byte_rows(dst.shape, dst.dtype, _may_be_partial(tokens, dst.shape[3]))
+    check_byte_rows(dst.shape, dst.dtype, _may_be_partial(tokens, dst.shape[3]))
     _check_platform(dst, src)
     zero = np.zeros(1, np.int32)
     one_pair = IndexFacts(hazard_free=True, unique_dst=True)
     if any(_is_tracer(a) for a in (dst, src, tokens)):
-        return _block_copy_call(dst[None], src[None], zero, zero, tokens, one_pair)[0]
+        return block_copy_call(dst[None], src[None], zero, zero, tokens, one_pair)[0]
     return _eager_fn("block", dst.sharding, one_pair)(dst, src, zero, zero, tokens)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ops import _check_byte_rows, check_memory_space, dtype_bits
+from .ops import check_byte_rows, check_memory_space, dtype_bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class KVCacheBlockPool:
         except TypeError as e:
             raise TypeError(f"dtype must be a JAX dtype, got {dtype!r}") from e
         dtype_bits(self.dtype)
-        _check_byte_rows(self.block_shape, self.dtype, partial_possible=False)
+        check_byte_rows(self.block_shape, self.dtype, partial_possible=False)
         self.device = device if device is not None else jax.devices()[0]
         self._primary: jax.Array | None = None
         self._secondary: jax.Array | None = None
