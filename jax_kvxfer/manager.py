@@ -52,22 +52,36 @@ class PendingTransfer:
 # One jitted dispatch per batch covers every pool: one custom call per pool, the destinations
 # donated so that each copy happens in place. `plan` is [3, B]: source indices, destination
 # indices and token counts in one array, so a dispatch moves one small array to the device.
-def _copy_across_impl(dsts, srcs, plan, facts):
-    return tuple(block_copy_call(d, s, plan[0], plan[1], plan[2], facts)
-                 for d, s in zip(dsts, srcs))
+# `specs` holds each pool's PartitionSpec over `mesh` (None: unsharded): a sharded pool is
+# copied by every device on its own shard, with no traffic between devices.
+def _on_shards(fn, mesh, spec, num_pools: int):
+    if spec is None:
+        return fn
+    pspec = jax.sharding.PartitionSpec()
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (pspec,), out_specs=spec)
 
 
-def _copy_within_impl(pools, plan, facts):
-    return tuple(block_copy_call(p, p, plan[0], plan[1], plan[2], facts) for p in pools)
+def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs):
+    def copy(d, s, p):
+        return block_copy_call(d, s, p[0], p[1], p[2], facts)
+    return tuple(_on_shards(copy, mesh, spec, 2)(d, s, plan)
+                 for d, s, spec in zip(dsts, srcs, specs))
 
 
-_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames="facts")
-_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames="facts")
+def _copy_within_impl(pools, plan, facts, mesh, specs):
+    def copy(pool, p):
+        return block_copy_call(pool, pool, p[0], p[1], p[2], facts)
+    return tuple(_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs))
+
+
+_STATIC = ("facts", "mesh", "specs")
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC)
+_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames=_STATIC)
 # The same without donation, for a destination that cannot be donated: on GPUs, reading a
 # pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
 # viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
-_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames="facts")
-_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames="facts")
+_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC)
+_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames=_STATIC)
 
 
 class DonationWarning(UserWarning):
@@ -110,7 +124,7 @@ class KVCacheTransferManager:
         first = self._pools[0]
         for i, p in enumerate(self._pools[1:], start=1):
             for field in ("num_primary_blocks", "num_secondary_blocks", "tokens_per_block",
-                          "device"):
+                          "device", "mesh", "kv_head_axis"):
                 if getattr(p, field) != getattr(first, field):
                     raise ValueError(
                         f"pools[{i}].{field} is {getattr(p, field)}, but pools[0].{field} is "
@@ -245,7 +259,8 @@ class KVCacheTransferManager:
             facts = IndexFacts(hazard_free=True, unique_dst=np.unique(run.dst).size == n)
             args = (dsts, srcs, plan)
             donated, undonated = _copy_across, _copy_across_undonated
-        kwargs = {"facts": facts}
+        kwargs = {"facts": facts, "mesh": self._pools[0].mesh,
+                  "specs": tuple(p.partition_spec for p in self._pools)}
         try:
             results = donated(*args, **kwargs)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11

@@ -240,14 +240,41 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
 
 @functools.lru_cache(maxsize=64)
 def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts):
-    """A jitted op for calls made outside jit; the result keeps the destination's sharding."""
+    """A jitted op for calls made outside jit; the result keeps the destination's sharding.
+
+    A destination split over several devices is copied by each device on its own shard.
+    """
     if kind == "pool":
         def fn(dst, src, si, di, nt):
             return block_copy_call(dst, src, si, di, nt, facts)
     else:
         def fn(dst, src, si, di, nt):
             return block_copy_call(dst[None], src[None], si, di, nt, facts)[0]
+    if _is_split(out_sharding):
+        spec, whole = out_sharding.spec, jax.sharding.PartitionSpec()
+        fn = jax.shard_map(fn, mesh=out_sharding.mesh, in_specs=(spec, spec) + (whole,) * 3,
+                           out_specs=spec)
     return jax.jit(fn, out_shardings=out_sharding)
+
+
+def _is_split(sharding: jax.sharding.Sharding) -> bool:
+    return isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1
+
+
+def _check_split(dst: jax.Array, src: jax.Array, dst_name: str, src_name: str) -> None:
+    """A destination split over devices: per-device copies need whole blocks and whole token
+    ranges on every device, and the source split the same way."""
+    if _is_tracer(dst) or not _is_split(dst.sharding):
+        return
+    spec = tuple(dst.sharding.spec) + (None,) * dst.ndim
+    lead = dst.ndim - BLOCK_RANK  # 1 for a pool (its blocks dimension), 0 for one block
+    if spec[lead + 3] is not None or (lead and spec[0] is not None):
+        raise ValueError(f"{dst_name} may be split along layers, K/V, heads or size_per_head, "
+                         f"not along blocks or tokens; got {dst.sharding.spec}")
+    if _is_tracer(src) or not src.sharding.with_memory_kind(
+            dst.sharding.memory_kind).is_equivalent_to(dst.sharding, dst.ndim):
+        raise ValueError(f"{src_name} must be split over the devices like {dst_name} "
+                         f"({dst.sharding.spec}), got {getattr(src, 'sharding', None)}")
 
 
 def _check_platform(*arrays: Any) -> None:
@@ -311,6 +338,7 @@ def copy_blocks(
     _check_in_range("src_indices", si_host, src_pool.shape[0], "src_pool")
     _check_in_range("dst_indices", di_host, dst_pool.shape[0], "dst_pool")
     _check_platform(dst_pool, src_pool)
+    _check_split(dst_pool, src_pool, "dst_pool", "src_pool")
     facts = index_facts(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
     if any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens)):
         return block_copy_call(dst_pool, src_pool, si, di, tokens, facts)
@@ -352,6 +380,7 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
     tokens = _normalize_tokens(num_tokens, 1)
     check_byte_rows(dst.shape, dst.dtype, _may_be_partial(tokens, dst.shape[3]))
     _check_platform(dst, src)
+    _check_split(dst, src, "dst", "src")
     zero = np.zeros(1, np.int32)
     one_pair = IndexFacts(hazard_free=True, unique_dst=True)
     if any(_is_tracer(a) for a in (dst, src, tokens)):

@@ -53,10 +53,6 @@ def to_numpy(array: jax.Array) -> np.ndarray:
     return np.array(fresh)  # writable, and no view of the fresh copy outlives this call
 
 
-def _sharding(device: jax.Device, memory_kind: str) -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
-
-
 def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -77,7 +73,8 @@ class KVCacheBlockPool:
     def __init__(self, *, num_layers: int, num_kv_heads: int, size_per_head: int,
                  tokens_per_block: int, dtype: Any, num_primary_blocks: int,
                  num_secondary_blocks: int, kv_factor: int = 2,
-                 device: jax.Device | None = None) -> None:
+                 device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None,
+                 kv_head_axis: str | None = None) -> None:
         """Describes a pool without allocating it; use `KVCacheBlockPool.create`."""
         self.num_layers = _check_positive("num_layers", num_layers)
         self.kv_factor = _check_positive("kv_factor", kv_factor)
@@ -94,6 +91,20 @@ class KVCacheBlockPool:
             raise TypeError(f"dtype must be a JAX dtype, got {dtype!r}") from e
         dtype_bits(self.dtype)
         check_byte_rows(self.block_shape, self.dtype, partial_possible=False)
+        self.mesh, self.kv_head_axis = mesh, kv_head_axis
+        if mesh is not None:
+            if device is not None:
+                raise ValueError("give device or mesh, not both")
+            if kv_head_axis not in mesh.axis_names:
+                raise ValueError(f"kv_head_axis must name an axis of the mesh "
+                                 f"{tuple(mesh.axis_names)}, got {kv_head_axis!r}")
+            shards = mesh.shape[kv_head_axis]
+            if self.num_kv_heads % shards:
+                raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must be divisible by the "
+                                 f"{shards} devices of mesh axis {kv_head_axis!r}")
+            device = mesh.devices.flat[0]
+        elif kv_head_axis is not None:
+            raise ValueError("kv_head_axis needs a mesh")
         self.device = device if device is not None else jax.devices()[0]
         self._primary: jax.Array | None = None
         self._secondary: jax.Array | None = None
@@ -102,7 +113,8 @@ class KVCacheBlockPool:
     def create(cls, *, num_layers: int, num_kv_heads: int, size_per_head: int,
                tokens_per_block: int, dtype: Any, num_primary_blocks: int,
                num_secondary_blocks: int, kv_factor: int = 2,
-               device: jax.Device | None = None) -> KVCacheBlockPool:
+               device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None,
+               kv_head_axis: str | None = None) -> KVCacheBlockPool:
         """Allocates a zero-filled pool.
 
         Args:
@@ -112,6 +124,9 @@ class KVCacheBlockPool:
           num_secondary_blocks: blocks in `pinned_host` memory (0: no secondary pool).
           kv_factor: 2 for K and V, 1 for K-only (MLA) caches.
           device: the device (default: the first one).
+          mesh, kv_head_axis: shard both pools along the KV-head dimension over this mesh axis
+            (tensor parallelism): each device holds its heads in its own `device` and
+            `pinned_host` memory, and every copy stays on the device that holds the shard.
 
         Raises:
           ValueError, TypeError: a bad geometry or dtype, named in the message.
@@ -120,7 +135,8 @@ class KVCacheBlockPool:
         pool = cls(num_layers=num_layers, num_kv_heads=num_kv_heads, size_per_head=size_per_head,
                    tokens_per_block=tokens_per_block, dtype=dtype,
                    num_primary_blocks=num_primary_blocks,
-                   num_secondary_blocks=num_secondary_blocks, kv_factor=kv_factor, device=device)
+                   num_secondary_blocks=num_secondary_blocks, kv_factor=kv_factor, device=device,
+                   mesh=mesh, kv_head_axis=kv_head_axis)
         pool._primary = pool._allocate(pool.num_primary_blocks, "device")
         if pool.num_secondary_blocks:
             pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
@@ -131,6 +147,19 @@ class KVCacheBlockPool:
         """`(num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head)`."""
         return (self.num_layers, self.kv_factor, self.num_kv_heads, self.tokens_per_block,
                 self.size_per_head)
+
+    @property
+    def partition_spec(self) -> jax.sharding.PartitionSpec | None:
+        """How a pool array is split over the mesh (KV heads, dimension 3), None if unsharded."""
+        if self.mesh is None:
+            return None
+        return jax.sharding.PartitionSpec(None, None, None, self.kv_head_axis, None, None)
+
+    def sharding(self, memory_kind: str) -> jax.sharding.Sharding:
+        """The sharding of the primary (`device`) or secondary (`pinned_host`) array."""
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(self.device, memory_kind=memory_kind)
+        return jax.sharding.NamedSharding(self.mesh, self.partition_spec, memory_kind=memory_kind)
 
     @property
     def block_nbytes(self) -> int:
@@ -147,9 +176,11 @@ class KVCacheBlockPool:
         from .limits import check_fits
 
         shape = (num_blocks, *self.block_shape)
-        check_fits(self.device, memory_kind, num_blocks * self.block_nbytes,
-                   f"{'primary' if memory_kind == 'device' else 'secondary'} pool {shape}")
-        sharding = _sharding(self.device, memory_kind)
+        shards = 1 if self.mesh is None else self.mesh.shape[self.kv_head_axis]
+        check_fits(self.device, memory_kind, num_blocks * self.block_nbytes // shards,
+                   f"{'primary' if memory_kind == 'device' else 'secondary'} pool {shape}"
+                   + (f" ({shards} shards)" if shards > 1 else ""))
+        sharding = self.sharding(memory_kind)
         if memory_kind == "device":
             return jnp.zeros(shape, self.dtype, device=sharding)
         # Not jax.jit(..., out_shardings=pinned_host): with jax 0.10 such an array's type still
@@ -189,6 +220,9 @@ class KVCacheBlockPool:
         kind = value.sharding.memory_kind or "device"
         if kind != memory_kind:
             raise ValueError(f"pool.{name} must live in memory kind {memory_kind!r}, got {kind!r}")
+        if not value.sharding.is_equivalent_to(self.sharding(memory_kind), value.ndim):
+            raise ValueError(f"pool.{name} must have the pool's sharding "
+                             f"{self.sharding(memory_kind)}, got {value.sharding}")
         check_memory_space(f"pool.{name}", value)
         return value
 
@@ -208,4 +242,6 @@ class KVCacheBlockPool:
     def __repr__(self) -> str:
         return (f"KVCacheBlockPool(block_shape={self.block_shape}, dtype={self.dtype.name}, "
                 f"num_primary_blocks={self.num_primary_blocks}, "
-                f"num_secondary_blocks={self.num_secondary_blocks}, device={self.device})")
+                f"num_secondary_blocks={self.num_secondary_blocks}, "
+                + (f"mesh={dict(self.mesh.shape)}, kv_head_axis={self.kv_head_axis!r})"
+                   if self.mesh is not None else f"device={self.device})"))

@@ -12,6 +12,12 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+# Several virtual CPU devices, for the sharded-pool tests; must be set before JAX starts. On a
+# GPU machine this only adds CPU devices: the GPU stays the default backend.
+_FLAG = "--xla_force_host_platform_device_count=4"
+if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
