@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--low-priority-every", type=_int_at_least(0), default=4,
                    help=f"every Nth conversation gets priority {serving.LOW_PRIORITY} (< 30: its "
                         "evicted blocks are dropped, not offloaded); 0: none")
+    p.add_argument("--devices", type=_int_at_least(1), default=1,
+                   help="tensor-parallel devices: the KV pools are split by KV heads over them")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="weights and workload seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -203,18 +205,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: a wave of "
                      f"{min(cfg['batch'], cfg['conversations'])} conversations of up to "
                      f"{workload.max_len} tokens needs {wave_blocks} blocks")
+    if model.num_kv_heads % args.devices:
+        parser.error(f"--devices {args.devices} must divide the {model.num_kv_heads} KV heads")
     return _run(args, cfg, model, workload)
 
 
 def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
          workload: serving.Workload) -> int:
     import jax
+    import numpy as np
 
-    from .model import init_params
+    from .model import TP_AXIS, init_params
 
+    devices = jax.devices()
+    if args.devices > len(devices):
+        hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+                if devices[0].platform == "cpu" else "")
+        print(f"jax-kvxfer demo: error: --devices {args.devices}, but JAX sees {len(devices)} "
+              f"device(s){hint}", file=sys.stderr)
+        return 2
+    mesh = (jax.sharding.Mesh(np.array(devices[:args.devices]), (TP_AXIS,))
+            if args.devices > 1 else None)
     params = init_params(model, args.seed)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"],
-              "tokens_per_block": cfg["tokens_per_block"]}
+              "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh}
     try:
         res = serving.run(model, params, workload, primary_blocks=cfg["primary_blocks"],
                           secondary_blocks=cfg["secondary_blocks"],
@@ -237,7 +251,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
         "replies": len(ref.tokens), "tokens": ref.generated_tokens,
         "reference_evicted": ref.block_stats.offloaded_blocks
         + ref.block_stats.dropped_primary_blocks,
-        "device": str(jax.devices()[0].device_kind),
+        "device": str(jax.devices()[0].device_kind), "devices": args.devices,
         "paths": {"offload": b.offloaded_blocks, "full_onboard": b.onboarded_blocks,
                   "partial_reuse": b.partial_copies + b.partial_onboards,
                   "partial_from_host": b.partial_onboards,

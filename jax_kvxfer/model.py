@@ -81,14 +81,18 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
     return params
 
 
+TP_AXIS = "tp"  # the mesh axis that splits KV heads in a tensor-parallel run
+
+
 def create_pool(config: ModelConfig, *, tokens_per_block: int, num_primary_blocks: int,
-                num_secondary_blocks: int, device: jax.Device | None = None) -> KVCacheBlockPool:
-    """A pool holding every layer's K and V for this model."""
+                num_secondary_blocks: int, mesh: jax.sharding.Mesh | None = None
+                ) -> KVCacheBlockPool:
+    """A pool holding every layer's K and V for this model; with a mesh, split by KV heads."""
     return KVCacheBlockPool.create(
         num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
         size_per_head=config.head_dim, tokens_per_block=tokens_per_block, dtype=config.dtype,
         num_primary_blocks=num_primary_blocks, num_secondary_blocks=num_secondary_blocks,
-        device=device)
+        mesh=mesh, kv_head_axis=TP_AXIS if mesh is not None else None)
 
 
 def _rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -171,9 +175,14 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, tokens: jax.Array,
     return logits.astype(jnp.float32), kv_pool
 
 
-def make_step(config: ModelConfig) -> Any:
+def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None) -> Any:
     """`forward` jitted, pool donated: `step(params, pool, tokens, positions, tables, index)`.
 
-    Assign the returned pool back (`pool.primary = new`): the old array is consumed.
+    Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
+    split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
     """
-    return jax.jit(functools.partial(forward, config=config), donate_argnums=1)
+    fn = functools.partial(forward, config=config)
+    if pool is None or pool.mesh is None:
+        return jax.jit(fn, donate_argnums=1)
+    replicated = jax.sharding.NamedSharding(pool.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(fn, donate_argnums=1, out_shardings=(replicated, pool.sharding("device")))

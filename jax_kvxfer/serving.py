@@ -76,21 +76,24 @@ class RunResult:
 
 def run(model: ModelConfig, params: dict, workload: Workload, *, batch: int, chunk: int,
         tokens_per_block: int, primary_blocks: int, secondary_blocks: int,
-        progress: Callable[[int, int], None] | None = None) -> RunResult:
+        progress: Callable[[int, int], None] | None = None,
+        mesh: jax.sharding.Mesh | None = None) -> RunResult:
     """Runs the whole workload once on fresh pools.
 
     Raises:
       PoolExhaustedError: the primary pool cannot hold one wave of conversations.
     """
     pool = create_pool(model, tokens_per_block=tokens_per_block, num_primary_blocks=primary_blocks,
-                       num_secondary_blocks=secondary_blocks)
+                       num_secondary_blocks=secondary_blocks, mesh=mesh)
+    if mesh is not None:  # tensor parallel: weights on every device, the pool split by heads
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     bm = BlockManager(pool)
     max_blocks = math.ceil(workload.max_len / tokens_per_block)
     t0 = time.perf_counter()
     shapes = [jax.ShapeDtypeStruct((batch, chunk), np.int32)] * 2 + [
         jax.ShapeDtypeStruct((batch, max_blocks), np.int32),
         jax.ShapeDtypeStruct((batch,), np.int32)]
-    step = make_step(model).lower(params, pool.primary, *shapes).compile()
+    step = make_step(model, pool).lower(params, pool.primary, *shapes).compile()
     t1 = time.perf_counter()
     _warm_up_transfers(bm, pool, min(primary_blocks, batch * max_blocks))
     compile_seconds = time.perf_counter() - t0

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -49,6 +50,16 @@ def test_table_output(capsys):
     for text in ("tokens/s", "prefix-hit rate", "onboarded host->device", "offloaded device->host",
                  "copied on device", "time in transfers", "exactness: PASS"):
         assert text in out
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 or more devices")
+def test_tensor_parallel_demo_is_exact(capsys):
+    args = [a if a != "1" or i != TINY.index("--kv-heads") + 1 else "2"
+            for i, a in enumerate(TINY)]  # 2 KV heads, one per device
+    assert cli.main(["demo", *args, "--devices", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["exact"] is True and out["devices"] == 2
+    assert all(count > 0 for count in out["paths"].values())
 
 
 def test_compare_detects_differences():
