@@ -1,0 +1,140 @@
+"""Transfer benchmark: `python -m jax_kvxfer bench [options]` (or `python -m jax_kvxfer.bench`).
+
+Times, in one run and against ceilings measured in that same run (issue 4):
+
+Sweep over block sizes (bf16 blocks of 16 KiB..4 MiB, `--blocks` blocks per batch, random
+permutations as indices so no two neighbours are contiguous), three directions: `d2h` (offload,
+device -> pinned_host), `h2d` (onboard, pinned_host -> device), `d2d` (device -> device):
+
+  memcpy       ceiling: one contiguous cudaMemcpyAsync of the batch's total bytes (cupy; GPU time
+               between events, queued behind a spin kernel so host enqueue cost is not counted).
+  jax_contig   ceiling fallback / second reference: `jax.device_put` of the whole pool to the other
+               memory kind (d2d: a jitted copy). Used as the ceiling when cupy is missing.
+  ours         `copy_blocks` inside `jax.jit`, destination pool donated, K chained calls per jit
+               call (K large enough that dispatch is amortised), n in {T, T-1, T/2, 1} tokens.
+  xla          XLA-native: d2h = jit gather of the rows with `out_shardings` pinned_host (a new
+               array); h2d = jit, per block `dynamic_slice` of the host pool -> `device_put(Device)`
+               -> `dynamic_update_slice` into the donated device pool (unrolled); d2d = jit gather +
+               scatter (`dst.at[di, ..., :n, :].set(src[si, ..., :n, :])`), donated. Host
+               directions whole blocks only.
+  naive        one `jax.device_put` per block from a Python loop (whole blocks, host directions);
+               the blocks are separate arrays (sliced beforehand), results are separate arrays.
+  trt_gpu      TensorRT-LLM's approach, re-implemented (cupy): per block one cudaMemcpyAsync for
+               whole blocks, or one launch of a scalar kernel (one element per thread, 32-bit flat
+               index) for partial blocks. GPU time only (queued behind a spin kernel): the best the
+               per-block approach can do, whatever language issues it.
+  trt_loop     the same ops issued from a Python loop and timed as issued (host enqueue included;
+               cupy's per-call cost is higher than TensorRT-LLM's C++ loop).
+
+Bandwidth counts the bytes actually moved: n * row_bytes * outer per block (whole: block bytes).
+Each ratio divides by the same-direction, same-size ceiling of this run (`memcpy` when cupy ran,
+else `jax_contig`). Partial copies are compared with the whole-batch contiguous ceiling.
+
+Other sections:
+  host_overhead  time for a jitted, donated `copy_blocks` of 64 blocks (manager-like) to return
+                 to Python without blocking; jit cache growth across calls (recompiles).
+  overlap        offload ~2 GiB while a compute-bound jitted matmul chain runs: step alone,
+                 transfer alone, both (one jit for the JAX paths; a side cupy stream for memcpy),
+                 and the no-overlap sum.
+  bidirectional  offload and onboard at the same time (one jit for the JAX paths, two streams for
+                 memcpy) vs each direction alone.
+
+Results: JSON (written after every section, so a run that is cut short still leaves data) and a
+PNG plot (when matplotlib imports) in `--out`; a ratio table on stdout; progress on stderr.
+Every case is wrapped: a failing path records its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+
+from .bidirectional import BidirectionalMixin
+from .config import (
+    SWEEP_PATHS,
+    Config,
+    Geometry,
+    fmt_size,
+    geometry_for,
+    n_cases,
+    parse_args,
+    parse_size,
+)
+from .core import BenchCore
+from .cupy_tools import CupyTools
+from .helpers import CompileCounter, _gpu_name
+from .host_overhead import HostOverheadMixin
+from .overlap import OverlapMixin
+from .report import ReportMixin
+from .sweep import SweepMixin
+
+__all__ = [
+    "SWEEP_PATHS",
+    "Bench",
+    "CompileCounter",
+    "Config",
+    "CupyTools",
+    "Geometry",
+    "fmt_size",
+    "geometry_for",
+    "main",
+    "n_cases",
+    "parse_args",
+    "parse_size",
+]
+
+
+class Bench(SweepMixin, HostOverheadMixin, OverlapMixin, BidirectionalMixin, ReportMixin,
+            BenchCore):
+    """The benchmark: `BenchCore`'s state plus one mixin per section and the report."""
+
+
+def main(argv: list[str] | None = None, *, _cupy_module: Any = None) -> int:
+    """Runs the benchmark (`python -m jax_kvxfer bench ARGS`); returns the exit status.
+
+    _cupy_module: a stand-in for cupy, for tests only."""
+    cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
+    bench = Bench(cfg, _cupy_module)
+    try:
+        return _run(bench)
+    finally:
+        bench.compiles.close()
+
+
+def _run(bench: Bench) -> int:
+    cfg = bench.cfg
+    bench.log(f"jax {jax.__version__} on {_gpu_name(bench.dev)} ({bench.backend}); "
+              f"sizes {','.join(fmt_size(s) for s in cfg.sizes)}, {cfg.blocks} blocks, "
+              f"{cfg.repeats} repeats; results -> {bench.json_path}")
+    for note in bench.notes:
+        bench.log("note: " + note)
+    if bench.cupy is not None:
+        need = [cfg.blocks * max(cfg.sizes)] if {"ceiling", "trtllm"} & cfg.only else []
+        if "overlap" in cfg.only:
+            need.append(cfg.overlap_bytes)
+        if "bidir" in cfg.only:
+            need.append(cfg.bidir_blocks * cfg.bidir_block)
+        bench.cupy.arena_hint = max(need, default=0)
+    if "host" in cfg.only:
+        bench.run_host_overhead()
+    if "bidir" in cfg.only:
+        bench.run_bidir()
+    if "overlap" in cfg.only:
+        bench.run_overlap()
+    if cfg.only & set(SWEEP_PATHS):
+        bench.run_sweep()
+    bench.save()
+    png = bench.plot() if cfg.plot else None
+    if cfg.plot and png is None:
+        bench.notes.append("no PNG: matplotlib not importable")
+        bench.save()
+    if any(r.get("gbps") for r in bench.results):
+        print(bench.table())
+    s = bench.summary()
+    if s:
+        print(s)
+    print(f"results: {bench.json_path}" + (f"\nplot: {png}" if png else ""))
+    bench.log(f"done in {bench.elapsed():.1f} s")
+    return 0

@@ -1,0 +1,153 @@
+"""The bidirectional section: offload and onboard at the same time vs each direction alone."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..ops import copy_blocks
+from .config import fmt_size, geometry_for
+from .helpers import _block, _err_text, _median
+
+
+class BidirectionalMixin:
+    """`Bench`'s bidirectional section (uses `BenchCore`'s state and helpers)."""
+
+    def run_bidir(self) -> None:
+        cfg = self.cfg
+        sec: dict[str, Any] = {}
+        self.sections["bidirectional"] = sec
+        if self.hsh is None:
+            sec["skipped"] = "no pinned_host memory"
+            return
+        geom = geometry_for(cfg.bidir_block)
+        B = cfg.bidir_blocks
+        total = B * geom.block_bytes
+        sec.update({"block_bytes": geom.block_bytes, "blocks": B, "bytes_each_way": total,
+                    "paths": {}})
+        self.log(f"== bidirectional: {B} x {fmt_size(geom.block_bytes)} each way ==")
+        try:
+            dev_a = self.random_pool(geom, B, self.dsh)
+            host_b = self.random_pool(geom, B, self.hsh)
+            st = {"host_a": self.zero_pool(geom, B, self.hsh),
+                  "dev_b": self.zero_pool(geom, B, self.dsh)}
+            si1, di1 = (jnp.asarray(self.perms(1, B, B)[0]) for _ in range(2))
+            si2, di2 = (jnp.asarray(self.perms(1, B, B)[0]) for _ in range(2))
+            _block([dev_a, host_b, st])
+            _, pipe = self.plan(total, False)
+
+            def xla_onboard_body(dst, src, si, di):
+                for b in range(B):
+                    row = lax.dynamic_slice_in_dim(src, si[b], 1, axis=0)
+                    row = jax.device_put(row, jax.memory.Space.Device)
+                    dst = lax.dynamic_update_slice_in_dim(dst, row, di[b], 0)
+                return dst
+
+            ours_off = jax.jit(lambda h, s, i, j: copy_blocks(h, s, i, j), donate_argnums=0,
+                               out_shardings=self.hsh)
+            ours_on = jax.jit(lambda dv, s, i, j: copy_blocks(dv, s, i, j), donate_argnums=0,
+                              out_shardings=self.dsh)
+            ours_both = jax.jit(
+                lambda h, dv, sa, sb, i1, j1, i2, j2: (copy_blocks(h, sa, i1, j1),
+                                                       copy_blocks(dv, sb, i2, j2)),
+                donate_argnums=(0, 1), out_shardings=(self.hsh, self.dsh))
+            xla_off = jax.jit(lambda s, i: s[i], out_shardings=self.hsh)
+            xla_on = jax.jit(xla_onboard_body, donate_argnums=0, out_shardings=self.dsh)
+            # Outputs in the order of the donated arguments: jax matches a donated buffer to
+            # the first output of its shape and dtype, memory kind not considered (jax 0.10.2
+            # CPU then aborts the process when that output is the pinned_host one).
+            xla_both = jax.jit(lambda dv, sa, sb, i1, i2, j2: (xla_onboard_body(dv, sb, i2, j2),
+                                                               sa[i1]),
+                               donate_argnums=0, out_shardings=(self.dsh, self.hsh))
+
+            def c_ours_off():
+                st["host_a"] = ours_off(st["host_a"], dev_a, si1, di1)
+                return st["host_a"]
+
+            def c_ours_on():
+                st["dev_b"] = ours_on(st["dev_b"], host_b, si2, di2)
+                return st["dev_b"]
+
+            def c_ours_both():
+                st["host_a"], st["dev_b"] = ours_both(st["host_a"], st["dev_b"], dev_a, host_b,
+                                                      si1, di1, si2, di2)
+                return st["host_a"], st["dev_b"]
+
+            def c_xla_on():
+                st["dev_b"] = xla_on(st["dev_b"], host_b, si2, di2)
+                return st["dev_b"]
+
+            def c_xla_both():
+                st["dev_b"], out = xla_both(st["dev_b"], dev_a, host_b, si1, si2, di2)
+                return out, st["dev_b"]
+
+            calls = {"ours": (c_ours_off, c_ours_on, c_ours_both),
+                     "xla": (lambda: xla_off(dev_a, si1), c_xla_on, c_xla_both)}
+            for name, (off, on, both) in calls.items():
+                res: dict[str, Any] = {}
+                if self.past_deadline():
+                    sec["paths"][name] = {"skipped": "past the deadline"}
+                    continue
+                try:
+                    t_off = _median(self.time_jax(off, pipe=pipe)[0])
+                    t_on = _median(self.time_jax(on, pipe=pipe)[0])
+                    t_both = _median(self.time_jax(both, pipe=pipe)[0])
+                    res = self._bidir_result(total, t_off, t_on, t_both)
+                except Exception as e:  # noqa: BLE001
+                    res["error"] = _err_text(e)
+                    self.log(f"bidirectional {name}: ERROR {res['error'][:300]}")
+                sec["paths"][name] = res
+                if "factor" in res:
+                    self._log_bidir(name, res)
+
+            cu = self.cupy
+            if cu is not None and not self.past_deadline():
+                try:
+                    cu.ensure_arena(total)
+                    da, db = cu.ptr("dev_a"), cu.ptr("dev_b")
+                    ha, hb = cu.ptr("host_a"), cu.ptr("host_b")
+                    kw = {"reps": 1, "samples": cfg.repeats, "warmup": cfg.warmup,
+                          "gpu_only": True}
+                    t_off = _median(cu.time_ops(lambda s: cu.memcpy(hb, da, total, s), **kw)[0])
+                    t_on = _median(cu.time_ops(lambda s: cu.memcpy(db, ha, total, s), **kw)[0])
+                    fork, join = cu.cp.cuda.Event(), cu.cp.cuda.Event()
+
+                    def both_streams(s: Any) -> None:
+                        fork.record(s)
+                        cu.stream2.wait_event(fork)
+                        cu.memcpy(hb, da, total, s)
+                        cu.memcpy(db, ha, total, cu.stream2)
+                        join.record(cu.stream2)
+                        s.wait_event(join)
+
+                    t_both = _median(cu.time_ops(both_streams, **kw)[0])
+                    res = self._bidir_result(total, t_off, t_on, t_both)
+                    res["variant"] = "contiguous memcpy, D2H and H2D on two streams"
+                    sec["paths"]["memcpy_two_streams"] = res
+                    self._log_bidir("memcpy_two_streams", res)
+                except Exception as e:  # noqa: BLE001
+                    sec["paths"]["memcpy_two_streams"] = {"error": _err_text(e)}
+                    self.log(f"bidirectional memcpy: ERROR {_err_text(e)[:300]}")
+        except Exception as e:  # noqa: BLE001
+            sec["error"] = _err_text(e)
+            sec["traceback"] = traceback.format_exc(limit=6)
+            self.log(f"bidirectional: ERROR {sec['error'][:300]}")
+        gc.collect()
+        self.save()
+
+    @staticmethod
+    def _bidir_result(total: int, t_off: float, t_on: float, t_both: float) -> dict[str, Any]:
+        g_off, g_on, g_both = total / t_off / 1e9, total / t_on / 1e9, 2 * total / t_both / 1e9
+        return {"offload_s": t_off, "onboard_s": t_on, "both_s": t_both,
+                "offload_gbps": g_off, "onboard_gbps": g_on, "aggregate_gbps": g_both,
+                "factor": g_both / max(g_off, g_on)}
+
+    def _log_bidir(self, name: str, r: dict[str, Any]) -> None:
+        self.log(f"bidirectional {name}: offload {r['offload_gbps']:.1f}, onboard "
+                 f"{r['onboard_gbps']:.1f}, both {r['aggregate_gbps']:.1f} GB/s aggregate "
+                 f"= {r['factor']:.2f}x one direction")

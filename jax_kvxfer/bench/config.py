@@ -1,0 +1,223 @@
+"""Benchmark configuration: sizes and presets, block geometry, size parsing, and the CLI options."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+DTYPE = jnp.bfloat16
+ITEMSIZE = 2
+DIRECTIONS = ("d2h", "h2d", "d2d")
+SWEEP_PATHS = ("ceiling", "ours", "xla", "naive", "trtllm")
+SECTIONS = ("host", "overlap", "bidir")
+ALL_ONLY = SWEEP_PATHS + SECTIONS
+
+# block bytes -> (layers, kv_factor, heads, tokens_per_block, size_per_head), bf16
+PRESETS: dict[int, tuple[int, int, int, int, int]] = {
+    4 * KiB: (1, 2, 1, 16, 64),
+    16 * KiB: (1, 2, 4, 16, 64),
+    64 * KiB: (2, 2, 4, 32, 64),
+    256 * KiB: (8, 2, 8, 16, 64),      # config B of gpu-facts with half the layers (B is 512 KiB)
+    1 * MiB: (8, 2, 8, 32, 128),
+    4 * MiB: (32, 2, 8, 32, 128),      # issue's config A
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# geometry
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    kv: int
+    heads: int
+    tokens: int
+    head_dim: int
+
+    @property
+    def outer(self) -> int:
+        return self.layers * self.kv * self.heads
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * ITEMSIZE
+
+    @property
+    def block_bytes(self) -> int:
+        return self.outer * self.tokens * self.row_bytes
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.layers, self.kv, self.heads, self.tokens, self.head_dim)
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks,) + self.block_shape
+
+    def moved(self, n: int) -> int:
+        """Bytes one block's copy moves for n tokens (n <= 0 or >= T: the whole block)."""
+        n = self.tokens if n <= 0 or n >= self.tokens else n
+        return self.outer * n * self.row_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {"layers": self.layers, "kv_factor": self.kv, "heads": self.heads,
+                "tokens_per_block": self.tokens, "size_per_head": self.head_dim,
+                "block_bytes": self.block_bytes, "row_bytes": self.row_bytes}
+
+
+def geometry_for(nbytes: int) -> Geometry:
+    if nbytes in PRESETS:
+        return Geometry(*PRESETS[nbytes])
+    unit = 2 * 16 * 64 * ITEMSIZE  # kv=2, T=16, D=64: 4 KiB per layer-head
+    if nbytes <= 0 or nbytes % unit:
+        raise ValueError(f"block size {nbytes} bytes is not a positive multiple of 4 KiB")
+    units = nbytes // unit
+    heads = 1
+    while heads < 8 and units % (heads * 2) == 0:
+        heads *= 2
+    return Geometry(units // heads, 2, heads, 16, 64)
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = 1
+    if t and t[-1] in "KMG":
+        mult = {"K": KiB, "M": MiB, "G": GiB}[t[-1]]
+        t = t[:-1]
+    return int(float(t) * mult)
+
+
+def fmt_size(nbytes: int) -> str:
+    for unit, div in (("G", GiB), ("M", MiB), ("K", KiB)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div}{unit}"
+    return str(nbytes)
+
+
+def n_cases(tokens: int) -> list[tuple[str, int]]:
+    """(label, n) for n in T, T-1, T/2, 1 with duplicates (small T) removed."""
+    out: list[tuple[str, int]] = []
+    for label, n in (("T", tokens), ("T-1", tokens - 1), ("T/2", tokens // 2), ("1", 1)):
+        if n >= 1 and all(n != m for _, m in out):
+            out.append((label, n))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class Config:
+    quick: bool
+    sizes: list[int]
+    blocks: int
+    repeats: int
+    warmup: int
+    only: set[str]
+    out: str
+    deadline_s: float
+    plot: bool
+    seed: int
+    # per-sample sizing (bytes): one jit call / one timed sample
+    call_target_host: int
+    call_target_d2d: int
+    sample_target_host: int
+    sample_target_d2d: int
+    kmax: int
+    max_pipe: int
+    # sections
+    overlap_bytes: int
+    overlap_block: int
+    matmul_dim: int
+    bidir_block: int
+    bidir_blocks: int
+    host_block: int
+    host_pool_blocks: int
+    host_batch: int
+    host_calls: int
+
+
+def parse_args(argv: list[str]) -> Config:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_kvxfer bench",
+        description="Benchmark jax_kvxfer block transfers against memcpy ceilings and baselines "
+                    "(see the module docstring for what each path measures).")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and few repeats (a smoke run; runs on CPU in seconds)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated block sizes, e.g. 16K,64K,256K,1M,4M "
+                        "(default: those; --quick: 4K,16K)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="blocks per batch (default 256; --quick 16)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed samples per case, median reported (default 5; --quick 2)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed samples after compiling")
+    p.add_argument("--only", default=None,
+                   help="comma-separated subset of: " + ",".join(ALL_ONLY)
+                        + " (also 'sweep' = the first five). Ceilings always run with the sweep.")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                   help="directory for the JSON and PNG (default benchmarks/results/)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="soft wall-clock budget: cases that would start after it are skipped and "
+                        "recorded as such (default 230 for a full run, none for --quick; 0 = none)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap-bytes", default=None, help="bytes offloaded in the overlap test "
+                   "(default 2G; --quick 1M)")
+    p.add_argument("--matmul-dim", type=int, default=None,
+                   help="square bf16 matmul size of the compute step (default 8192; --quick 64)")
+    a = p.parse_args(argv)
+
+    q = a.quick
+    sizes = ([parse_size(s) for s in a.sizes.split(",") if s.strip()] if a.sizes
+             else ([4 * KiB, 16 * KiB] if q else [16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]))
+    for s in sizes:
+        geometry_for(s)  # validates
+    only: set[str] = set()
+    if a.only:
+        for item in a.only.split(","):
+            item = item.strip().lower()
+            if not item:
+                continue
+            if item == "sweep":
+                only.update(SWEEP_PATHS)
+            elif item in ALL_ONLY:
+                only.add(item)
+            else:
+                p.error(f"--only: unknown path {item!r}; choose from {', '.join(ALL_ONLY)}, sweep")
+    else:
+        only = set(ALL_ONLY)
+    if only & {"ours", "xla", "naive", "trtllm"}:
+        only.add("ceiling")
+    deadline = a.deadline_s if a.deadline_s is not None else (0.0 if q else 230.0)
+    blocks = a.blocks if a.blocks is not None else (16 if q else 256)
+    if blocks < 1:
+        p.error("--blocks must be >= 1")
+    repeats = a.repeats if a.repeats is not None else (2 if q else 5)
+    if repeats < 1:
+        p.error("--repeats must be >= 1")
+    return Config(
+        quick=q, sizes=sizes, blocks=blocks, repeats=repeats, warmup=max(0, a.warmup),
+        only=only, out=a.out, deadline_s=deadline, plot=not a.no_plot, seed=a.seed,
+        call_target_host=(128 * KiB if q else 32 * MiB),
+        call_target_d2d=(256 * KiB if q else 512 * MiB),
+        sample_target_host=(128 * KiB if q else 256 * MiB),
+        sample_target_d2d=(128 * KiB if q else 4 * GiB),
+        kmax=(2 if q else 32), max_pipe=(2 if q else 16),
+        overlap_bytes=parse_size(a.overlap_bytes) if a.overlap_bytes else (1 * MiB if q else 2 * GiB),
+        overlap_block=(16 * KiB if q else 1 * MiB),
+        matmul_dim=a.matmul_dim or (64 if q else 8192),
+        bidir_block=(16 * KiB if q else 1 * MiB),
+        bidir_blocks=(16 if q else 256),
+        host_block=(4 * KiB if q else 64 * KiB),
+        host_pool_blocks=(128 if q else 256),
+        host_batch=64,
+        host_calls=(30 if q else 200),
+    )

@@ -1,0 +1,105 @@
+"""Small shared helpers: medians, error text, device names, seeded pools, compile counting."""
+
+from __future__ import annotations
+
+import functools
+import platform
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .config import DTYPE
+
+
+def _clamp(x: float, lo: int, hi: int) -> int:
+    return int(max(lo, min(hi, x)))
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _block(tree: Any) -> None:
+    leaves = [x for x in jax.tree.leaves(tree)
+              if isinstance(x, jax.Array) and not x.is_deleted()]
+    jax.block_until_ready(leaves)
+
+
+def _err_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) < 1500 else text[:1500] + " ..."
+
+
+def _gpu_name(dev: Any) -> str:
+    if dev.platform != "cpu":
+        return str(getattr(dev, "device_kind", dev.platform))
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + (platform.processor() or "unknown")
+
+
+@functools.cache
+def _pattern_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
+    """Pseudo-random bf16 pool from a seed: an integer hash of the element index (compiles fast,
+    unlike jax.random on CPU), top exponent bit cleared so no value is NaN or inf and paths that
+    pass values through float ops still compare bit-exact."""
+    size = int(np.prod(shape))
+
+    def make(seed: jax.Array) -> jax.Array:
+        h = lax.iota(jnp.uint32, size) * jnp.uint32(2654435761) + seed * jnp.uint32(0x9E3779B9)
+        h = h ^ (h >> 15)
+        h = h * jnp.uint32(0x2C1B3C6D)
+        h = h ^ (h >> 12)
+        bits = (h >> 16).astype(jnp.uint16) & jnp.uint16(0xBFFF)
+        return lax.bitcast_convert_type(bits, DTYPE).reshape(shape)
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+@functools.cache
+def _zeros_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jnp.zeros(shape, DTYPE), out_shardings=sharding)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (all of them, jit and eager) through jax.monitoring."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.registered = False
+        try:
+            jax.monitoring.register_event_duration_secs_listener(self._on_event)
+            self.registered = True
+        except Exception:  # noqa: BLE001 - no listener API: compiles are then not counted
+            self.registered = False
+
+    def _on_event(self, name: str, duration: float, **kwargs: Any) -> None:
+        if name == self.EVENT:
+            self.count += 1
+
+    def close(self) -> None:
+        if self.registered:
+            try:
+                jax.monitoring.unregister_event_duration_listener(self._on_event)
+            except Exception:  # noqa: BLE001 - older jax: the listener stays, harmlessly
+                self.count = 0
+            self.registered = False
+
+
+def _cache_size(fn: Any) -> int | None:
+    try:
+        return int(fn._cache_size()) if fn is not None else None
+    except Exception:  # noqa: BLE001
+        return None

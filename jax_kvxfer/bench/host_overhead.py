@@ -1,0 +1,150 @@
+"""The host-overhead section: time for a 64-block transfer call to return, and recompiles."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..ops import copy_blocks
+from .config import DTYPE, fmt_size, geometry_for
+from .helpers import _block, _cache_size, _err_text, _median
+
+
+class HostOverheadMixin:
+    """`Bench`'s host-overhead section (uses `BenchCore`'s state and helpers)."""
+
+    def run_host_overhead(self) -> None:
+        """Time for a 64-block transfer call to return to Python (no blocking), and whether any
+        call of the timed loop compiled. Variants: the transfer manager's `offload_blocks` /
+        `onboard_blocks` (target 6's API, when `jax_kvxfer.manager` imports), a jitted donated
+        `copy_blocks` with numpy or device indices, and `copy_blocks` called outside jit."""
+        cfg = self.cfg
+        geom = geometry_for(cfg.host_block)
+        P, Bt = cfg.host_pool_blocks, cfg.host_batch
+        sec: dict[str, Any] = {"block_bytes": geom.block_bytes, "pool_blocks": P, "batch": Bt,
+                               "calls": cfg.host_calls, "cases": []}
+        self.sections["host_overhead"] = sec
+        self.log(f"== host overhead: {Bt} blocks of {fmt_size(geom.block_bytes)} ==")
+        dirs = [("offload", "d2h"), ("onboard", "h2d")] if self.hsh is not None else []
+
+        for name, d in dirs:
+            src_sh, dst_sh = (self.dsh, self.hsh) if d == "d2h" else (self.hsh, self.dsh)
+            batches = []
+            for j in range(16):  # different indices each call; some padded with -1 (buckets)
+                si, di = self.perms(1, Bt, P)[0], self.perms(1, Bt, P)[0]
+                if j % 2:
+                    real = Bt - 1 - int(self.rng.integers(0, Bt // 4 + 1))
+                    si[real:] = -1
+                    di[real:] = -1
+                batches.append((si, di))
+            # one jitted function per direction, as a manager would hold (numpy and device
+            # indices have the same avals, so they share its cache entry)
+            jit_fn = jax.jit(lambda dst, src, si, di: copy_blocks(dst, src, si, di),
+                             donate_argnums=0, out_shardings=dst_sh)
+
+            for variant in (f"manager {name}_blocks", "jit, numpy indices",
+                            "jit, pinned_host indices", "jit, device indices",
+                            "eager copy_blocks"):
+                def setup(variant: str = variant, src_sh: Any = src_sh, dst_sh: Any = dst_sh,
+                          jit_fn: Any = jit_fn, batches: list[Any] = batches, d: str = d
+                          ) -> tuple[Callable[[int], None], Callable[[], None], Any]:
+                    """(call(i), sync(), jitted fn or None) for one variant."""
+                    if variant.startswith("manager"):
+                        from ..manager import KVCacheTransferManager
+                        from ..pool import KVCacheBlock, KVCacheBlockPool
+                        kvpool = KVCacheBlockPool.create(
+                            num_layers=geom.layers, num_kv_heads=geom.heads,
+                            size_per_head=geom.head_dim, tokens_per_block=geom.tokens,
+                            dtype=DTYPE, num_primary_blocks=P, num_secondary_blocks=P,
+                            kv_factor=geom.kv)
+                        tm = KVCacheTransferManager([kvpool])
+                        on_primary = d == "d2h"  # the source side
+                        pair_lists = []
+                        for si, di in batches:
+                            n = int(np.sum(si >= 0))
+                            pair_lists.append([
+                                (KVCacheBlock(k, int(si[k]), on_primary),
+                                 KVCacheBlock(k, int(di[k]), not on_primary)) for k in range(n)])
+                        verb = tm.offload_blocks if d == "d2h" else tm.onboard_blocks
+
+                        def call(i: int) -> None:
+                            verb(pair_lists[i % len(pair_lists)])
+
+                        return call, tm.sync_transfers, None
+
+                    src_pool = self.random_pool(geom, P, src_sh)
+                    st = {"dst": self.zero_pool(geom, P, dst_sh)}
+                    if variant == "jit, pinned_host indices":
+                        # the indices copied into pinned host memory in the timed call (a host
+                        # memcpy) and read by the kernel through unified addressing
+                        idx_sh = jax.sharding.SingleDeviceSharding(
+                            self.dev, memory_kind="pinned_host")
+
+                        def call(i: int) -> None:
+                            si, di = batches[i % len(batches)]
+                            si, di = jax.device_put((si, di), idx_sh)
+                            st["dst"] = jit_fn(st["dst"], src_pool, si, di)
+                        fn = jit_fn
+                    elif variant.startswith("jit"):
+                        idx = batches if "numpy" in variant else [
+                            (jnp.asarray(a), jnp.asarray(b)) for a, b in batches]
+
+                        def call(i: int) -> None:
+                            st["dst"] = jit_fn(st["dst"], src_pool, *idx[i % len(idx)])
+                        fn = jit_fn
+                    else:
+                        def call(i: int) -> None:
+                            st["dst"] = copy_blocks(st["dst"], src_pool,
+                                                    *batches[i % len(batches)])
+                        fn = None
+                    return call, lambda: _block(st["dst"]), fn
+
+                def run(setup: Callable[[], Any] = setup, n_batches: int = len(batches)
+                        ) -> dict[str, Any]:
+                    call, sync, fn = setup()
+                    for i in range(2 * n_batches):  # warm-up: every batch, twice
+                        call(i)
+                    sync()
+                    cache0 = _cache_size(fn)
+                    compiles0 = self.compiles.count
+                    times = []
+                    for i in range(cfg.host_calls):
+                        t0 = time.perf_counter()
+                        call(i)
+                        times.append(time.perf_counter() - t0)
+                        if i % 8 == 7:
+                            sync()
+                    sync()
+                    cache1 = _cache_size(fn)
+                    compiles = (self.compiles.count - compiles0
+                                if self.compiles.registered else None)
+                    us = sorted(t * 1e6 for t in times)
+                    recompiled = (compiles > 0 if compiles is not None
+                                  else None if cache0 is None else cache1 != cache0)
+                    return {"median_us": _median(us), "p10_us": us[len(us) // 10],
+                            "p90_us": us[(9 * len(us)) // 10], "min_us": us[0],
+                            "compiles_during_timing": compiles,
+                            "jit_cache_before": cache0, "jit_cache_after": cache1,
+                            "recompiled": recompiled}
+
+                rec = {"direction": name, "variant": variant}
+                if self.past_deadline():
+                    rec["skipped"] = "past the deadline"
+                else:
+                    try:
+                        rec.update(run())
+                        self.log(f"host overhead {name} [{variant}]: median "
+                                 f"{rec['median_us']:.1f} us, p90 {rec['p90_us']:.1f} us, "
+                                 f"recompiled={rec['recompiled']}")
+                    except Exception as e:  # noqa: BLE001
+                        rec["error"] = _err_text(e)
+                        rec["traceback"] = traceback.format_exc(limit=6)
+                        self.log(f"host overhead {name} [{variant}]: ERROR {rec['error'][:300]}")
+                sec["cases"].append(rec)
+                self.save()

@@ -1,0 +1,144 @@
+"""The overlap section: an offload running alongside a compute-bound matmul chain."""
+
+from __future__ import annotations
+
+import gc
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..ops import copy_blocks
+from .config import DTYPE, MiB, fmt_size, geometry_for
+from .helpers import _block, _clamp, _err_text, _median
+
+
+class OverlapMixin:
+    """`Bench`'s overlap section (uses `BenchCore`'s state and helpers)."""
+
+    def run_overlap(self) -> None:
+        cfg = self.cfg
+        sec: dict[str, Any] = {}
+        self.sections["overlap"] = sec
+        if self.hsh is None:
+            sec["skipped"] = "no pinned_host memory"
+            return
+        geom = geometry_for(cfg.overlap_block)
+        nb = max(1, cfg.overlap_bytes // geom.block_bytes)
+        total = nb * geom.block_bytes
+        N = cfg.matmul_dim
+        sec.update({"block_bytes": geom.block_bytes, "blocks": nb, "bytes": total,
+                    "matmul_dim": N, "paths": {}})
+        self.log(f"== overlap: offload {total / MiB:.0f} MiB ({nb} x {fmt_size(geom.block_bytes)})"
+                 f" during a {N}x{N} bf16 matmul chain ==")
+        try:
+            src = self.random_pool(geom, nb, self.dsh)
+            st = {"dst": self.zero_pool(geom, nb, self.hsh)}
+            si, di = self.perms(1, nb, nb)[0], self.perms(1, nb, nb)[0]
+            si_dev, di_dev = jnp.asarray(si), jnp.asarray(di)
+            x = self.matrix(N, 2.0)
+            w = self.matrix(N, 2.0 * math.sqrt(3.0 / N))
+            _block([src, st["dst"], x, w])
+
+            def matmuls(x: jax.Array, w: jax.Array, iters: int) -> jax.Array:
+                for _ in range(iters):
+                    x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(DTYPE)
+                return x
+
+            ours_fn = jax.jit(lambda dst, s, a, b: copy_blocks(dst, s, a, b),
+                              donate_argnums=0, out_shardings=self.hsh)
+            xla_fn = jax.jit(lambda s, a: s[a], out_shardings=self.hsh)
+
+            def ours_call() -> jax.Array:
+                st["dst"] = ours_fn(st["dst"], src, si_dev, di_dev)
+                return st["dst"]
+
+            transfer: dict[str, float] = {}
+            errors: dict[str, str] = {}
+            for name, call in (("ours", ours_call), ("xla", lambda: xla_fn(src, si_dev))):
+                try:
+                    transfer[name] = _median(self.time_jax(call, pipe=1)[0])
+                except Exception as e:  # noqa: BLE001
+                    errors[name] = _err_text(e)
+            cu = self.cupy
+            if cu is not None:
+                try:
+                    cu.ensure_arena(total)
+                    dp, sp = cu.ptr("host_b"), cu.ptr("dev_a")
+                    times, _ = cu.time_ops(lambda s: cu.memcpy(dp, sp, total, s), reps=1,
+                                           samples=cfg.repeats, warmup=cfg.warmup, gpu_only=True)
+                    transfer["memcpy_side_stream"] = _median(times)
+                except Exception as e:  # noqa: BLE001
+                    errors["memcpy_side_stream"] = _err_text(e)
+
+            # calibrate the step to last about as long as the slowest transfer
+            probe_iters = 4
+            probe = jax.jit(lambda a, b: matmuls(a, b, probe_iters))
+            t_probe = _median(self.time_jax(lambda: probe(x, w), pipe=1)[0])
+            per_iter = max(t_probe / probe_iters, 1e-7)
+            goal = max(transfer.values()) if transfer else t_probe
+            iters = _clamp(round(goal / per_iter), 1, 2000 if not cfg.quick else 64)
+            step = jax.jit(lambda a, b: matmuls(a, b, iters))
+            step_s = _median(self.time_jax(lambda: step(x, w), pipe=1)[0])
+            flops = 2.0 * N ** 3 * iters
+            sec.update({"step_iters": iters, "step_s": step_s,
+                        "step_tflops": flops / step_s / 1e12})
+            self.log(f"overlap: step {iters} matmuls = {step_s * 1e3:.2f} ms "
+                     f"({flops / step_s / 1e12:.0f} TFLOP/s)")
+
+            ours_both = jax.jit(lambda a, b, dst, s, i, j: (matmuls(a, b, iters),
+                                                            copy_blocks(dst, s, i, j)),
+                                donate_argnums=2, out_shardings=(self.dsh, self.hsh))
+            xla_both = jax.jit(lambda a, b, s, i: (matmuls(a, b, iters), s[i]),
+                               out_shardings=(self.dsh, self.hsh))
+
+            def ours_both_call() -> Any:
+                y, st["dst"] = ours_both(x, w, st["dst"], src, si_dev, di_dev)
+                return y, st["dst"]
+
+            both_calls: dict[str, Callable[[], Any]] = {
+                "ours": ours_both_call, "xla": lambda: xla_both(x, w, src, si_dev)}
+            if cu is not None and "memcpy_side_stream" in transfer:
+                dp, sp = cu.ptr("host_b"), cu.ptr("dev_a")
+
+                def memcpy_both() -> Any:
+                    y = step(x, w)  # dispatched, runs on XLA's stream
+                    cu.memcpy(dp, sp, total, cu.stream)  # meanwhile on a cupy stream
+                    cu.stream.synchronize()
+                    return y
+
+                both_calls["memcpy_side_stream"] = memcpy_both
+
+            for name, call in both_calls.items():
+                res: dict[str, Any] = {}
+                if name in errors:
+                    res["error"] = errors[name]
+                elif self.past_deadline():
+                    res["skipped"] = "past the deadline"
+                else:
+                    try:
+                        both_s = _median(self.time_jax(call, pipe=1)[0])
+                        t = transfer[name]
+                        res = {"transfer_s": t, "transfer_gbps": total / t / 1e9, "step_s": step_s,
+                               "both_s": both_s, "no_overlap_sum_s": t + step_s,
+                               "added_to_step": both_s / step_s - 1,
+                               "transfer_hidden": (t + step_s - both_s) / t}
+                        self.log(f"overlap {name}: transfer {t * 1e3:.2f} ms "
+                                 f"({total / t / 1e9:.1f} GB/s), step {step_s * 1e3:.2f} ms, "
+                                 f"both {both_s * 1e3:.2f} ms, sum {(t + step_s) * 1e3:.2f} ms "
+                                 f"-> +{res['added_to_step']:.1%} on the step")
+                    except Exception as e:  # noqa: BLE001
+                        res["error"] = _err_text(e)
+                        self.log(f"overlap {name}: ERROR {res['error'][:300]}")
+                sec["paths"][name] = res
+            if cu is None:
+                sec["note"] = self.cupy_note
+        except Exception as e:  # noqa: BLE001
+            sec["error"] = _err_text(e)
+            sec["traceback"] = traceback.format_exc(limit=6)
+            self.log(f"overlap: ERROR {sec['error'][:300]}")
+        gc.collect()
+        self.save()

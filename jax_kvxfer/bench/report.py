@@ -1,0 +1,251 @@
+"""Results: the JSON document, issue 4's targets, the stdout table and summary, and the plot."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from .config import DIRECTIONS, KiB, fmt_size, geometry_for
+from .helpers import _gpu_name
+
+
+class ReportMixin:
+    """`Bench`'s JSON writing, targets, table, summary and plot (uses `BenchCore`'s state)."""
+
+    # --- JSON ---------------------------------------------------------------------------------
+
+    def meta(self) -> dict[str, Any]:
+        import jaxlib
+
+        from .. import __version__ as kvx_version
+        from .._native import HAS_CUDA_HANDLERS
+        return {
+            "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "gpu": _gpu_name(self.dev),
+            "backend": self.backend,
+            "jax": jax.__version__,
+            "jaxlib": getattr(jaxlib, "__version__", None),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "cupy": self.cupy.version if self.cupy else None,
+            "jax_kvxfer": kvx_version,
+            "cuda_handlers": HAS_CUDA_HANDLERS,
+            "host": platform.node(),
+            "argv": sys.argv,
+            "config": {k: (sorted(v) if isinstance(v, set) else v)
+                       for k, v in vars(self.cfg).items()},
+            "dtype": "bfloat16",
+            "notes": self.notes,
+        }
+
+    def save(self) -> None:
+        self._assign_ratios()
+        doc = {"meta": self.meta(), "elapsed_s": round(self.elapsed(), 2),
+               "ceilings": [{"direction": d, "block_bytes": b, **v}
+                            for (d, b), v in sorted(self.ceilings.items())],
+               "results": self.results, **self.sections,
+               "targets": self.targets()}
+        tmp = self.json_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1, default=_json_default)
+        os.replace(tmp, self.json_path)
+
+    def _assign_ratios(self) -> None:
+        for rec in self.results:
+            ceil = self.ceilings.get((rec.get("direction"), rec.get("block_bytes")))
+            if rec.get("kind") == "ceiling" or not ceil or not rec.get("gbps"):
+                continue
+            rec["ceiling_gbps"] = ceil["gbps"]
+            rec["ceiling_path"] = ceil["path"]
+            rec["ratio"] = rec["gbps"] / ceil["gbps"]
+
+    # --- targets, table, plot -----------------------------------------------------------------
+
+    def _find(self, path: str, d: str, n_label: str, size: int | None = None
+              ) -> list[dict[str, Any]]:
+        return [r for r in self.results if r.get("path") == path and r.get("direction") == d
+                and r.get("n_label") == n_label and r.get("gbps")
+                and (size is None or r.get("block_bytes") == size)]
+
+    def targets(self) -> dict[str, Any]:
+        """Issue 4's targets as measured (information, not assertions)."""
+        t: dict[str, Any] = {}
+
+        def min_ratio(recs: list[dict[str, Any]]) -> float | None:
+            rs = [r["ratio"] for r in recs if r.get("ratio")]
+            return min(rs) if rs else None
+
+        whole = [r for d in ("d2h", "h2d") for r in self._find("ours", d, "T")]
+        big, small = ([r for r in whole if r["block_bytes"] >= 64 * KiB],
+                      [r for r in whole if r["block_bytes"] < 64 * KiB])
+        t["1_whole_host"] = {"min_ratio_ge_64K": min_ratio(big), "goal_ge_64K": 0.90,
+                             "min_ratio_lt_64K": min_ratio(small), "goal_lt_64K": 0.75}
+        part = [r for d in ("d2h", "h2d") for lab in ("T/2", "T-1") for r in self._find("ours", d, lab)]
+        one = [r for d in ("d2h", "h2d") for r in self._find("ours", d, "1")]
+        t["2_partial_host"] = {"min_ratio_half_and_T-1": min_ratio(part), "goal": 0.80,
+                               "min_ratio_n1": min_ratio(one), "aim_n1": 0.50}
+        d2d = [r for lab in ("T", "T-1", "T/2") for r in self._find("ours", "d2d", lab)]
+        t["3_d2d_n_ge_half"] = {"min_ratio": min_ratio(d2d), "goal": 0.80}
+        vs: dict[str, Any] = {}
+        for d in ("d2h", "h2d"):
+            o, nv = self._find("ours", d, "T", 64 * KiB), self._find("naive", d, "T", 64 * KiB)
+            if o and nv:
+                vs[f"ours_over_naive_64K_{d}"] = o[0]["gbps"] / nv[0]["gbps"]
+        for trt in ("trt_gpu", "trt_loop"):
+            worst = None
+            for r in self.results:
+                if r.get("path") != "ours" or not r.get("gbps"):
+                    continue
+                other = self._find(trt, r["direction"], r["n_label"], r["block_bytes"])
+                if other:
+                    q = r["gbps"] / other[0]["gbps"]
+                    if worst is None or q < worst[0]:
+                        where = f"{r['direction']} {fmt_size(r['block_bytes'])} n={r['n_label']}"
+                        worst = (q, where)
+            if worst:
+                vs[f"min_ours_over_{trt}"] = worst[0]
+                vs[f"min_ours_over_{trt}_at"] = worst[1]
+        vs["goal_over_naive"] = 50.0
+        vs["goal_over_trt"] = 1.0
+        t["4_vs_baselines"] = vs
+        ov = self.sections.get("overlap", {}).get("paths", {})
+        t["5_overlap_added_to_step"] = {k: v.get("added_to_step") for k, v in ov.items()}
+        t["5_overlap_added_to_step"]["goal"] = 0.10
+        ho = self.sections.get("host_overhead", {}).get("cases", [])
+        t["6_host_overhead_us"] = {f"{c['direction']} [{c['variant']}]": c.get("median_us")
+                                   for c in ho}
+        t["6_host_overhead_us"]["recompiled_any"] = any(c.get("recompiled") for c in ho)
+        t["6_host_overhead_us"]["goal_us"] = 200.0
+        bd = self.sections.get("bidirectional", {}).get("paths", {})
+        t["7_bidir_factor"] = {k: v.get("factor") for k, v in bd.items()}
+        t["7_bidir_factor"]["goal"] = 1.6
+        return t
+
+    def table(self) -> str:
+        cols = [("ours", "T"), ("ours", "T-1"), ("ours", "T/2"), ("ours", "1"), ("xla", "T"),
+                ("naive", "T"), ("trt_gpu", "T"), ("trt_gpu", "T/2"), ("trt_loop", "T")]
+        cols = [c for c in cols if any(r.get("path") == c[0] and r.get("n_label") == c[1]
+                                       for r in self.results)]
+        head = f"{'dir':4} {'block':>6} {'ceiling':>13} " + " ".join(
+            f"{p + ':' + n:>13}" for p, n in cols)
+        lines = ["GB/s and % of the same-run ceiling (bytes moved / ceiling)", head,
+                 "-" * len(head)]
+        for d in DIRECTIONS:
+            for size in self.cfg.sizes:
+                ceil = self.ceilings.get((d, geometry_for(size).block_bytes))
+                if ceil is None and not any(r.get("direction") == d and r.get("block_bytes") == size
+                                            for r in self.results):
+                    continue
+                cells = [f"{_fmt_gbps(ceil['gbps'])} {'mcpy' if ceil['path'] == 'memcpy' else 'jax':>5}"
+                         if ceil else f"{'-':>13}"]
+                for p, n in cols:
+                    rs = self._find(p, d, n, size)
+                    if not rs:
+                        cells.append(f"{'-':>13}")
+                        continue
+                    r = rs[0]
+                    ratio = f"{r['ratio']:4.0%}" if r.get("ratio") else "  - "
+                    cells.append(f"{_fmt_gbps(r['gbps'])} {ratio:>5}")
+                lines.append(f"{d:4} {fmt_size(size):>6} " + " ".join(cells))
+        errs = [r for r in self.results if r.get("error")]
+        if errs:
+            lines.append(f"{len(errs)} case(s) failed: " + "; ".join(
+                f"{r.get('direction', '')} {fmt_size(r.get('block_bytes', 0))} {r['path']} "
+                f"n={r.get('n_label', '')}" for r in errs[:8]))
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        out = []
+        ho = self.sections.get("host_overhead", {}).get("cases", [])
+        for c in ho:
+            if "median_us" in c:
+                out.append(f"host overhead {c['direction']:8} [{c['variant']}]: median "
+                           f"{c['median_us']:.1f} us (p90 {c['p90_us']:.1f}), "
+                           f"recompiled={c['recompiled']}")
+        ov = self.sections.get("overlap", {})
+        for name, r in ov.get("paths", {}).items():
+            if "both_s" in r:
+                out.append(f"overlap {name:18}: step {r['step_s'] * 1e3:.1f} ms, transfer "
+                           f"{r['transfer_s'] * 1e3:.1f} ms, both {r['both_s'] * 1e3:.1f} ms, sum "
+                           f"{r['no_overlap_sum_s'] * 1e3:.1f} ms: +{r['added_to_step']:.0%} on "
+                           "the step")
+        for name, r in self.sections.get("bidirectional", {}).get("paths", {}).items():
+            if "factor" in r:
+                out.append(f"bidirectional {name:18}: {r['aggregate_gbps']:.1f} GB/s aggregate ="
+                           f" {r['factor']:.2f}x one direction "
+                           f"(off {r['offload_gbps']:.1f}, on {r['onboard_gbps']:.1f})")
+        return "\n".join(out)
+
+    def plot(self) -> str | None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except Exception:  # noqa: BLE001
+            return None
+        dirs = [d for d in DIRECTIONS if any(r.get("direction") == d and r.get("gbps")
+                                             for r in self.results)]
+        if not dirs:
+            return None
+        fig, axes = plt.subplots(1, len(dirs), figsize=(6 * len(dirs), 7.5), squeeze=False)
+        titles = {"d2h": "offload device -> pinned host", "h2d": "onboard pinned host -> device",
+                  "d2d": "device -> device"}
+        colors = {"ours": "C0", "trt_gpu": "C1", "xla": "C2", "naive": "C3", "trt_loop": "C4"}
+        markers = {"ours": "o", "trt_gpu": "s", "xla": "^", "naive": "v", "trt_loop": "x"}
+        styles = {"T": "-", "T-1": "-.", "T/2": "--", "1": ":"}
+        sizes = sorted({r["block_bytes"] for r in self.results if r.get("gbps")})
+        for ax, d in zip(axes[0], dirs):
+            series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+            for r in self.results:
+                if r.get("direction") != d or not r.get("gbps") or r.get("kind") == "ceiling":
+                    continue
+                series.setdefault((r["path"], r["n_label"]), []).append(
+                    (r["block_bytes"], r["gbps"]))
+            ceil_pts = sorted((b, v["gbps"]) for (dd, b), v in self.ceilings.items() if dd == d)
+            if ceil_pts:
+                ax.plot(*zip(*ceil_pts), color="k", lw=2.5, alpha=0.6,
+                        label="ceiling: contiguous copy, same run")
+            order = list(colors)
+            for (path, n), pts in sorted(series.items(), key=lambda kv: (
+                    order.index(kv[0][0]) if kv[0][0] in order else 99, list(styles).index(
+                        kv[0][1]) if kv[0][1] in styles else 9)):
+                pts.sort()
+                ax.plot(*zip(*pts), linestyle=styles.get(n, "-"),
+                        marker=markers.get(path, "."), color=colors.get(path, "C7"), ms=4,
+                        lw=1.8 if path == "ours" else 1.1, label=f"{path} n={n}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(sizes, [fmt_size(b) for b in sizes])
+            ax.set_xlabel("block size")
+            ax.set_ylabel("GB/s (bytes moved)")
+            ax.set_title(titles[d])
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6.5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+        fig.suptitle(f"jax_kvxfer, {_gpu_name(self.dev)}, jax {jax.__version__}, "
+                     f"{self.cfg.blocks} blocks per batch")
+        fig.tight_layout()
+        fig.savefig(self.png_path, dpi=110)
+        plt.close(fig)
+        return self.png_path
+
+
+def _fmt_gbps(x: float) -> str:
+    return f"{x:7.1f}" if x >= 10 else f"{x:7.2f}"
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
