@@ -57,7 +57,9 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
       if (valid(i)) std::memcpy(staged + i * g.block_bytes, src_data + si[i] * g.block_bytes, g.block_bytes);
     }
   }
-  // Pairs apply in order, so the last pair writing a token wins.
+  // Pairs apply in order, so the last pair writing a token wins (`unique_dst`, which lets the
+  // GPU skip its duplicate scan, changes nothing here).
+  (void)unique_dst;
   for (int64_t i = 0; i < num_pairs; ++i) {
     if (!valid(i)) continue;
     const char* from = stage ? staged + i * g.block_bytes : src_data + si[i] * g.block_bytes;
@@ -73,7 +75,7 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                               ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                        bool unique_dst) {
+                              bool unique_dst) {
   return BlockCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
                       hazard_free, unique_dst);
 }

@@ -170,7 +170,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
                          ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                          ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                        bool unique_dst) {
+                         bool unique_dst) {
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
@@ -230,7 +230,7 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                                ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                                ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                        bool unique_dst) {
+                               bool unique_dst) {
   return BlockCopyCuda(stream, pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
                        hazard_free, unique_dst);
 }
