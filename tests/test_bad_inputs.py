@@ -577,7 +577,7 @@ def _params():
         yield pytest.param(case, id=case.id, marks=marks)
 
 
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", list(_params()))
 def test_bad_input(case: Case, monkeypatch: pytest.MonkeyPatch):
     ctx = Ctx(seed=sum(map(ord, case.id)))
     call = case.setup(ctx, monkeypatch)
