@@ -239,7 +239,8 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
 
 
 @functools.lru_cache(maxsize=64)
-def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts):
+def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts,
+              donate: bool = False):
     """A jitted op for calls made outside jit; the result keeps the destination's sharding.
 
     A destination split over several devices is copied by each device on its own shard.
@@ -254,7 +255,7 @@ def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts)
         spec, whole = out_sharding.spec, jax.sharding.PartitionSpec()
         fn = jax.shard_map(fn, mesh=out_sharding.mesh, in_specs=(spec, spec) + (whole,) * 3,
                            out_specs=spec)
-    return jax.jit(fn, out_shardings=out_sharding)
+    return jax.jit(fn, out_shardings=out_sharding, donate_argnums=(0,) if donate else ())
 
 
 def _is_split(sharding: jax.sharding.Sharding) -> bool:
@@ -292,6 +293,8 @@ def copy_blocks(
     src_indices: IndexLike,
     dst_indices: IndexLike,
     num_tokens: TokensLike = None,
+    *,
+    donate: bool = False,
 ) -> jax.Array:
     """Copies block `src_indices[i]` of `src_pool` into block `dst_indices[i]` of `dst_pool`.
 
@@ -313,6 +316,9 @@ def copy_blocks(
       num_tokens: None (whole blocks), an int for every pair, or an integer vector of length B.
         Per pair, n copies `block[:, :, :, :n, :]`; n <= 0 or n >= tokens_per_block copies the
         whole block.
+      donate: outside jit only: consume `dst_pool` and update it in place. Without it the call
+        is functional, and XLA first copies the whole destination pool. (Inside `jax.jit`,
+        donate through `donate_argnums` instead.)
 
     Returns:
       The new destination pool (same shape, dtype and, outside jit, sharding as `dst_pool`).
@@ -342,7 +348,10 @@ def copy_blocks(
     facts = index_facts(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
     if any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens)):
         return block_copy_call(dst_pool, src_pool, si, di, tokens, facts)
-    return _eager_fn("pool", dst_pool.sharding, facts)(dst_pool, src_pool, si, di, tokens)
+    if donate and dst_pool is src_pool:
+        raise ValueError("donate=True needs src_pool to be another array than dst_pool")
+    fn = _eager_fn("pool", dst_pool.sharding, facts, bool(donate))
+    return fn(dst_pool, src_pool, si, di, tokens)
 
 
 def _may_be_partial(tokens: Any, tokens_per_block: int) -> bool:

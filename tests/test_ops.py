@@ -777,3 +777,22 @@ def test_gpu_four_bit_is_packed():
     """The CUDA handler assumes 4-bit types are packed two per byte on the GPU."""
     assert jnp.zeros((4, 6), jnp.int4).on_device_size_in_bytes() == 12
     assert jnp.zeros((4, 6), jnp.uint4).on_device_size_in_bytes() == 12
+
+
+@pytest.mark.parametrize("dst_kind", ["device", "pinned_host"])
+def test_eager_copy_with_donate_updates_in_place(dst_kind, rng):
+    dst_np = random_values(rng, (5, 2, 2, 1, 4, 2), jnp.float32)
+    src_np = random_values(rng, (5, 2, 2, 1, 4, 2), jnp.float32)
+    dev = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind=dst_kind)
+    dst = jax.device_put(dst_np, sharding)
+    src = jax.device_put(src_np, jax.sharding.SingleDeviceSharding(dev, memory_kind="device"))
+    out = kvx.copy_blocks(dst, src, [0, 3], [1, 4], [2, 0], donate=True)
+    assert dst.is_deleted(), "donate=True consumes the destination"
+    assert out.sharding.memory_kind == dst_kind
+    assert_bitwise_equal(out, reference_copy_blocks(dst_np, src_np, [0, 3], [1, 4], [2, 0]))
+    kept = jax.device_put(dst_np, sharding)
+    kvx.copy_blocks(kept, src, [0], [1])  # the default is functional
+    assert not kept.is_deleted()
+    with pytest.raises(ValueError, match="donate=True needs src_pool"):
+        kvx.copy_blocks(out, out, [0], [1], donate=True)
