@@ -8,11 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ..ops import copy_blocks
 from .config import fmt_size, geometry_for
-from .helpers import _block, _err_text, _median
+from .helpers import _block, _err_text, _median, xla_onboard_rows
 
 
 class BidirectionalMixin:
@@ -42,11 +41,7 @@ class BidirectionalMixin:
             _, pipe = self.plan(total, False)
 
             def xla_onboard_body(dst, src, si, di):
-                for b in range(B):
-                    row = lax.dynamic_slice_in_dim(src, si[b], 1, axis=0)
-                    row = jax.device_put(row, jax.memory.Space.Device)
-                    dst = lax.dynamic_update_slice_in_dim(dst, row, di[b], 0)
-                return dst
+                return xla_onboard_rows(dst, src, si, di, B)
 
             ours_off = jax.jit(lambda h, s, i, j: copy_blocks(h, s, i, j), donate_argnums=0,
                                out_shardings=self.hsh)

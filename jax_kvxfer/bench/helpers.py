@@ -48,6 +48,17 @@ def _gpu_name(dev: Any) -> str:
     return "cpu: " + (platform.processor() or "unknown")
 
 
+def xla_onboard_rows(dst: jax.Array, src: jax.Array, si: jax.Array, di: jax.Array,
+                     count: int) -> jax.Array:
+    """The XLA-native onboard (traced inside jit): `count` unrolled dynamic_slices of the
+    pinned_host pool, each moved to device memory and written with dynamic_update_slice."""
+    for b in range(count):
+        row = lax.dynamic_slice_in_dim(src, si[b], 1, axis=0)
+        row = jax.device_put(row, jax.memory.Space.Device)
+        dst = lax.dynamic_update_slice_in_dim(dst, row, di[b], 0)
+    return dst
+
+
 @functools.cache
 def _pattern_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
     """Pseudo-random bf16 pool from a seed: an integer hash of the element index (compiles fast,

@@ -11,11 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..ops import copy_blocks
 from .config import DIRECTIONS, Geometry, MiB, fmt_size, geometry_for, n_cases
-from .helpers import _block, _clamp, _err_text
+from .helpers import _block, _clamp, _err_text, xla_onboard_rows
 
 
 class SweepMixin:
@@ -190,14 +189,8 @@ class SweepMixin:
                     _, pipe = self.plan(B * geom.block_bytes, False)
                     si, di = self.perms(1, B, B)[0], self.perms(1, B, B)[0]
 
-                    def onboard(dst_pool, src_pool, si, di):
-                        for b in range(B):
-                            row = lax.dynamic_slice_in_dim(src_pool, si[b], 1, axis=0)
-                            row = jax.device_put(row, jax.memory.Space.Device)
-                            dst_pool = lax.dynamic_update_slice_in_dim(dst_pool, row, di[b], 0)
-                        return dst_pool
-
-                    fn = jax.jit(onboard, donate_argnums=0, out_shardings=self.dsh)
+                    fn = jax.jit(lambda d, s, i, j: xla_onboard_rows(d, s, i, j, B), donate_argnums=0,
+                                 out_shardings=self.dsh)
                     st = {"dst": pool(dst)}
                     si_dev, di_dev = jnp.asarray(si), jnp.asarray(di)
 
