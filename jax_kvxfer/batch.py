@@ -36,8 +36,8 @@ class PairBatch:
                          self.dst_primary[rows], self.tokens[rows])
 
 
-def check_pairs(pairs: Any, num_primary: int, num_secondary: int) -> PairBatch:
-    """Checks the pairs' types and indices; returns them as columns (tokens left at 0)."""
+def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: int) -> PairBatch:
+    """Checks the pairs' types and indices, then the token counts; returns them as columns."""
     try:
         pairs = list(pairs)
     except TypeError as e:
@@ -48,15 +48,11 @@ def check_pairs(pairs: Any, num_primary: int, num_secondary: int) -> PairBatch:
     except (AttributeError, TypeError, ValueError):  # not pairs of KVCacheBlocks
         _explain_bad_pair(pairs, num_primary, num_secondary)
         raise
-    codes = codes.reshape(n, 2)
-    batch = PairBatch(src=codes[:, 0] >> 1, src_primary=(codes[:, 0] & 1).astype(bool),
-                      dst=codes[:, 1] >> 1, dst_primary=(codes[:, 1] & 1).astype(bool),
-                      tokens=np.zeros(n, np.int32))
-    for index, primary in ((batch.src, batch.src_primary), (batch.dst, batch.dst_primary)):
-        limit = np.where(primary, num_primary, num_secondary)
-        if np.any((index < 0) | (index >= limit)):
-            _explain_bad_pair(pairs, num_primary, num_secondary)
-    return batch
+    index, primary = codes.reshape(n, 2) >> 1, (codes.reshape(n, 2) & 1).astype(bool)
+    if np.any((index < 0) | (index >= np.where(primary, num_primary, num_secondary))):
+        _explain_bad_pair(pairs, num_primary, num_secondary)
+    return PairBatch(src=index[:, 0], src_primary=primary[:, 0], dst=index[:, 1],
+                     dst_primary=primary[:, 1], tokens=_check_tokens(num_tokens, n))
 
 
 def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None:
@@ -79,7 +75,7 @@ def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None
                     f"0..{limit - 1}")
 
 
-def check_tokens(num_tokens: Any, count: int) -> np.ndarray:
+def _check_tokens(num_tokens: Any, count: int) -> np.ndarray:
     """Token counts for `count` pairs from None, an int or a sequence of ints."""
     if num_tokens is None:
         return np.zeros(count, np.int32)

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .batch import PairBatch, check_pairs, check_tokens, split_runs
+from .batch import PairBatch, check_batch, split_runs
 from .ops import IndexFacts, block_copy_call, check_byte_rows, index_facts
 from .pool import KVCacheBlock, KVCacheBlockPool
 
@@ -225,8 +225,8 @@ class KVCacheTransferManager:
     def _transfer(self, op: str, pairs: Sequence[Any], num_tokens: Any) -> None:
         with self._lock:
             first = self._pools[0]
-            batch = check_pairs(pairs, first.num_primary_blocks, first.num_secondary_blocks)
-            batch.tokens[:] = check_tokens(num_tokens, len(batch))
+            batch = check_batch(pairs, num_tokens, first.num_primary_blocks,
+                                first.num_secondary_blocks)
             if not len(batch):
                 return
             if np.any((batch.tokens > 0) & (batch.tokens < first.tokens_per_block)):
