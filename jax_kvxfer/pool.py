@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .limits import check_fits
 from .ops import check_byte_rows, check_memory_space, dtype_bits
 
 
@@ -173,8 +174,6 @@ class KVCacheBlockPool:
         return self.block_nbytes // self.tokens_per_block * num_tokens
 
     def _allocate(self, num_blocks: int, memory_kind: str) -> jax.Array:
-        from .limits import check_fits
-
         shape = (num_blocks, *self.block_shape)
         shards = 1 if self.mesh is None else self.mesh.shape[self.kv_head_axis]
         check_fits(self.device, memory_kind, num_blocks * self.block_nbytes // shards,
