@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
-#   scripts/gpu-check.sh [tests] [bench] [demo] [sanitize] [stress]   (default: tests bench demo)
+#   scripts/gpu-check.sh [tests] [bench] [demo] [sharded] [demo-tp] [sanitize] [stress]
+#   (default: tests bench demo). sharded: the bench's sharded-pool section over all GPUs;
+#   demo-tp: the demo tensor-parallel over 2 GPUs (both need a machine with 2 or more GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-gpu-check}
@@ -38,6 +40,18 @@ if has demo; then
   python3 -m jax_kvxfer demo --preset h200 > "$OUT/demo.txt" 2> "$OUT/demo.log"
   summary+=("demo: exit $? ($(( $(date +%s) - t )) s)")
   tail -25 "$OUT/demo.txt"
+fi
+if has sharded; then
+  t=$(date +%s)
+  python3 -m jax_kvxfer bench --only sharded --out "$OUT" > "$OUT/bench-sharded.txt" 2> "$OUT/bench-sharded.log"
+  summary+=("bench sharded: exit $? ($(( $(date +%s) - t )) s)")
+  cat "$OUT/bench-sharded.txt"
+fi
+if has demo-tp; then
+  t=$(date +%s)
+  python3 -m jax_kvxfer demo --preset h200 --devices 2 > "$OUT/demo-tp2.txt" 2> "$OUT/demo-tp2.log"
+  summary+=("demo --devices 2: exit $? ($(( $(date +%s) - t )) s)")
+  tail -25 "$OUT/demo-tp2.txt"
 fi
 if has sanitize && [ -x scripts/sanitize.sh ]; then
   t=$(date +%s)

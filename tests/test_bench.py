@@ -12,6 +12,7 @@ import os
 import time
 import types
 
+import jax
 import numpy as np
 
 from jax_kvxfer import bench
@@ -217,3 +218,18 @@ def test_cupy_paths_with_stand_in(tmp_path):
     assert all(c["path"] == "memcpy" for c in doc["ceilings"])
     assert "memcpy_side_stream" in doc["overlap"]["paths"]
     assert "memcpy_two_streams" in doc["bidirectional"]["paths"]
+
+
+def test_sharded_section_scales_over_devices(tmp_path):
+    out = str(tmp_path / "res")
+    assert bench.main(["--quick", "--out", out, "--only", "sharded", "--no-plot"]) == 0
+    sec = _load(out)["sharded"]
+    cases = sec["cases"]
+    n_dev = len(jax.devices())
+    assert [c["devices"] for c in cases] == sorted({1, min(n_dev, 2), n_dev})
+    for c in cases:
+        assert "error" not in c, c
+        assert c["verified"] is True, c
+        assert c["offload_gbps"] > 0 and c["onboard_gbps"] > 0
+        assert c["bytes_per_batch"] == c["devices"] * sec["blocks"] * sec["block_bytes_per_device"]
+        assert c["offload_scaling"] > 0 and c["onboard_scaling"] > 0

@@ -1,7 +1,7 @@
 """Pools sharded by KV heads over a mesh (tensor parallelism): each device copies its own shard.
 
-On CPU the suite has 4 virtual devices (tests/conftest.py); on a one-GPU machine the multi-device
-tests skip and the one-device mesh tests still run.
+On CPU the suite has 4 virtual devices (tests/conftest.py); on a GPU machine the multi-device
+tests use up to 4 of its GPUs, and on a one-GPU machine they skip (the one-device mesh tests run).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from jax_kvxfer import manager as manager_module
 
 DEVICES = jax.devices()
 multi_device = pytest.mark.skipif(len(DEVICES) < 2, reason="needs 2 or more devices")
+# 4 virtual CPU devices in CI; on a GPU machine, its GPUs (2 on nvidia-h200-x2).
+MULTI = min(len(DEVICES), 4)
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 HEADS_SPEC = P(None, None, None, "tp", None, None)
 
@@ -48,7 +50,7 @@ def reference(dst, src, si, di, nt):
     return out
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(4, marks=multi_device)])
+@pytest.mark.parametrize("devices", [1, pytest.param(MULTI, marks=multi_device)])
 def test_create_shards_both_pools_by_heads(devices):
     mesh = mesh_of(devices)
     pool = sharded_pool(mesh, heads=8)
@@ -59,7 +61,7 @@ def test_create_shards_both_pools_by_heads(devices):
         assert {s.device for s in array.addressable_shards} == set(DEVICES[:devices])
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(4, marks=multi_device)])
+@pytest.mark.parametrize("devices", [1, pytest.param(MULTI, marks=multi_device)])
 @pytest.mark.parametrize("direction", ["d2h", "h2d", "d2d"])
 def test_copy_blocks_on_sharded_pools(devices, direction):
     pool = sharded_pool(mesh_of(devices), seed=devices)
@@ -74,7 +76,7 @@ def test_copy_blocks_on_sharded_pools(devices, direction):
 
 @multi_device
 def test_sharded_copy_compiles_without_collectives():
-    pool = sharded_pool(mesh_of(4))
+    pool = sharded_pool(mesh_of(MULTI))
     facts = kvx.ops.IndexFacts(hazard_free=True, unique_dst=True)
     plan = np.zeros((3, 4), np.int32)
     for fn, args in ((manager_module._copy_across, ((pool.secondary,), (pool.primary,), plan)),
@@ -91,7 +93,7 @@ def test_sharded_copy_compiles_without_collectives():
 
 @multi_device
 def test_manager_on_sharded_pools_with_different_head_counts():
-    mesh = mesh_of(4)
+    mesh = mesh_of(MULTI)
     pools = [sharded_pool(mesh, heads=8, seed=1), sharded_pool(mesh, heads=4, seed=2)]
     before = [(np.asarray(p.primary), np.asarray(p.secondary)) for p in pools]
     m = kvx.KVCacheTransferManager(pools)
@@ -114,21 +116,21 @@ def test_manager_on_sharded_pools_with_different_head_counts():
 
 @multi_device
 @pytest.mark.parametrize("kwargs, match", [
-    ({"num_kv_heads": 6}, "divisible by the 4 devices"),
+    ({"num_kv_heads": 2 * MULTI + 1}, f"divisible by the {MULTI} devices"),
     ({"kv_head_axis": "dp"}, "kv_head_axis must name an axis"),
     ({"device": DEVICES[0]}, "device or mesh, not both"),
 ])
 def test_bad_sharded_pools(kwargs, match):
     args = {"num_layers": 1, "num_kv_heads": 8, "size_per_head": 2, "tokens_per_block": 2,
             "dtype": jnp.float32, "num_primary_blocks": 2, "num_secondary_blocks": 2,
-            "mesh": mesh_of(4), "kv_head_axis": "tp"} | kwargs
+            "mesh": mesh_of(MULTI), "kv_head_axis": "tp"} | kwargs
     with pytest.raises(ValueError, match=match):
         kvx.KVCacheBlockPool.create(**args)
 
 
 @multi_device
 def test_sharded_copy_rejects_mismatched_or_token_splits():
-    mesh = mesh_of(4)
+    mesh = mesh_of(MULTI)
     pool = sharded_pool(mesh)
     unsharded = jax.device_put(np.asarray(pool.primary), DEVICES[0])
     with pytest.raises(ValueError, match="src_pool must be split over the devices like"):

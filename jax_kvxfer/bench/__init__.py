@@ -38,6 +38,8 @@ Other sections:
                  and the no-overlap sum.
   bidirectional  offload and onboard at the same time (one jit for the JAX paths, two streams for
                  memcpy) vs each direction alone.
+  sharded        pools sharded by KV heads over 1, 2 and all devices, the same shard per device:
+                 aggregate manager offload/onboard bandwidth vs N x the one-device figure.
 
 Results: JSON (written after every section, so a run that is cut short still leaves data) and a
 PNG plot (when matplotlib imports) in `--out`; a ratio table on stdout; progress on stderr.
@@ -68,6 +70,7 @@ from .helpers import CompileCounter, _gpu_name
 from .host_overhead import HostOverheadMixin
 from .overlap import OverlapMixin
 from .report import ReportMixin
+from .sharded import ShardedMixin
 from .sweep import SweepMixin
 
 __all__ = [
@@ -86,8 +89,8 @@ __all__ = [
 ]
 
 
-class Bench(SweepMixin, HostOverheadMixin, OverlapMixin, BidirectionalMixin, ReportMixin,
-            BenchCore):
+class Bench(SweepMixin, HostOverheadMixin, OverlapMixin, BidirectionalMixin, ShardedMixin,
+            ReportMixin, BenchCore):
     """The benchmark: `BenchCore`'s state plus one mixin per section and the report."""
 
 
@@ -123,6 +126,8 @@ def _run(bench: Bench) -> int:
         bench.run_bidir()
     if "overlap" in cfg.only:
         bench.run_overlap()
+    if "sharded" in cfg.only:
+        bench.run_sharded()
     if cfg.only & set(SWEEP_PATHS):
         bench.run_sweep()
     bench.save()

@@ -15,7 +15,7 @@ DTYPE = jnp.bfloat16
 ITEMSIZE = 2
 DIRECTIONS = ("d2h", "h2d", "d2d")
 SWEEP_PATHS = ("ceiling", "ours", "xla", "naive", "trtllm")
-SECTIONS = ("host", "overlap", "bidir")
+SECTIONS = ("host", "overlap", "bidir", "sharded")
 ALL_ONLY = SWEEP_PATHS + SECTIONS
 
 # block bytes -> (layers, kv_factor, heads, tokens_per_block, size_per_head), bf16
@@ -142,6 +142,9 @@ class Config:
     host_pool_blocks: int
     host_batch: int
     host_calls: int
+    sharded_block: int
+    sharded_blocks: int
+    sharded_calls: int
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -220,4 +223,7 @@ def parse_args(argv: list[str]) -> Config:
         host_pool_blocks=(128 if q else 256),
         host_batch=64,
         host_calls=(30 if q else 200),
+        sharded_block=(16 * KiB if q else 1 * MiB),
+        sharded_blocks=(16 if q else 256),
+        sharded_calls=(2 if q else 8),
     )

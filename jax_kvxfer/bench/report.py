@@ -181,6 +181,13 @@ class ReportMixin:
                 out.append(f"bidirectional {name:18}: {r['aggregate_gbps']:.1f} GB/s aggregate ="
                            f" {r['factor']:.2f}x one direction "
                            f"(off {r['offload_gbps']:.1f}, on {r['onboard_gbps']:.1f})")
+        for r in self.sections.get("sharded", {}).get("cases", []):
+            if "offload_gbps" in r:
+                scale = (f" = {r['offload_scaling']:.2f} / {r['onboard_scaling']:.2f} of "
+                         f"{r['devices']} x one device" if "offload_scaling" in r else "")
+                out.append(f"sharded x{r['devices']}: offload {r['offload_gbps']:.1f} / onboard "
+                           f"{r['onboard_gbps']:.1f} GB/s aggregate{scale}, "
+                           f"verified={r['verified']}")
         return "\n".join(out)
 
     def plot(self) -> str | None:
