@@ -143,6 +143,16 @@ def _fake_cupy() -> types.SimpleNamespace:
         def __exit__(self, *a):
             return False
 
+    class Device:
+        def __init__(self, device_id: int = 0) -> None:
+            self.id = device_id
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
     class Event:
         def __init__(self) -> None:
             self.t = 0.0
@@ -173,7 +183,7 @@ def _fake_cupy() -> types.SimpleNamespace:
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, memcpyAsync=memcpy_async,
                                     memcpyDefault=4)
-    cuda = types.SimpleNamespace(runtime=runtime, Stream=Stream, Event=Event,
+    cuda = types.SimpleNamespace(runtime=runtime, Stream=Stream, Event=Event, Device=Device,
                                  alloc_pinned_memory=alloc_pinned_memory,
                                  get_elapsed_time=lambda a, b: max(b.t - a.t, 1e-7) * 1e3)
 
@@ -203,10 +213,10 @@ class _PinnedArray(np.ndarray):
 
 def test_cupy_paths_with_stand_in(tmp_path):
     out = str(tmp_path / "res")
-    assert bench.main(["--quick", "--out", out, "--only", "ceiling,trtllm,overlap,bidir",
+    assert bench.main(["--quick", "--out", out, "--only", "ceiling,trtllm,overlap,bidir,sharded",
                        "--no-plot"], _cupy_module=_fake_cupy()) == 0
     doc = _load(out)
-    _check_common(doc, sections=("overlap", "bidirectional"))
+    _check_common(doc, sections=("overlap", "bidirectional", "sharded"))
     recs = [r for r in doc["results"] if "gbps" in r]
     paths = {(r["path"], r["direction"], r["n_label"]) for r in recs}
     for d in ("d2h", "h2d", "d2d"):
@@ -218,6 +228,8 @@ def test_cupy_paths_with_stand_in(tmp_path):
     assert all(c["path"] == "memcpy" for c in doc["ceilings"])
     assert "memcpy_side_stream" in doc["overlap"]["paths"]
     assert "memcpy_two_streams" in doc["bidirectional"]["paths"]
+    for case in doc["sharded"]["cases"]:  # the concurrent-memcpy ceiling of the sharded section
+        assert case["memcpy_offload_gbps"] > 0 and case["onboard_of_memcpy"] > 0, case
 
 
 def test_sharded_section_scales_over_devices(tmp_path):

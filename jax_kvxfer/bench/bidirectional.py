@@ -110,7 +110,8 @@ class BidirectionalMixin:
                           "gpu_only": True}
                     t_off = _median(cu.time_ops(lambda s: cu.memcpy(hb, da, total, s), **kw)[0])
                     t_on = _median(cu.time_ops(lambda s: cu.memcpy(db, ha, total, s), **kw)[0])
-                    fork, join = cu.cp.cuda.Event(), cu.cp.cuda.Event()
+                    with cu.device:
+                        fork, join = cu.cp.cuda.Event(), cu.cp.cuda.Event()
 
                     def both_streams(s: Any) -> None:
                         fork.record(s)

@@ -42,7 +42,7 @@ extern "C" __global__ void kvx_bench_spin(unsigned long long ns) {
 class CupyTools:
     """cupy buffers (an arena reused by every size), streams, kernels and event timing."""
 
-    def __init__(self, cp: Any = None) -> None:
+    def __init__(self, cp: Any = None, device_id: int = 0) -> None:
         if cp is None:
             import cupy as cp
 
@@ -51,8 +51,13 @@ class CupyTools:
         if self.rt.getDeviceCount() < 1:
             raise RuntimeError("cupy sees no CUDA device")
         self.version = cp.__version__
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.stream2 = cp.cuda.Stream(non_blocking=True)
+        # JAX can leave another GPU current on this thread (after running on a multi-device
+        # mesh); cupy's streams, events and kernels belong to the device current when they are
+        # made or used, so everything here runs inside `with self.device`.
+        self.device = cp.cuda.Device(device_id)
+        with self.device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.stream2 = cp.cuda.Stream(non_blocking=True)
         self.arena_bytes = 0
         self.arena_hint = 0  # allocate once, for the largest user of the run
         self.buffers: dict[str, tuple[str, Any, int]] = {}
@@ -64,6 +69,10 @@ class CupyTools:
         nbytes = max(nbytes, self.arena_hint)
         if nbytes <= self.arena_bytes:
             return
+        with self.device:
+            self._allocate_arena(nbytes)
+
+    def _allocate_arena(self, nbytes: int) -> None:
         cp = self.cp
         self.buffers.clear()
         gc.collect()
@@ -95,7 +104,8 @@ class CupyTools:
     def read(self, name: str, offset: int, nbytes: int) -> np.ndarray:
         kind, obj, _ = self.buffers[name]
         if kind == "device":
-            return self.cp.asnumpy(obj[offset:offset + nbytes])
+            with self.device:
+                return self.cp.asnumpy(obj[offset:offset + nbytes])
         return np.frombuffer(obj, np.uint8, self.arena_bytes)[offset:offset + nbytes].copy()
 
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
@@ -111,7 +121,8 @@ class CupyTools:
         if self.spin_error is not None:
             return False
         try:
-            self.kernel("kvx_bench_spin")((1,), (1,), (np.uint64(ns),), stream=stream)
+            with self.device:
+                self.kernel("kvx_bench_spin")((1,), (1,), (np.uint64(ns),), stream=stream)
             return True
         except Exception as e:  # noqa: BLE001 - no NVRTC etc.: fall back to plain events
             self.spin_error = _err_text(e)
@@ -123,6 +134,12 @@ class CupyTools:
 
         gpu_only: the calls are queued behind a spin kernel so the events time the GPU alone
         (the spin is lengthened when Python's enqueue outlasts it)."""
+        with self.device:
+            return self._time_ops(enqueue, reps=reps, samples=samples, warmup=warmup,
+                                  gpu_only=gpu_only)
+
+    def _time_ops(self, enqueue: Callable[[Any], None], *, reps: int, samples: int, warmup: int,
+                  gpu_only: bool) -> tuple[list[float], dict[str, Any]]:
         cp, s = self.cp, self.stream
         start, end = cp.cuda.Event(), cp.cuda.Event()
         info: dict[str, Any] = {"reps": reps, "gpu_only": False}
@@ -158,3 +175,31 @@ class CupyTools:
             if self.spin_error:
                 info["note"] = "spin kernel unavailable, events include enqueue: " + self.spin_error
         return times, info
+
+    def concurrent_memcpy(self, device_ids: list[int], nbytes: int, to_host: bool,
+                          samples: int) -> list[float]:
+        """Seconds for one contiguous memcpy of `nbytes` on every listed GPU at once (each GPU
+        between its own buffers and its own pinned host buffer, on its own stream): the
+        multi-GPU ceiling for the sharded section. Wall time from the first enqueue to the
+        last synchronize (enqueueing a few copies costs microseconds against milliseconds)."""
+        cp, per_device = self.cp, []
+        for i in device_ids:
+            with cp.cuda.Device(i):
+                per_device.append((cp.empty(nbytes, dtype=cp.uint8),
+                                   cp.cuda.alloc_pinned_memory(nbytes),
+                                   cp.cuda.Stream(non_blocking=True)))
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            for dev, host, stream in per_device:
+                dst, src = (host.ptr, dev.data.ptr) if to_host else (dev.data.ptr, host.ptr)
+                self.memcpy(dst, src, nbytes, stream)
+            for _, _, stream in per_device:
+                stream.synchronize()
+            return time.perf_counter() - t0
+
+        once()
+        times = [once() for _ in range(samples)]
+        per_device.clear()
+        gc.collect()
+        return times

@@ -185,8 +185,12 @@ class ReportMixin:
             if "offload_gbps" in r:
                 scale = (f" = {r['offload_scaling']:.2f} / {r['onboard_scaling']:.2f} of "
                          f"{r['devices']} x one device" if "offload_scaling" in r else "")
+                ceil = (f"; concurrent memcpy {r['memcpy_offload_gbps']:.1f} / "
+                        f"{r['memcpy_onboard_gbps']:.1f} GB/s, ours "
+                        f"{r['offload_of_memcpy']:.0%} / {r['onboard_of_memcpy']:.0%} of it"
+                        if "memcpy_offload_gbps" in r else "")
                 out.append(f"sharded x{r['devices']}: offload {r['offload_gbps']:.1f} / onboard "
-                           f"{r['onboard_gbps']:.1f} GB/s aggregate{scale}, "
+                           f"{r['onboard_gbps']:.1f} GB/s aggregate{scale}{ceil}, "
                            f"verified={r['verified']}")
         return "\n".join(out)
 

@@ -4,7 +4,8 @@ Weak scaling: every device holds the same shard (the `--sizes`-independent per-d
 `sharded_block` bytes, `sharded_blocks` blocks per batch), so N devices move N times the bytes of
 one. Each GPU has its own PCIe link, so the aggregate should be about N times the one-device
 figure measured in the same run. The transfers go through the manager (`offload_blocks` /
-`onboard_blocks`, then `sync_transfers`), the product's API.
+`onboard_blocks`, then `sync_transfers`), the product's API. With cupy, the ceiling is measured in
+the same run: one contiguous memcpy of the same bytes on every GPU at once.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ class ShardedMixin:
                     if single.get(d):
                         res[f"{d}_scaling"] = res[f"{d}_gbps"] / (n * single[d])
                 sec["cases"].append(res)
+                ceil = (f" (concurrent memcpy {res['memcpy_offload_gbps']:.1f} / "
+                        f"{res['memcpy_onboard_gbps']:.1f})" if "memcpy_offload_gbps" in res
+                        else "")
                 self.log(f"sharded x{n}: offload {res['offload_gbps']:.1f} GB/s, onboard "
-                         f"{res['onboard_gbps']:.1f} GB/s aggregate"
+                         f"{res['onboard_gbps']:.1f} GB/s aggregate{ceil}"
                          + (f" = {res['offload_scaling']:.2f} / {res['onboard_scaling']:.2f} "
                             f"of {n} x one device" if n > 1 and single else "")
                          + ("" if res["verified"] else "  VERIFY FAILED"))
@@ -102,6 +106,17 @@ class ShardedMixin:
         pool.primary = jax.device_put(np.zeros_like(bits).view(DTYPE), pool.sharding("device"))
         t_on = timed(manager.onboard_blocks, onboard)
         verified &= bool(np.array_equal(to_numpy(pool.primary)[si].view(np.uint16), bits[si]))
-        return {"devices": n, "bytes_per_batch": batch_bytes, "offload_s": t_off,
-                "onboard_s": t_on, "offload_gbps": batch_bytes / t_off / 1e9,
-                "onboard_gbps": batch_bytes / t_on / 1e9, "verified": verified}
+        res = {"devices": n, "bytes_per_batch": batch_bytes, "offload_s": t_off,
+               "onboard_s": t_on, "offload_gbps": batch_bytes / t_off / 1e9,
+               "onboard_gbps": batch_bytes / t_on / 1e9, "verified": verified}
+        del pool, manager
+        gc.collect()
+        if self.cupy is not None:  # the same bytes as one contiguous memcpy per GPU, all at once
+            ids = [getattr(d, "local_hardware_id", i) or i for i, d in enumerate(devices)]
+            per_device = B * geom.block_bytes
+            for d, to_host in (("offload", True), ("onboard", False)):
+                t = _median(self.cupy.concurrent_memcpy(ids, per_device, to_host,
+                                                        self.cfg.repeats))
+                res[f"memcpy_{d}_gbps"] = batch_bytes / t / 1e9
+                res[f"{d}_of_memcpy"] = res[f"{d}_gbps"] / res[f"memcpy_{d}_gbps"]
+        return res
