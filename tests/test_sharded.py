@@ -95,7 +95,7 @@ def test_sharded_copy_compiles_without_collectives():
 def test_manager_on_sharded_pools_with_different_head_counts():
     mesh = mesh_of(MULTI)
     pools = [sharded_pool(mesh, heads=8, seed=1), sharded_pool(mesh, heads=4, seed=2)]
-    before = [(np.asarray(p.primary), np.asarray(p.secondary)) for p in pools]
+    before = [(kvx.to_numpy(p.primary), kvx.to_numpy(p.secondary)) for p in pools]
     m = kvx.KVCacheTransferManager(pools)
     blk = kvx.KVCacheBlock
     m.offload_blocks([(blk(0, 1, True), blk(0, 2, False)), (blk(1, 3, True), blk(1, 0, False))])
