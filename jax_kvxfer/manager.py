@@ -19,7 +19,8 @@ import jax
 import numpy as np
 
 from .batch import PairBatch, check_batch, split_runs
-from .ops import IndexFacts, block_copy_call, check_byte_rows, index_facts
+from .ops import IndexFacts, block_copy_results, check_byte_rows, index_facts
+from .plan_ring import PlanRing, PlanSlot
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
@@ -50,28 +51,33 @@ class PendingTransfer:
 
 
 # One jitted dispatch per batch covers every pool: one custom call per pool, the destinations
-# donated so that each copy happens in place. `plan` is [3, B]: source indices, destination
-# indices and token counts in one array, so a dispatch moves one small array to the device.
-# `specs` holds each pool's PartitionSpec over `mesh` (None: unsharded): a sharded pool is
-# copied by every device on its own shard, with no traffic between devices.
+# donated so that each copy happens in place. `plan` holds the source indices, destination
+# indices and token counts: three pinned-host arrays from the plan ring (plan_ring.py), or one
+# [3, B] NumPy array where there is no pinned_host memory. `specs` holds each
+# pool's PartitionSpec over `mesh` (None: unsharded): a sharded pool is copied by every device on
+# its own shard, with no traffic between devices. Besides the pools, a dispatch returns `done`,
+# a small array of its own that becomes ready when the copies have run (never donated).
 def _on_shards(fn, mesh, spec, num_pools: int):
     if spec is None:
         return fn
-    pspec = jax.sharding.PartitionSpec()
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (pspec,), out_specs=spec)
+    whole = jax.sharding.PartitionSpec()
+    # `done` is each device's workspace, laid side by side along the KV-head axis.
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,),
+                         out_specs=(spec, jax.sharding.PartitionSpec(spec[3])))
 
 
 def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs):
     def copy(d, s, p):
-        return block_copy_call(d, s, p[0], p[1], p[2], facts)
-    return tuple(_on_shards(copy, mesh, spec, 2)(d, s, plan)
-                 for d, s, spec in zip(dsts, srcs, specs))
+        return block_copy_results(d, s, p[0], p[1], p[2], facts)
+    outs = [_on_shards(copy, mesh, spec, 2)(d, s, plan) for d, s, spec in zip(dsts, srcs, specs)]
+    return tuple(pool for pool, _ in outs), outs[0][1]
 
 
 def _copy_within_impl(pools, plan, facts, mesh, specs):
     def copy(pool, p):
-        return block_copy_call(pool, pool, p[0], p[1], p[2], facts)
-    return tuple(_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs))
+        return block_copy_results(pool, pool, p[0], p[1], p[2], facts)
+    outs = [_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs)]
+    return tuple(pool for pool, _ in outs), outs[0][1]
 
 
 _STATIC = ("facts", "mesh", "specs")
@@ -138,6 +144,9 @@ class KVCacheTransferManager:
         # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
         self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
+        self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
+        ring_sharding = PlanRing.sharding_for(first.sharding("device"))
+        self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
 
     @property
     def pools(self) -> tuple[KVCacheBlockPool, ...]:
@@ -193,6 +202,8 @@ class KVCacheTransferManager:
             arrays = [a for p in self._pools for a in (p.primary, p.secondary) if a is not None]
             jax.block_until_ready([a for a in arrays if not a.is_deleted()])
             self._issued.clear()
+            if self._plans is not None:
+                self._plans.all_done()
 
     @property
     def pending_transfers(self) -> Mapping[Slot, PendingTransfer]:
@@ -236,8 +247,9 @@ class KVCacheTransferManager:
             for pool in self._pools:  # every array must be live before anything is dispatched
                 for is_primary in memories:
                     pool.current(is_primary, op)
-            for rows in split_runs(batch):
-                run = batch.take(rows)
+            runs = split_runs(batch)
+            for rows in runs:
+                run = batch if len(runs) == 1 else batch.take(rows)
                 self._dispatch(run)
                 self._count(run)
             self._issued.append((op, batch))
@@ -245,24 +257,29 @@ class KVCacheTransferManager:
     def _dispatch(self, run: PairBatch) -> None:
         """One jitted copy per pool for a run of one direction."""
         n = len(run)
-        plan = np.full((3, _bucket(n)), -1, np.int32)  # -1: a padding pair, skipped
+        bucket = _bucket(n)
+        plan = np.full((3, bucket), -1, np.int32)  # -1: a padding pair, skipped
         plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
+        slot = None
+        if self._plans is not None:
+            slot = self._plans.next_slot(bucket, _wait_until_read)
+            plan_arg = slot.write(plan)
+        else:
+            plan_arg = plan
         src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
             facts = index_facts(plan[0, :n], plan[1, :n], dsts[0].shape[0], dsts[0].shape[0])
-            args = (dsts, plan)
+            args = (dsts, plan_arg)
             donated, undonated = _copy_within, _copy_within_undonated
         else:
             srcs = tuple(p.current(src_primary, "transfer") for p in self._pools)
             # Source and destination are different arrays: only duplicate writes matter.
-            facts = IndexFacts(hazard_free=True, unique_dst=np.unique(run.dst).size == n)
-            args = (dsts, srcs, plan)
+            facts = IndexFacts(hazard_free=True, unique_dst=len(set(run.dst.tolist())) == n)
+            args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
-        kwargs = {"facts": facts, "mesh": self._pools[0].mesh,
-                  "specs": tuple(p.partition_spec for p in self._pools)}
         try:
-            results = donated(*args, **kwargs)
+            results, done = donated(*args, facts=facts, **self._static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
             if "external reference" not in str(e):
                 raise
@@ -271,7 +288,9 @@ class KVCacheTransferManager:
                 "because a NumPy view of it exists (np.asarray on a host-memory array keeps "
                 "one); this transfer copied the whole pool instead. Read pools with "
                 "jax_kvxfer.to_numpy.", DonationWarning, stacklevel=4)
-            results = undonated(*args, **kwargs)
+            results, done = undonated(*args, facts=facts, **self._static)
+        if slot is not None:
+            slot.done = done
         for pool, result in zip(self._pools, results):
             if dst_primary:
                 pool._primary = result
@@ -282,10 +301,19 @@ class KVCacheTransferManager:
         """Adds a run of one direction to the statistics."""
         t = self._pools[0].tokens_per_block
         whole = (run.tokens <= 0) | (run.tokens >= t)
-        nbytes = int(np.where(whole, self._block_nbytes,
-                              run.tokens.astype(np.int64) * self._token_nbytes).sum())
+        nbytes = len(run) * self._block_nbytes if whole.all() else int(
+            np.where(whole, self._block_nbytes, run.tokens.astype(np.int64) * self._token_nbytes)
+            .sum())
         src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
         kind = ("offloaded" if src_primary and not dst_primary else
                 "onboarded" if dst_primary and not src_primary else "copied")
         setattr(self._stats, f"{kind}_blocks", getattr(self._stats, f"{kind}_blocks") + len(run))
         setattr(self._stats, f"{kind}_bytes", getattr(self._stats, f"{kind}_bytes") + nbytes)
+
+
+def _wait_until_read(slot: PlanSlot) -> None:
+    """Before a plan slot is rewritten: the dispatch that read it must have finished (it
+    usually has: a slot comes round again after 15 other dispatches of its bucket)."""
+    if slot.done is not None:
+        slot.done.block_until_ready()
+        slot.done = None

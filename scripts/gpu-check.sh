@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
-#   scripts/gpu-check.sh [tests] [bench] [demo] [sharded] [demo-tp] [sanitize] [stress]
-#   (default: tests bench demo). sharded: the bench's sharded-pool section over all GPUs;
+#   scripts/gpu-check.sh [tests] [bench] [demo] [sharded] [demo-tp] [profile] [sanitize] [stress]
+#   (default: tests bench demo). profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's sharded-pool section over all GPUs;
 #   demo-tp: the demo tensor-parallel over 2 GPUs (both need a machine with 2 or more GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,12 @@ if has demo-tp; then
   python3 -m jax_kvxfer demo --preset h200 --devices 2 > "$OUT/demo-tp2.txt" 2> "$OUT/demo-tp2.log"
   summary+=("demo --devices 2: exit $? ($(( $(date +%s) - t )) s)")
   tail -25 "$OUT/demo-tp2.txt"
+fi
+if has profile; then
+  t=$(date +%s)
+  python3 scripts/profile_manager.py > "$OUT/profile.txt" 2>&1
+  summary+=("profile: exit $? ($(( $(date +%s) - t )) s)")
+  grep -E "us$|stages|correctly" "$OUT/profile.txt"
 fi
 if has sanitize && [ -x scripts/sanitize.sh ]; then
   t=$(date +%s)

@@ -111,12 +111,16 @@ class MemorySample:
     bytes_in_use: int | None
 
 
-def sample_memory(collect: bool = False) -> MemorySample:
+def sample_memory(manager: kvx.KVCacheTransferManager, collect: bool = False) -> MemorySample:
     """Live arrays and bytes now. Arrays are freed by reference counting the moment the last
-    reference goes; `collect` also runs the cycle collector (30 ms: only when needed)."""
+    reference goes; `collect` also runs the cycle collector (30 ms: only when needed).
+
+    The manager's plan ring (jax_kvxfer/plan_ring.py) is left out: a bounded set of small
+    pinned-host arrays, 16 per batch bucket, allocated when a bucket is first used."""
     if collect:
         gc.collect()
-    arrays = jax.live_arrays()
+    ring = {id(a) for a in manager._plans.arrays()} if manager._plans is not None else set()
+    arrays = [a for a in jax.live_arrays() if id(a) not in ring]
     by_kind: Counter[str] = Counter()
     for a in arrays:
         by_kind[a.sharding.memory_kind or "device"] += a.nbytes
@@ -280,9 +284,9 @@ class Run:
             self.mismatches += bad_here
             print("  ops since the previous sync:\n    " + "\n    ".join(self.log[-40:]))
         self.log.clear()
-        sample = sample_memory(collect=self.syncs == self.cfg.warmup_syncs + 1)
+        sample = sample_memory(self.manager, collect=self.syncs == self.cfg.warmup_syncs + 1)
         if self.samples and self.syncs > self.cfg.warmup_syncs + 1 and self.grew(sample):
-            sample = sample_memory(collect=True)  # growth or garbage? collect and look again
+            sample = sample_memory(self.manager, collect=True)  # growth or garbage? collect and look again
         self.samples.append(sample)
         if self.cfg.verbose:
             s = self.samples[-1]
@@ -348,7 +352,7 @@ def run(cfg: Config) -> int:
             next_sync = int(rng.integers(*cfg.sync_every))
             if not ok and cfg.fail_fast:
                 break
-    run.samples.append(sample_memory(collect=True))  # the final state, garbage collected
+    run.samples.append(sample_memory(run.manager, collect=True))  # the final state, garbage collected
     elapsed = time.perf_counter() - t0
     problems, memory_text = memory_growth(run.samples, cfg.warmup_syncs)
     for p in problems:

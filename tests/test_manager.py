@@ -203,6 +203,11 @@ def test_a_deleted_pool_array_is_a_clear_error_and_nothing_moves(rng):
 def test_methods_do_not_block_and_sync_clears_pending(rng, monkeypatch):
     pools = make_pools(rng)
     m = kvx.KVCacheTransferManager(pools)
+    # The first batch of a size allocates that bucket's plan ring (and waits for its zero
+    # fill, once); the guarantee is about transfers, so warm both buckets first.
+    m.offload_blocks([(P(3), S(3)), (P(4), S(4))])
+    m.onboard(S(3), P(5))
+    m.sync_transfers()
     calls = []
     real = jax.block_until_ready
     monkeypatch.setattr(jax, "block_until_ready", lambda x: calls.append(1) or real(x))
@@ -421,3 +426,35 @@ def test_two_threads_sharing_a_manager_keep_their_order(rng):
         for b in (0, 4):
             for blk in (got_p[b + 1], got_s[b], got_s[b + 1], got_s[b + 2]):
                 np.testing.assert_array_equal(blk, prim[b])
+
+
+# -- plan ring --------------------------------------------------------------------------------
+
+
+def test_plans_come_round_again_only_after_their_dispatch(rng):
+    """More dispatches of one bucket than the ring has slots, with no sync in between: each
+    copy must still read its own plan (slots are rewritten only after their dispatch ran)."""
+    pools = make_pools(rng, num_primary=6, num_secondary=5)
+    old = snapshot(pools)
+    m = kvx.KVCacheTransferManager(pools)
+    order = [(int(rng.integers(0, 6)), int(rng.integers(0, 5))) for _ in range(40)]
+    for s, d in order:  # 40 single-pair dispatches: bucket 1, 16 slots
+        m.offload(P(s), S(d))
+    m.sync_transfers()
+    for pool, (prim, sec) in zip(pools, old):
+        expected = sec.copy()
+        for s, d in order:
+            expected[d] = prim[s]
+        np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), expected)
+
+
+def test_plan_slots_have_buffers_of_their_own(rng):
+    pools = make_pools(rng)
+    m = kvx.KVCacheTransferManager(pools)
+    m.offload_blocks([(P(0), S(0)), (P(1), S(1))])
+    m.sync_transfers()
+    if m._plans is None:
+        pytest.skip("no pinned_host memory: plans go as NumPy arrays")
+    arrays = [a for a in m._plans.arrays() if a.sharding.memory_kind == "pinned_host"]
+    pointers = {s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards}
+    assert len(pointers) == 16 * 3  # one bucket (2 pairs), 16 slots of 3 arrays

@@ -109,8 +109,6 @@ class ShardedMixin:
         res = {"devices": n, "bytes_per_batch": batch_bytes, "offload_s": t_off,
                "onboard_s": t_on, "offload_gbps": batch_bytes / t_off / 1e9,
                "onboard_gbps": batch_bytes / t_on / 1e9, "verified": verified}
-        del pool, manager
-        gc.collect()
         if self.cupy is not None:  # the same bytes as one contiguous memcpy per GPU, all at once
             ids = [getattr(d, "local_hardware_id", i) or i for i, d in enumerate(devices)]
             per_device = B * geom.block_bytes
