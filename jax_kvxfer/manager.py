@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .batch import PairBatch, check_batch, split_runs
-from .ops import IndexFacts, block_copy_results, check_byte_rows, index_facts
+from .ops import IndexFacts, block_copy_call, check_byte_rows, index_facts
 from .plan_ring import PlanRing, PlanSlot
 from .pool import KVCacheBlock, KVCacheBlockPool
 
@@ -53,31 +54,35 @@ class PendingTransfer:
 # One jitted dispatch per batch covers every pool: one custom call per pool, the destinations
 # donated so that each copy happens in place. `plan` holds the source indices, destination
 # indices and token counts: three pinned-host arrays from the plan ring (plan_ring.py), or one
-# [3, B] NumPy array where there is no pinned_host memory. `specs` holds each
-# pool's PartitionSpec over `mesh` (None: unsharded): a sharded pool is copied by every device on
-# its own shard, with no traffic between devices. Besides the pools, a dispatch returns `done`,
-# a small array of its own that becomes ready when the copies have run (never donated).
+# [3, B] NumPy array where there is no pinned_host memory. `specs` holds each pool's
+# PartitionSpec over `mesh` (None: unsharded): a sharded pool is copied by every device on its
+# own shard, with no traffic between devices.
+#
+# Besides the pools, a dispatch returns `done`, an int32[1] that is ready when the dispatch has
+# run (all outputs of one execution become ready together) and is never donated: the plan
+# ring waits on it before rewriting a plan. It is zeros, not a value of the copy (XLA rejects
+# returning with a device layout anything it traces back to a host-memory operand), made by
+# an op (a jaxpr literal might be handed back without running anything).
 def _on_shards(fn, mesh, spec, num_pools: int):
     if spec is None:
         return fn
     whole = jax.sharding.PartitionSpec()
-    # `done` is each device's workspace, laid side by side along the KV-head axis.
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,),
-                         out_specs=(spec, jax.sharding.PartitionSpec(spec[3])))
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
 def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs):
     def copy(d, s, p):
-        return block_copy_results(d, s, p[0], p[1], p[2], facts)
-    outs = [_on_shards(copy, mesh, spec, 2)(d, s, plan) for d, s, spec in zip(dsts, srcs, specs)]
-    return tuple(pool for pool, _ in outs), outs[0][1]
+        return block_copy_call(d, s, p[0], p[1], p[2], facts)
+    pools = tuple(_on_shards(copy, mesh, spec, 2)(d, s, plan)
+                  for d, s, spec in zip(dsts, srcs, specs))
+    return pools, jnp.zeros((1,), jnp.int32)
 
 
 def _copy_within_impl(pools, plan, facts, mesh, specs):
     def copy(pool, p):
-        return block_copy_results(pool, pool, p[0], p[1], p[2], facts)
-    outs = [_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs)]
-    return tuple(pool for pool, _ in outs), outs[0][1]
+        return block_copy_call(pool, pool, p[0], p[1], p[2], facts)
+    pools = tuple(_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs))
+    return pools, jnp.zeros((1,), jnp.int32)
 
 
 _STATIC = ("facts", "mesh", "specs")

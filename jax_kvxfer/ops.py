@@ -213,12 +213,6 @@ def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
 
 def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts):
     """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool."""
-    return block_copy_results(dst_pool, src_pool, src_idx, dst_idx, tokens, facts)[0]
-
-
-def block_copy_results(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts):
-    """`block_copy_call`, plus a small array the same custom call produces (its int32[B]
-    workspace): returned from a jitted function, it becomes ready when the copy has run."""
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
     within = src_pool is dst_pool
@@ -240,10 +234,8 @@ def block_copy_results(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: Inde
         vmap_method="sequential",
     )
     pools = (dst_pool,) if within else (dst_pool, src_pool)
-    result, workspace, _ = call(*pools, src_idx, dst_idx, tokens,
-                                hazard_free=np.bool_(facts.hazard_free),
-                                unique_dst=np.bool_(facts.unique_dst))
-    return result, workspace
+    return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(facts.hazard_free),
+                unique_dst=np.bool_(facts.unique_dst))[0]
 
 
 @functools.lru_cache(maxsize=64)
