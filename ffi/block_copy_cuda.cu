@@ -2,24 +2,13 @@
 //
 // Pools may live in device memory or in pinned host memory (XLA hands a `pinned_host` operand's
 // host pointer to the handler); the kernel reaches both through unified addressing. JAX offers
-// no other memory kind on GPUs (no pageable host memory), and the Python side checks kinds.
-//
-// Two ways to copy:
-//  - the kernel (CopyPairsKernel): any batch; reads the indices on the GPU;
-//  - DMA (cudaMemcpyBatchAsync, the copy engines, no SMs): whole blocks between host and device
-//    memory when the indices are themselves in pinned host memory (the manager's plan ring),
-//    so that the handler can read them as it enqueues the copy, and the blocks are large
-//    enough that the copy engines beat the kernel (kDmaMinBlockBytes; the environment variable
-//    KVXFER_DMA_MIN_BLOCK_BYTES overrides it, for measurements). Adjacent blocks are merged
-//    into one copy.
+// no other memory kind on GPUs (no pageable host memory), and the Python side checks kinds, so
+// the handler does not query pointer attributes on every call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
-#include <vector>
 
 #include "block_copy.h"
 #include "nanobind/nanobind.h"
@@ -31,9 +20,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;                   // vector loads in flight per thread
 constexpr int64_t kMaxCtasPerPair = 4096;
-constexpr int64_t kDmaMinBlockBytes = int64_t{1} << 20;
-
-std::atomic<int64_t> dma_batches{0};  // batches copied by DMA, for tests
 
 // One side of a batch: a pool addressed by the pair's block index, or a staging buffer laid out
 // one block per pair (by_pair).
@@ -179,69 +165,6 @@ ffi::Error Launch(cudaStream_t stream, const Batch& b) {
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
 }
 
-bool IsHostMemory(const void* p) {
-  cudaPointerAttributes attr;
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-    (void)cudaGetLastError();  // not a CUDA pointer: clear the error, use the kernel
-    return false;
-  }
-  return attr.type == cudaMemoryTypeHost;
-}
-
-int64_t DmaMinBlockBytes() {
-  const char* text = std::getenv("KVXFER_DMA_MIN_BLOCK_BYTES");
-  if (text == nullptr || *text == '\0') return kDmaMinBlockBytes;
-  char* end = nullptr;
-  const long long v = std::strtoll(text, &end, 10);
-  return (end != nullptr && *end == '\0' && v >= 0) ? v : kDmaMinBlockBytes;
-}
-
-// Copies the batch by DMA if it qualifies (see the top of this file); returns false, having
-// enqueued nothing, if it does not. The caller has already ruled out staging; `unique_dst`
-// rules out two copies to one block (a batch's copies may run in any order).
-bool TryDma(cudaStream_t stream, const Batch& b, bool unique_dst, ffi::Error* error) {
-  const PoolGeometry& g = b.g;
-  if (!unique_dst || g.block_bytes < DmaMinBlockBytes() || !IsHostMemory(b.src_idx) ||
-      !IsHostMemory(b.dst_idx) || !IsHostMemory(b.num_tokens) ||
-      IsHostMemory(b.dst.data) == IsHostMemory(b.src.data)) {
-    return false;
-  }
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-  int64_t last_s = -2, last_d = -2;
-  for (int64_t i = 0; i < b.num_pairs; ++i) {
-    const int64_t s = b.src_idx[i], d = b.dst_idx[i];
-    if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) continue;  // padding
-    if (TokensToCopy(b.num_tokens[i], g) != g.tokens) return false;  // partial: the kernel
-    if (s == last_s + 1 && d == last_d + 1) {
-      sizes.back() += g.block_bytes;  // adjacent in both pools: extend the previous copy
-    } else {
-      dsts.push_back(b.dst.data + d * g.block_bytes);
-      srcs.push_back(b.src.data + s * g.block_bytes);
-      sizes.push_back(static_cast<size_t>(g.block_bytes));
-    }
-    last_s = s;
-    last_d = d;
-  }
-  if (sizes.empty()) return true;
-  cudaMemcpyAttributes attr = {};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // earlier work may write the source
-  size_t first = 0;
-  cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(),
-                                         &attr, &first, 1, stream);
-  if (err == cudaErrorNotSupported || err == cudaErrorInvalidValue) {
-    (void)cudaGetLastError();  // a driver without batched copies: one copy per run
-    err = cudaSuccess;
-    for (size_t k = 0; k < sizes.size() && err == cudaSuccess; ++k) {
-      err = cudaMemcpyAsync(dsts[k], srcs[k], sizes[k], cudaMemcpyDefault, stream);
-    }
-  }
-  if (err != cudaSuccess) *error = CudaError(err, "DMA block copy");
-  dma_batches.fetch_add(1, std::memory_order_relaxed);
-  return true;
-}
-
 ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
                          ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                          ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
@@ -281,10 +204,6 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
           src_blocks,
           dst_blocks,
           g};
-  if (!stage && src.untyped_data() != out_data) {
-    ffi::Error error = ffi::Error::Success();
-    if (TryDma(stream, b, unique_dst || num_pairs == 1, &error)) return error;
-  }
   if (num_pairs > 1 && !unique_dst) {
     int32_t* first = superseded->typed_data();
     SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
@@ -338,6 +257,4 @@ NB_MODULE(_kvxfer_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCuda));
     return d;
   });
-  m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },
-        "How many batches the CUDA handler has copied by DMA (for tests).");
 }

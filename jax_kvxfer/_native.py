@@ -31,8 +31,3 @@ def require_cuda_handlers() -> None:
             "jax_kvxfer was built without its CUDA handlers, so it cannot run on a GPU. Rebuild "
             "on a machine with nvcc: pip install --no-build-isolation -C cmake.define.KVXFER_CUDA=ON ."
         )
-
-
-def dma_batches() -> int:
-    """Batches the CUDA handler has copied by DMA in this process (0 without CUDA handlers)."""
-    return int(_kvxfer_cuda.dma_batches()) if _kvxfer_cuda is not None else 0

@@ -9,10 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import requires_gpu
 
 import jax_kvxfer as kvx
-from jax_kvxfer import _native
 from jax_kvxfer import manager as manager_module
 
 T = 4  # tokens per block
@@ -460,35 +458,3 @@ def test_plan_slots_have_buffers_of_their_own(rng):
     arrays = [a for a in m._plans.arrays() if a.sharding.memory_kind == "pinned_host"]
     pointers = {s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards}
     assert len(pointers) == 16 * 3  # one bucket (2 pairs), 16 slots of 3 arrays
-
-
-# -- the CUDA handler's DMA path (whole blocks, indices in pinned host memory) -----------------
-
-
-@requires_gpu
-@pytest.mark.parametrize("threshold, expect_dma", [("0", True), (str(1 << 40), False)])
-def test_dma_path_copies_exactly_and_only_above_its_threshold(rng, monkeypatch, threshold,
-                                                              expect_dma):
-    monkeypatch.setenv("KVXFER_DMA_MIN_BLOCK_BYTES", threshold)
-    pools = make_pools(rng, num_primary=12, num_secondary=10)
-    old = snapshot(pools)
-    m = kvx.KVCacheTransferManager(pools)
-    before = _native.dma_batches()
-    # adjacent pairs (merged into one copy), a gap, a lone pair; 5 pairs: 3 padding slots
-    offload = [(P(2), S(4)), (P(3), S(5)), (P(4), S(6)), (P(9), S(0)), (P(0), S(9))]
-    onboard = [(S(4), P(10)), (S(5), P(11)), (S(9), P(1))]
-    m.offload_blocks(offload)
-    m.onboard_blocks(onboard)
-    m.onboard_blocks([(S(0), P(7))], num_tokens=[1])  # partial: always the kernel
-    m.sync_transfers()
-    # one custom call per pool per dispatch, two whole-block dispatches
-    assert (_native.dma_batches() - before == 2 * len(pools)) == expect_dma
-    for pool, (prim, sec) in zip(pools, old):
-        sec_expected, prim_expected = sec.copy(), prim.copy()
-        for s, d in offload:
-            sec_expected[d.memory_pool_block_index] = prim[s.memory_pool_block_index]
-        for s, d in onboard:
-            prim_expected[d.memory_pool_block_index] = sec_expected[s.memory_pool_block_index]
-        prim_expected[7][..., :1, :] = sec_expected[0][..., :1, :]
-        np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), sec_expected)
-        np.testing.assert_array_equal(kvx.to_numpy(pool.primary), prim_expected)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -72,8 +71,6 @@ class SweepMixin:
                 self.ceiling_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d])
             if "ours" in cfg.only:
                 self.ours_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d], ns)
-            if "dma" in cfg.only and not d2d:
-                self.dma_case(d, geom, B, dbase, pool, src_of[d], dst_of[d])
             if "xla" in cfg.only:
                 self.xla_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d],
                                ns if d2d else ns[:1])
@@ -162,55 +159,6 @@ class SweepMixin:
                                    verified=bool(np.array_equal(got, want)), n=n)
 
             self.case({**dbase, "path": "ours", "kind": "path", "n_label": label}, run)
-
-    def dma_case(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any],
-                 pool: Callable[[str], jax.Array], src: str, dst: str) -> None:
-        """`ours` with the DMA path forced: whole blocks, the indices in pinned_host memory (as
-        the manager's plan ring passes them), KVXFER_DMA_MIN_BLOCK_BYTES=0. Compared with `ours`
-        (the kernel), it tells where the handler's DMA threshold belongs."""
-        from .._native import dma_batches
-
-        k, pipe = self.plan(B * geom.block_bytes, False)
-        si_all, di_all = self.perms(k, B, B), self.perms(k, B, B)
-        out_sh = self.hsh if dst.startswith("host") else self.dsh
-
-        def chain(dst_pool, src_pool, sis, dis):
-            for j in range(k):
-                dst_pool = copy_blocks(dst_pool, src_pool, sis[j], dis[j])
-            return dst_pool
-
-        fn = jax.jit(chain, donate_argnums=0, out_shardings=out_sh)
-        sis = tuple(jax.device_put(si_all[j], self.hsh) for j in range(k))
-        dis = tuple(jax.device_put(di_all[j], self.hsh) for j in range(k))
-
-        def run() -> dict[str, Any]:
-            st = {"dst": pool(dst)}
-            s_pool = pool(src)
-
-            def call() -> jax.Array:
-                st["dst"] = fn(st["dst"], s_pool, sis, dis)
-                return st["dst"]
-
-            saved = os.environ.get("KVXFER_DMA_MIN_BLOCK_BYTES")
-            os.environ["KVXFER_DMA_MIN_BLOCK_BYTES"] = "0"
-            try:
-                before = dma_batches()
-                times, first = self.time_jax(call, pipe=pipe)
-                used = dma_batches() > before
-            finally:
-                if saved is None:
-                    del os.environ["KVXFER_DMA_MIN_BLOCK_BYTES"]
-                else:
-                    os.environ["KVXFER_DMA_MIN_BLOCK_BYTES"] = saved
-            times = [t / k for t in times]
-            pairs = [0, B - 1]
-            got = self.fetch(st["dst"], di_all[k - 1][pairs])
-            want = self.fetch(s_pool, si_all[k - 1][pairs])
-            return self.timing(times, B * geom.block_bytes, timing="wall, block_until_ready",
-                               k_per_call=k, pipe=pipe, first_call_s=first, dma_used=used,
-                               verified=bool(np.array_equal(got, want)), n=geom.tokens)
-
-        self.case({**dbase, "path": "ours_dma", "kind": "path", "n_label": "T"}, run)
 
     def xla_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any],
                   pool: Callable[[str], jax.Array], src: str, dst: str,
