@@ -21,7 +21,7 @@ import numpy as np
 
 from .batch import PairBatch, check_batch, split_runs
 from .ops import IndexFacts, block_copy_call, check_byte_rows, index_facts
-from .plan_ring import PlanRing, PlanSlot
+from .plan_ring import PlanRing
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
@@ -267,7 +267,7 @@ class KVCacheTransferManager:
         plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
         slot = None
         if self._plans is not None:
-            slot = self._plans.next_slot(bucket, _wait_until_read)
+            slot = self._plans.next_slot(bucket)
             plan_arg = slot.write(plan)
         else:
             plan_arg = plan
@@ -315,10 +315,3 @@ class KVCacheTransferManager:
         setattr(self._stats, f"{kind}_blocks", getattr(self._stats, f"{kind}_blocks") + len(run))
         setattr(self._stats, f"{kind}_bytes", getattr(self._stats, f"{kind}_bytes") + nbytes)
 
-
-def _wait_until_read(slot: PlanSlot) -> None:
-    """Before a plan slot is rewritten: the dispatch that read it must have finished (it
-    usually has: a slot comes round again after 15 other dispatches of its bucket)."""
-    if slot.done is not None:
-        slot.done.block_until_ready()
-        slot.done = None

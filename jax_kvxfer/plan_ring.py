@@ -14,7 +14,6 @@ rewritten only after the dispatch that read it has finished (`PlanSlot.done`).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -62,8 +61,10 @@ class PlanRing:
                                               memory_kind="pinned_host")
         return sharding.with_memory_kind("pinned_host")
 
-    def next_slot(self, bucket: int, wait: Callable[[PlanSlot], None]) -> PlanSlot:
-        """The next slot of this bucket's ring, after `wait(slot)` made sure it is free."""
+    def next_slot(self, bucket: int) -> PlanSlot:
+        """The next slot of this bucket's ring, once the dispatch that last read it has
+        finished (it usually has: a slot comes round again after 15 other dispatches of its
+        bucket, and a sync frees them all). The caller sets `done` after its dispatch."""
         ring = self._rings.get(bucket)
         if ring is None:
             # A fresh NumPy array for each: on CPU, device_put may keep the NumPy buffer
@@ -76,7 +77,9 @@ class PlanRing:
         i = self._next[bucket]
         self._next[bucket] = (i + 1) % len(ring)
         slot = ring[i]
-        wait(slot)
+        if slot.done is not None:
+            slot.done.block_until_ready()
+            slot.done = None
         return slot
 
     def all_done(self) -> None:
