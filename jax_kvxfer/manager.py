@@ -120,8 +120,15 @@ class KVCacheTransferManager:
     if the transfers ran one after another in call order. Methods are thread-safe (one lock).
     """
 
-    def __init__(self, pools: Sequence[KVCacheBlockPool]) -> None:
-        """Args: pools: one or more pools with equal block counts and tokens per block."""
+    def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True) -> None:
+        """Args:
+          pools: one or more pools with equal block counts and tokens per block.
+          plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
+            kernel reads in place (plan_ring.py; saves a host-to-device transfer per call).
+            False: send them as NumPy arrays, which JAX moves to the device with each call.
+            Both copy the same; the ring relies on JAX handing a pinned_host array's own
+            buffer to the custom call, so False is the way out should a JAX version not.
+        """
         if isinstance(pools, KVCacheBlockPool):
             pools = [pools]
         self._pools = tuple(pools)
@@ -150,7 +157,7 @@ class KVCacheTransferManager:
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
         self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
-        ring_sharding = PlanRing.sharding_for(first.sharding("device"))
+        ring_sharding = PlanRing.sharding_for(first.sharding("device")) if plan_ring else None
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
 
     @property

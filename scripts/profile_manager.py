@@ -68,9 +68,7 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
     results: dict[str, float] = {}
 
     for ring in (True, False):
-        manager = kvx.KVCacheTransferManager([pool])
-        if not ring:
-            manager._plans = None  # NumPy plans, moved to the device with each dispatch
+        manager = kvx.KVCacheTransferManager([pool], plan_ring=ring)
         fn = getattr(manager, f"{verb}_blocks")
         src_np = kvx.to_numpy(pool.current(not to_primary, "t"))
         results[f"manager verb, {'plan ring' if ring else 'NumPy plans'}"] = median_us(

@@ -431,12 +431,15 @@ def test_two_threads_sharing_a_manager_keep_their_order(rng):
 # -- plan ring --------------------------------------------------------------------------------
 
 
-def test_plans_come_round_again_only_after_their_dispatch(rng):
+@pytest.mark.parametrize("plan_ring", [True, False])
+def test_plans_come_round_again_only_after_their_dispatch(rng, plan_ring):
     """More dispatches of one bucket than the ring has slots, with no sync in between: each
-    copy must still read its own plan (slots are rewritten only after their dispatch ran)."""
+    copy must still read its own plan (slots are rewritten only after their dispatch ran).
+    Without the ring (NumPy plans) the result is the same."""
     pools = make_pools(rng, num_primary=6, num_secondary=5)
     old = snapshot(pools)
-    m = kvx.KVCacheTransferManager(pools)
+    m = kvx.KVCacheTransferManager(pools, plan_ring=plan_ring)
+    assert (m._plans is not None) == plan_ring
     order = [(int(rng.integers(0, 6)), int(rng.integers(0, 5))) for _ in range(40)]
     for s, d in order:  # 40 single-pair dispatches: bucket 1, 16 slots
         m.offload(P(s), S(d))
