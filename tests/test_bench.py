@@ -55,6 +55,12 @@ def _check_common(doc: dict, sections=("host_overhead", "overlap", "bidirectiona
     for name, res in doc.get("bidirectional", {}).get("paths", {}).items():
         assert "error" not in res, (name, res)
         assert res["aggregate_gbps"] > 0
+    # our paths, on XLA's compute stream and annotated to streams of their own, copy exactly
+    for sec, paths in (("overlap", ("ours", "ours_stream")),
+                       ("bidirectional", ("ours", "ours_streams"))):
+        if sec in doc and "paths" in doc[sec]:
+            for name in paths:
+                assert doc[sec]["paths"][name]["verified"] is True, (sec, name)
 
 
 def test_quick_run_on_cpu(tmp_path, capsys):

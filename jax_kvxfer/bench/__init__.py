@@ -35,9 +35,11 @@ Other sections:
                  to Python without blocking; jit cache growth across calls (recompiles).
   overlap        offload ~2 GiB while a compute-bound jitted matmul chain runs: step alone,
                  transfer alone, both (one jit for the JAX paths; a side cupy stream for memcpy),
-                 and the no-overlap sum.
+                 and the no-overlap sum. `ours_stream`: our custom call annotated to a GPU
+                 stream of its own (JAX's `compute_on2(compute_type="gpu_stream:1")`).
   bidirectional  offload and onboard at the same time (one jit for the JAX paths, two streams for
-                 memcpy) vs each direction alone.
+                 memcpy) vs each direction alone. `ours_streams`: the offload and the onboard
+                 annotated to two GPU streams of their own.
   sharded        pools sharded by KV heads over 1, 2 and all devices, the same shard per device:
                  aggregate manager offload/onboard bandwidth vs N x the one-device figure.
 

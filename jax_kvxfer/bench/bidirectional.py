@@ -8,10 +8,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..ops import copy_blocks
 from .config import fmt_size, geometry_for
-from .helpers import _block, _err_text, _median, xla_onboard_rows
+from .helpers import _block, _err_text, _median, on_gpu_stream, xla_onboard_rows
 
 
 class BidirectionalMixin:
@@ -43,14 +44,24 @@ class BidirectionalMixin:
             def xla_onboard_body(dst, src, si, di):
                 return xla_onboard_rows(dst, src, si, di, B)
 
-            ours_off = jax.jit(lambda h, s, i, j: copy_blocks(h, s, i, j), donate_argnums=0,
-                               out_shardings=self.hsh)
-            ours_on = jax.jit(lambda dv, s, i, j: copy_blocks(dv, s, i, j), donate_argnums=0,
-                              out_shardings=self.dsh)
-            ours_both = jax.jit(
-                lambda h, dv, sa, sb, i1, j1, i2, j2: (copy_blocks(h, sa, i1, j1),
-                                                       copy_blocks(dv, sb, i2, j2)),
-                donate_argnums=(0, 1), out_shardings=(self.hsh, self.dsh))
+            def off(h, s, i, j):
+                return copy_blocks(h, s, i, j)
+
+            def on(dv, s, i, j):
+                return copy_blocks(dv, s, i, j)
+
+            # ours_streams: the offload and the onboard each annotated to a GPU stream of its own
+            variants = {"ours": (off, on),
+                        "ours_streams": (on_gpu_stream(off, 1, jax.memory.Space.Host),
+                                         on_gpu_stream(on, 2, jax.memory.Space.Device))}
+            jits = {}
+            for name, (f_off, f_on) in variants.items():
+                jits[name] = (
+                    jax.jit(f_off, donate_argnums=0, out_shardings=self.hsh),
+                    jax.jit(f_on, donate_argnums=0, out_shardings=self.dsh),
+                    jax.jit(lambda h, dv, sa, sb, i1, j1, i2, j2, f_off=f_off, f_on=f_on:
+                            (f_off(h, sa, i1, j1), f_on(dv, sb, i2, j2)),
+                            donate_argnums=(0, 1), out_shardings=(self.hsh, self.dsh)))
             xla_off = jax.jit(lambda s, i: s[i], out_shardings=self.hsh)
             xla_on = jax.jit(xla_onboard_body, donate_argnums=0, out_shardings=self.dsh)
             # Outputs in the order of the donated arguments: jax matches a donated buffer to
@@ -60,18 +71,23 @@ class BidirectionalMixin:
                                                                sa[i1]),
                                donate_argnums=0, out_shardings=(self.dsh, self.hsh))
 
-            def c_ours_off():
-                st["host_a"] = ours_off(st["host_a"], dev_a, si1, di1)
-                return st["host_a"]
+            def ours_calls(name: str) -> tuple[Any, Any, Any]:
+                f_off, f_on, f_both = jits[name]
 
-            def c_ours_on():
-                st["dev_b"] = ours_on(st["dev_b"], host_b, si2, di2)
-                return st["dev_b"]
+                def c_off():
+                    st["host_a"] = f_off(st["host_a"], dev_a, si1, di1)
+                    return st["host_a"]
 
-            def c_ours_both():
-                st["host_a"], st["dev_b"] = ours_both(st["host_a"], st["dev_b"], dev_a, host_b,
-                                                      si1, di1, si2, di2)
-                return st["host_a"], st["dev_b"]
+                def c_on():
+                    st["dev_b"] = f_on(st["dev_b"], host_b, si2, di2)
+                    return st["dev_b"]
+
+                def c_both():
+                    st["host_a"], st["dev_b"] = f_both(st["host_a"], st["dev_b"], dev_a, host_b,
+                                                       si1, di1, si2, di2)
+                    return st["host_a"], st["dev_b"]
+
+                return c_off, c_on, c_both
 
             def c_xla_on():
                 st["dev_b"] = xla_on(st["dev_b"], host_b, si2, di2)
@@ -81,7 +97,7 @@ class BidirectionalMixin:
                 st["dev_b"], out = xla_both(st["dev_b"], dev_a, host_b, si1, si2, di2)
                 return out, st["dev_b"]
 
-            calls = {"ours": (c_ours_off, c_ours_on, c_ours_both),
+            calls = {"ours": ours_calls("ours"), "ours_streams": ours_calls("ours_streams"),
                      "xla": (lambda: xla_off(dev_a, si1), c_xla_on, c_xla_both)}
             for name, (off, on, both) in calls.items():
                 res: dict[str, Any] = {}
@@ -93,6 +109,13 @@ class BidirectionalMixin:
                     t_on = _median(self.time_jax(on, pipe=pipe)[0])
                     t_both = _median(self.time_jax(both, pipe=pipe)[0])
                     res = self._bidir_result(total, t_off, t_on, t_both)
+                    if name.startswith("ours"):  # both destinations hold their blocks
+                        ends = [0, B - 1]
+                        i1, j1, i2, j2 = (np.asarray(a)[ends] for a in (si1, di1, si2, di2))
+                        res["verified"] = bool(
+                            np.array_equal(self.fetch(st["host_a"], j1), self.fetch(dev_a, i1))
+                            and np.array_equal(self.fetch(st["dev_b"], j2),
+                                               self.fetch(host_b, i2)))
                 except Exception as e:  # noqa: BLE001
                     res["error"] = _err_text(e)
                     self.log(f"bidirectional {name}: ERROR {res['error'][:300]}")
