@@ -44,24 +44,13 @@ class BidirectionalMixin:
             def xla_onboard_body(dst, src, si, di):
                 return xla_onboard_rows(dst, src, si, di, B)
 
-            def off(h, s, i, j):
-                return copy_blocks(h, s, i, j)
-
-            def on(dv, s, i, j):
-                return copy_blocks(dv, s, i, j)
+            def copy(dst, s, i, j):
+                return copy_blocks(dst, s, i, j)
 
             # ours_streams: the offload and the onboard each annotated to a GPU stream of its own
-            variants = {"ours": (off, on),
-                        "ours_streams": (on_gpu_stream(off, 1, jax.memory.Space.Host),
-                                         on_gpu_stream(on, 2, jax.memory.Space.Device))}
-            jits = {}
-            for name, (f_off, f_on) in variants.items():
-                jits[name] = (
-                    jax.jit(f_off, donate_argnums=0, out_shardings=self.hsh),
-                    jax.jit(f_on, donate_argnums=0, out_shardings=self.dsh),
-                    jax.jit(lambda h, dv, sa, sb, i1, j1, i2, j2, f_off=f_off, f_on=f_on:
-                            (f_off(h, sa, i1, j1), f_on(dv, sb, i2, j2)),
-                            donate_argnums=(0, 1), out_shardings=(self.hsh, self.dsh)))
+            variants = {"ours": (copy, copy),
+                        "ours_streams": (on_gpu_stream(copy, 1, jax.memory.Space.Host),
+                                         on_gpu_stream(copy, 2, jax.memory.Space.Device))}
             xla_off = jax.jit(lambda s, i: s[i], out_shardings=self.hsh)
             xla_on = jax.jit(xla_onboard_body, donate_argnums=0, out_shardings=self.dsh)
             # Outputs in the order of the donated arguments: jax matches a donated buffer to
@@ -72,7 +61,12 @@ class BidirectionalMixin:
                                donate_argnums=0, out_shardings=(self.dsh, self.hsh))
 
             def ours_calls(name: str) -> tuple[Any, Any, Any]:
-                f_off, f_on, f_both = jits[name]
+                off, on = variants[name]
+                f_off = jax.jit(off, donate_argnums=0, out_shardings=self.hsh)
+                f_on = jax.jit(on, donate_argnums=0, out_shardings=self.dsh)
+                f_both = jax.jit(lambda h, dv, sa, sb, i1, j1, i2, j2: (off(h, sa, i1, j1),
+                                                                        on(dv, sb, i2, j2)),
+                                 donate_argnums=(0, 1), out_shardings=(self.hsh, self.dsh))
 
                 def c_off():
                     st["host_a"] = f_off(st["host_a"], dev_a, si1, di1)
