@@ -59,18 +59,23 @@ def make(num_primary=4, num_secondary=4, **kwargs):
     return BlockManager(pool, transfer_manager=fake, **kwargs), fake
 
 
-def serve(bm, fake, sid, tokens, priority=35, release=True):
-    """add_sequence, sync, check the reused prefix's tokens, 'compute' the rest, release."""
-    reused = bm.add_sequence(sid, tokens, priority=priority)
-    bm.sync_transfers()
+def check_and_compute(bm, fake, sid, tokens, reused):
+    """After the step's sync: the reused prefix holds the right tokens; 'compute' the rest."""
     table = bm.block_table(sid)
-    assert len(table) == -(-len(tokens) // T)
     for pos in range(len(tokens)):
         cell = fake.mem[True][table[pos // T]]
         if pos < reused:
             assert cell[pos % T] == tokens[pos], f"{sid}: position {pos} holds a wrong token"
         else:
             cell[pos % T] = tokens[pos]
+
+
+def serve(bm, fake, sid, tokens, priority=35, release=True):
+    """add_sequence, sync, check the reused prefix's tokens, 'compute' the rest, release."""
+    reused = bm.add_sequence(sid, tokens, priority=priority)
+    bm.sync_transfers()
+    assert len(bm.block_table(sid)) == -(-len(tokens) // T)
+    check_and_compute(bm, fake, sid, tokens, reused)
     if release:
         bm.release_sequence(sid)
     return reused
@@ -308,17 +313,6 @@ def _random_workload(rng, n):
         seq = base[:cut] + list(rng.integers(0, 5, rng.integers(1, 7)))
         done.append(seq)
         yield [int(t) for t in seq], int(rng.choice([10, 35, 35, 60]))
-
-
-def check_and_compute(bm, fake, sid, tokens, reused):
-    """After the step's sync: the reused prefix holds the right tokens; 'compute' the rest."""
-    table = bm.block_table(sid)
-    for pos in range(len(tokens)):
-        cell = fake.mem[True][table[pos // T]]
-        if pos < reused:
-            assert cell[pos % T] == tokens[pos], f"{sid}: position {pos} holds a wrong token"
-        else:
-            cell[pos % T] = tokens[pos]
 
 
 @pytest.mark.parametrize("seed", range(6))
