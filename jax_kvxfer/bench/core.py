@@ -58,7 +58,7 @@ class BenchCore:
             self.notes.append("no pinned_host memory kind on this backend: host directions skipped")
         if self.on_gpu or cupy_module is not None:
             try:
-                self.cupy = CupyTools(cupy_module, getattr(self.dev, "local_hardware_id", 0) or 0)
+                self.cupy = CupyTools(cupy_module, getattr(self.dev, "local_hardware_id", None) or 0)
             except Exception as e:  # noqa: BLE001
                 self.cupy_note = f"cupy unavailable ({_err_text(e)}): memcpy ceilings fall back " \
                                  "to jax_contig, TensorRT-LLM-style paths skipped"

@@ -110,7 +110,8 @@ class ShardedMixin:
                "onboard_s": t_on, "offload_gbps": batch_bytes / t_off / 1e9,
                "onboard_gbps": batch_bytes / t_on / 1e9, "verified": verified}
         if self.cupy is not None:  # the same bytes as one contiguous memcpy per GPU, all at once
-            ids = [getattr(d, "local_hardware_id", i) or i for i, d in enumerate(devices)]
+            ids = [i if getattr(d, "local_hardware_id", None) is None else d.local_hardware_id
+                   for i, d in enumerate(devices)]
             per_device = B * geom.block_bytes
             for d, to_host in (("offload", True), ("onboard", False)):
                 t = _median(self.cupy.concurrent_memcpy(ids, per_device, to_host,
