@@ -115,7 +115,8 @@ auto BindIndicesResultsAndAttrs(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()            // workspace [B] (the GPU's duplicate scan)
       .template Ret<ffi::Buffer<ffi::U8>>()             // staging [B * block bytes] or [0]
       .template Attr<bool>("hazard_free")               // no block is read and written
-      .template Attr<bool>("unique_dst");               // no block is written twice
+      .template Attr<bool>("unique_dst")                // no block is written twice
+      .template Attr<int64_t>("max_ctas");              // GPU grid cap, <= 0: none
 }
 
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole

@@ -17,9 +17,13 @@ namespace nb = nanobind;
 namespace kvxfer {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;                // threads of one work unit ("virtual CTA")
 constexpr int kUnroll = 4;                   // vector loads in flight per thread
 constexpr int64_t kMaxCtasPerPair = 4096;
+// A capped grid (max_ctas > 0) uses CTAs of 1024 threads, four work units each: on an H200,
+// 8 such CTAs keep PCIe busy in both directions (benchmarks/kernel_probe.cu), so a copy to or
+// from host memory can leave the other SMs to compute running beside it on another stream.
+constexpr int kCappedCtaThreads = 1024;
 
 // One side of a batch: a pool addressed by the pair's block index, or a staging buffer laid out
 // one block per pair (by_pair).
@@ -70,31 +74,41 @@ __device__ void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, i
     }
     return;
   }
-  // A partial block: `runs` short runs (one per layer, K/V and head). Each warp takes whole
-  // runs and its lanes stride along one, so no thread divides to find its run.
+  // A partial block: `runs` short runs (one per layer, K/V and head). A warp splits into
+  // groups of `group` lanes, the fewest (a power of two) that cover a run in one step, and each
+  // group takes whole runs, its lanes striding along one: no thread divides to find its run,
+  // and a run of a few vectors (n = 1) does not leave most of the warp idle.
+  int group = 32;
+  while (group > 1 && group / 2 >= per_run) group /= 2;
   const int lane = static_cast<int>(first % 32);
-  for (int64_t r = first / 32; r < runs; r += stride / 32) {
+  const int64_t groups_per_warp = 32 / group;
+  const int64_t run_stride = stride / 32 * groups_per_warp;
+  const int g_lane = lane % group;
+  for (int64_t r = first / 32 * groups_per_warp + lane / group; r < runs; r += run_stride) {
     const V* __restrict__ s = reinterpret_cast<const V*>(src + r * pitch);
     V* __restrict__ d = reinterpret_cast<V*>(dst + r * pitch);
-    for (int64_t base = lane; base < per_run; base += 32 * kUnroll) {
+    for (int64_t base = g_lane; base < per_run; base += int64_t{group} * kUnroll) {
       V v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * 32 < per_run) v[k] = s[base + k * 32];
+        if (base + k * group < per_run) v[k] = s[base + k * group];
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * 32 < per_run) d[base + k * 32] = v[k];
+        if (base + k * group < per_run) d[base + k * group] = v[k];
       }
     }
   }
 }
 
-// Grid: (num_pairs * ctas_per_pair). Block: kThreads. Each CTA copies a strided share of one
-// pair: tokens [first, n) of every run of the block, or the whole block as one run.
-__global__ void CopyPairsKernel(Batch b, int64_t ctas_per_pair) {
-  const int64_t pair = blockIdx.x / ctas_per_pair;
-  const int64_t cta = blockIdx.x % ctas_per_pair;
+// Work unit u in [0, num_pairs * units_per_pair) copies a strided share of pair
+// u / units_per_pair: tokens [first, n) of every run of the block, or the whole block as one
+// run, with vectors of type V (every address and length of the batch is aligned to V). kThreads
+// threads per unit.
+template <typename V>
+__device__ void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread) {
+  const int64_t pair = unit / units_per_pair;
+  const int64_t cta = unit % units_per_pair;
   if (pair >= b.num_pairs || !PairValid(b, pair)) return;
   const PoolGeometry& g = b.g;
   const int64_t n = TokensToCopy(b.num_tokens[pair], g);
@@ -110,20 +124,20 @@ __global__ void CopyPairsKernel(Batch b, int64_t ctas_per_pair) {
   }
   char* dst = b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * g.block_bytes + offset;
   const char* src = b.src.data + SlotOf(b.src, b.src_idx, pair) * g.block_bytes + offset;
-  const int64_t first = cta * kThreads + threadIdx.x;
-  const int64_t stride = ctas_per_pair * kThreads;
+  CopyRuns<V>(dst, src, runs, run_bytes, pitch, cta * kThreads + thread,
+              units_per_pair * kThreads);
+}
 
-  // The widest access that every address and length of this pair is aligned to.
-  const uint64_t align = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
-                         static_cast<uint64_t>(run_bytes) | static_cast<uint64_t>(pitch);
-  if (align % 16 == 0) {
-    CopyRuns<uint4>(dst, src, runs, run_bytes, pitch, first, stride);
-  } else if (align % 8 == 0) {
-    CopyRuns<uint2>(dst, src, runs, run_bytes, pitch, first, stride);
-  } else if (align % 4 == 0) {
-    CopyRuns<uint32_t>(dst, src, runs, run_bytes, pitch, first, stride);
-  } else {
-    CopyRuns<uint8_t>(dst, src, runs, run_bytes, pitch, first, stride);
+// Block: kCtaThreads threads (a multiple of kThreads), one work unit per kThreads. Grid: any
+// size; the CTAs walk the units, so a capped grid copies the same bytes as a full one. One
+// vector type per kernel keeps the registers of the widest path only.
+template <typename V, int kCtaThreads>
+__global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t units_per_pair) {
+  constexpr int per_cta = kCtaThreads / kThreads;
+  const int64_t units = b.num_pairs * units_per_pair;
+  for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kThreads; u < units;
+       u += int64_t{gridDim.x} * per_cta) {
+    CopyUnit<V>(b, u, units_per_pair, threadIdx.x % kThreads);
   }
 }
 
@@ -156,11 +170,41 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
                               cudaGetErrorString(err));
 }
 
-ffi::Error Launch(cudaStream_t stream, const Batch& b) {
-  const int64_t per_cta = int64_t{kThreads} * 16 * kUnroll;
-  int64_t ctas = std::clamp<int64_t>((b.g.block_bytes + per_cta - 1) / per_cta, 1, kMaxCtasPerPair);
-  ctas = std::min<int64_t>(ctas, std::max<int64_t>(1, (int64_t{1} << 31) / 2 / b.num_pairs));
-  CopyPairsKernel<<<static_cast<unsigned>(b.num_pairs * ctas), kThreads, 0, stream>>>(b, ctas);
+template <typename V>
+void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
+  const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
+  const int64_t units_per_pair =
+      std::clamp<int64_t>((b.g.block_bytes + per_unit - 1) / per_unit, 1, kMaxCtasPerPair);
+  const int64_t units = b.num_pairs * units_per_pair;
+  if (max_ctas > 0) {
+    constexpr int64_t per_cta = kCappedCtaThreads / kThreads;
+    const int64_t ctas = std::min((units + per_cta - 1) / per_cta, max_ctas);
+    CopyPairsKernel<V, kCappedCtaThreads>
+        <<<static_cast<unsigned>(ctas), kCappedCtaThreads, 0, stream>>>(b, units_per_pair);
+  } else {
+    const int64_t ctas = std::min<int64_t>(units, int64_t{1} << 30);
+    CopyPairsKernel<V, kThreads><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
+        b, units_per_pair);
+  }
+}
+
+// max_ctas <= 0: one CTA per work unit (what a device-to-device copy needs to fill HBM);
+// otherwise at most max_ctas CTAs of kCappedCtaThreads threads.
+ffi::Error Launch(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
+  // Every address the kernel forms is a pool base plus multiples of the block and row sizes.
+  const uint64_t align = reinterpret_cast<uint64_t>(b.dst.data) |
+                         reinterpret_cast<uint64_t>(b.src.data) |
+                         static_cast<uint64_t>(b.g.block_bytes) |
+                         static_cast<uint64_t>(b.g.row_bytes);
+  if (align % 16 == 0) {
+    LaunchWith<uint4>(stream, b, max_ctas);
+  } else if (align % 8 == 0) {
+    LaunchWith<uint2>(stream, b, max_ctas);
+  } else if (align % 4 == 0) {
+    LaunchWith<uint32_t>(stream, b, max_ctas);
+  } else {
+    LaunchWith<uint8_t>(stream, b, max_ctas);
+  }
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
 }
@@ -170,7 +214,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
                          ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                          ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                         bool unique_dst) {
+                         bool unique_dst, int64_t max_ctas) {
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
@@ -217,10 +261,10 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     Batch gather = b;
     gather.dst = {reinterpret_cast<char*>(staging->typed_data()), true};
     gather.first = nullptr;
-    if (auto err = Launch(stream, gather); err.failure()) return err;
+    if (auto err = Launch(stream, gather, max_ctas); err.failure()) return err;
     b.src = {reinterpret_cast<char*>(staging->typed_data()), true};
   }
-  return Launch(stream, b);
+  return Launch(stream, b, max_ctas);
 }
 
 // Copies within one pool. One operand rather than the same array passed twice: XLA would copy
@@ -230,9 +274,9 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                                ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                                ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                               bool unique_dst) {
+                               bool unique_dst, int64_t max_ctas) {
   return BlockCopyCuda(stream, pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                       hazard_free, unique_dst);
+                       hazard_free, unique_dst, max_ctas);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 """jax_kvxfer: KV-cache block transfers between GPU and pinned host memory for JAX.
 
 - `copy_blocks`, `partial_block_copy`: batched and partial block copies, XLA FFI custom calls
-  usable inside `jax.jit` (CPU and CUDA).
+  usable inside `jax.jit` (CPU and CUDA); `on_stream` runs other work on a GPU stream of its
+  own beside a copy made with `copy_blocks(..., stream=N)`.
 - `KVCacheBlockPool`, `KVCacheBlock`, `KVCacheTransferManager`: TensorRT-LLM's offload/onboard
   machinery with pools held as `jax.Array`s (primary in `device`, secondary in `pinned_host`).
 """
@@ -9,11 +10,12 @@
 from ._native import HAS_CUDA_HANDLERS
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
-from .ops import copy_blocks, partial_block_copy
+from .ops import HOST_COPY_CTAS, copy_blocks, on_stream, partial_block_copy
 from .pool import KVCacheBlock, KVCacheBlockPool, to_numpy
 
 __all__ = [
     "HAS_CUDA_HANDLERS",
+    "HOST_COPY_CTAS",
     "BlockManager",
     "BlockManagerStats",
     "DonationWarning",
@@ -25,6 +27,7 @@ __all__ = [
     "PrefixMatch",
     "TransferStats",
     "copy_blocks",
+    "on_stream",
     "partial_block_copy",
     "to_numpy",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -211,8 +212,32 @@ def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
     return IndexFacts(bool(hazard_free), bool(unique_dst))
 
 
-def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts):
-    """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool."""
+# CTAs (of 1024 threads) that a copy to or from pinned_host memory on a stream of its own uses
+# by default: on an H200, 8 fill PCIe in either direction for whole blocks
+# (benchmarks/kernel_probe.cu), and the other SMs stay free for the work running beside the
+# copy. Without a stream of its own the copy takes every SM it can use (the fastest for short
+# partial runs, which need many requests in flight).
+HOST_COPY_CTAS = 8
+
+
+def _touches_host(*pools: Any) -> bool:
+    return any(getattr(jax.typeof(p), "memory_space", None) == jax.memory.Space.Host
+               for p in pools)
+
+
+def check_launch_options(max_ctas: int | None, stream: int | None) -> None:
+    for name, value in (("max_ctas", max_ctas), ("stream", stream)):
+        if value is not None and (isinstance(value, (bool, np.bool_))
+                                  or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+
+
+def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts,
+                    max_ctas: int | None = None):
+    """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool.
+
+    max_ctas: the GPU grid cap (None: no cap)."""
+    max_ctas = max_ctas or 0
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
     within = src_pool is dst_pool
@@ -235,22 +260,38 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
     )
     pools = (dst_pool,) if within else (dst_pool, src_pool)
     return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(facts.hazard_free),
-                unique_dst=np.bool_(facts.unique_dst))[0]
+                unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(max_ctas))[0]
+
+
+def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
+    """`fn` (traced inside jit) annotated to run on XLA GPU stream `stream`: XLA wraps it in an
+    async start/done pair on a stream of its own, and the compute stream waits for it only
+    where its result is used. `out_space`: the memory space of fn's result. Ignored on CPU."""
+    from jax.experimental import compute_on as mod
+
+    # jax 0.10 calls the function form compute_on2; jax 0.11 renamed it compute_on.
+    annotate = getattr(mod, "compute_on2", None)
+    if annotate is None and "out_memory_spaces" in inspect.signature(mod.compute_on).parameters:
+        annotate = mod.compute_on
+    if annotate is None:
+        raise NotImplementedError(f"stream=: jax {jax.__version__} has no function-form "
+                                  "jax.experimental.compute_on")
+    return annotate(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=out_space)
 
 
 @functools.lru_cache(maxsize=64)
 def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts,
-              donate: bool = False):
+              donate: bool = False, max_ctas: int | None = None):
     """A jitted op for calls made outside jit; the result keeps the destination's sharding.
 
     A destination split over several devices is copied by each device on its own shard.
     """
     if kind == "pool":
         def fn(dst, src, si, di, nt):
-            return block_copy_call(dst, src, si, di, nt, facts)
+            return block_copy_call(dst, src, si, di, nt, facts, max_ctas)
     else:
         def fn(dst, src, si, di, nt):
-            return block_copy_call(dst[None], src[None], si, di, nt, facts)[0]
+            return block_copy_call(dst[None], src[None], si, di, nt, facts, max_ctas)[0]
     if _is_split(out_sharding):
         spec, whole = out_sharding.spec, jax.sharding.PartitionSpec()
         fn = jax.shard_map(fn, mesh=out_sharding.mesh, in_specs=(spec, spec) + (whole,) * 3,
@@ -295,6 +336,8 @@ def copy_blocks(
     num_tokens: TokensLike = None,
     *,
     donate: bool = False,
+    max_ctas: int | None = None,
+    stream: int | None = None,
 ) -> jax.Array:
     """Copies block `src_indices[i]` of `src_pool` into block `dst_indices[i]` of `dst_pool`.
 
@@ -319,6 +362,15 @@ def copy_blocks(
       donate: outside jit only: consume `dst_pool` and update it in place. Without it the call
         is functional, and XLA first copies the whole destination pool. (Inside `jax.jit`,
         donate through `donate_argnums` instead.)
+      max_ctas: on GPUs, the most CTAs (of 1024 threads; about one SM each) the copy kernel
+        may occupy. None: every SM it can use, except for a copy to or from pinned_host memory
+        with a `stream`, which takes `HOST_COPY_CTAS` (8: enough for PCIe on an H200 with
+        whole blocks) and leaves the other SMs to the work beside it. Ignored on CPU.
+      stream: inside `jax.jit`, run the copy on XLA GPU stream `stream` (1, 2, ...; JAX's
+        stream annotation, `jax.experimental.compute_on`) so that it can overlap the jitted
+        function's other work; XLA makes the users of the result wait for it. An offload and
+        an onboard on two streams share PCIe's two directions. No effect outside `jax.jit`
+        or on CPU.
 
     Returns:
       The new destination pool (same shape, dtype and, outside jit, sharding as `dst_pool`).
@@ -332,6 +384,7 @@ def copy_blocks(
     _check_pool("dst_pool", dst_pool, POOL_RANK)
     _check_pool("src_pool", src_pool, POOL_RANK)
     _check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
+    check_launch_options(max_ctas, stream)
     si = _as_index_array("src_indices", src_indices)
     di = _as_index_array("dst_indices", dst_indices)
     if si.shape[0] != di.shape[0]:
@@ -346,11 +399,22 @@ def copy_blocks(
     _check_platform(dst_pool, src_pool)
     _check_split(dst_pool, src_pool, "dst_pool", "src_pool")
     facts = index_facts(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
+    if max_ctas is None and stream is not None and _touches_host(dst_pool, src_pool):
+        max_ctas = HOST_COPY_CTAS
+    max_ctas = None if max_ctas is None else int(max_ctas)
     if any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens)):
-        return block_copy_call(dst_pool, src_pool, si, di, tokens, facts)
+        if stream is None:
+            return block_copy_call(dst_pool, src_pool, si, di, tokens, facts, max_ctas)
+        within = src_pool is dst_pool
+
+        def copy(dst, src, a, b, n):
+            return block_copy_call(dst, dst if within else src, a, b, n, facts, max_ctas)
+
+        space = getattr(jax.typeof(dst_pool), "memory_space", None) or jax.memory.Space.Device
+        return on_stream(copy, int(stream), space)(dst_pool, src_pool, si, di, tokens)
     if donate and dst_pool is src_pool:
         raise ValueError("donate=True needs src_pool to be another array than dst_pool")
-    fn = _eager_fn("pool", dst_pool.sharding, facts, bool(donate))
+    fn = _eager_fn("pool", dst_pool.sharding, facts, bool(donate), max_ctas)
     return fn(dst_pool, src_pool, si, di, tokens)
 
 

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
-#   scripts/gpu-check.sh [tests] [bench] [demo] [sharded] [demo-tp] [profile] [sanitize] [stress]
-#   (default: tests bench demo). profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's sharded-pool section over all GPUs;
-#   demo-tp: the demo tensor-parallel over 2 GPUs (both need a machine with 2 or more GPUs).
+#   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [sharded] [demo-tp]
+#                        [profile] [sanitize] [stress]
+#   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
+#   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX).
+#   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
+#   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
+#   a machine with 2 or more GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-gpu-check}
@@ -34,6 +38,19 @@ if has bench; then
   python3 -m jax_kvxfer bench --out "$OUT" > "$OUT/bench.txt" 2> "$OUT/bench.log"
   summary+=("bench: exit $? ($(( $(date +%s) - t )) s)")
   cat "$OUT/bench.txt"
+fi
+if has concurrency; then
+  t=$(date +%s)
+  python3 -m jax_kvxfer bench --only overlap,bidir --out "$OUT" > "$OUT/bench-concurrency.txt" 2> "$OUT/bench-concurrency.log"
+  summary+=("bench overlap,bidir: exit $? ($(( $(date +%s) - t )) s)")
+  grep -E "overlap |bidirectional " "$OUT/bench-concurrency.log"
+fi
+if has probe; then
+  t=$(date +%s)
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/kernel_probe.cu -o "$OUT/kernel_probe.bin" > "$OUT/probe.txt" 2>&1 \
+    && "$OUT/kernel_probe.bin" >> "$OUT/probe.txt" 2>&1
+  summary+=("kernel probe: exit $? ($(( $(date +%s) - t )) s)")
+  rm -f "$OUT/kernel_probe.bin"
 fi
 if has demo; then
   t=$(date +%s)

@@ -270,6 +270,29 @@ def large_blocks(rng):
                  nt=[0, 17, 5], num_dst=3, num_src=3)
 
 
+CAPPED = {cap: jax.jit(lambda d, s, si, di, nt, cap=cap: kvx.copy_blocks(d, s, si, di, nt,
+                                                                       max_ctas=cap),
+                       donate_argnums=0) for cap in (1, 2)}
+ON_STREAM = jax.jit(lambda d, s, si, di, nt: kvx.copy_blocks(d, s, si, di, nt, stream=1),
+                    donate_argnums=0)
+
+
+@case
+def capped_grid_and_stream(rng):
+    # max_ctas: 1-2 CTAs of 1024 threads walk every work unit (several per 256 KiB block), with
+    # each vector width; stream=1: the copy inside a stream annotation (default cap there).
+    for dtype, block in ((jnp.bfloat16, (4, 2, 4, 32, 128)), (jnp.uint8, (1, 2, 3, 5, 3)),
+                         (jnp.bfloat16, (1, 2, 3, 5, 2))):
+        for src_kind, dst_kind in KINDS:
+            for name, fn in (("cap1", CAPPED[1]), ("cap2", CAPPED[2]), ("stream", ON_STREAM)):
+                dst = random_pool(rng, (5, *block), dtype)
+                src = random_pool(rng, (5, *block), dtype)
+                si, di, nt = i32([0, 1, 2, 4]), i32([2, 0, 0, 4]), i32([0, 3, 1, -1])
+                out = fn(put(dst, dst_kind), put(src, src_kind), si, di, nt)
+                check(out, reference(dst, src, si, di, nt),
+                      f"{name} {jnp.dtype(dtype).name} {block} {src_kind}->{dst_kind}")
+
+
 @case
 def many_pairs(rng):
     n = 4096

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..ops import copy_blocks
 from .config import fmt_size, geometry_for
-from .helpers import _block, _err_text, _median, on_gpu_stream, xla_onboard_rows
+from .helpers import _block, _err_text, _median, xla_onboard_rows
 
 
 class BidirectionalMixin:
@@ -47,10 +47,15 @@ class BidirectionalMixin:
             def copy(dst, s, i, j):
                 return copy_blocks(dst, s, i, j)
 
-            # ours_streams: the offload and the onboard each annotated to a GPU stream of its own
-            variants = {"ours": (copy, copy),
-                        "ours_streams": (on_gpu_stream(copy, 1, jax.memory.Space.Host),
-                                         on_gpu_stream(copy, 2, jax.memory.Space.Device))}
+            # ours_streams: the offload and the onboard each on a GPU stream of its own (with
+            # the default grid cap, or another one)
+            def copy_on(stream, max_ctas=None):
+                return lambda dst, s, i, j: copy_blocks(dst, s, i, j, stream=stream,
+                                                        max_ctas=max_ctas)
+
+            variants = {"ours": (copy, copy), "ours_streams": (copy_on(1), copy_on(2)),
+                        "ours_streams_4ctas": (copy_on(1, 4), copy_on(2, 4)),
+                        "ours_streams_32ctas": (copy_on(1, 32), copy_on(2, 32))}
             xla_off = jax.jit(lambda s, i: s[i], out_shardings=self.hsh)
             xla_on = jax.jit(xla_onboard_body, donate_argnums=0, out_shardings=self.dsh)
             # Outputs in the order of the donated arguments: jax matches a donated buffer to
@@ -91,8 +96,8 @@ class BidirectionalMixin:
                 st["dev_b"], out = xla_both(st["dev_b"], dev_a, host_b, si1, si2, di2)
                 return out, st["dev_b"]
 
-            calls = {"ours": ours_calls("ours"), "ours_streams": ours_calls("ours_streams"),
-                     "xla": (lambda: xla_off(dev_a, si1), c_xla_on, c_xla_both)}
+            calls = {name: ours_calls(name) for name in variants}
+            calls["xla"] = (lambda: xla_off(dev_a, si1), c_xla_on, c_xla_both)
             for name, (off, on, both) in calls.items():
                 res: dict[str, Any] = {}
                 if self.past_deadline():

@@ -59,16 +59,6 @@ def xla_onboard_rows(dst: jax.Array, src: jax.Array, si: jax.Array, di: jax.Arra
     return dst
 
 
-def on_gpu_stream(fn: Callable[..., Any], stream: int, out_space: Any) -> Callable[..., Any]:
-    """`fn` (traced inside jit) annotated to run on XLA GPU stream `stream`: JAX's `compute_on2`
-    stream annotation, which XLA turns into an async start/done pair on a stream of its own, the
-    compute stream waiting only where the result is used. Ignored on CPU. `out_space`: the
-    memory space of fn's result (jax.memory.Space)."""
-    from jax.experimental.compute_on import compute_on2
-
-    return compute_on2(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=out_space)
-
-
 @functools.cache
 def _pattern_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
     """Pseudo-random bf16 pool from a seed: an integer hash of the element index (compiles fast,

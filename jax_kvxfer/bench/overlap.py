@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import traceback
@@ -12,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..ops import copy_blocks
+from ..ops import copy_blocks, on_stream
 from .config import DTYPE, MiB, fmt_size, geometry_for
-from .helpers import _block, _clamp, _err_text, _median, on_gpu_stream
+from .helpers import _block, _clamp, _err_text, _median
 
 
 class OverlapMixin:
@@ -49,13 +50,25 @@ class OverlapMixin:
                     x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(DTYPE)
                 return x
 
-            def offload(dst: jax.Array, s: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-                return copy_blocks(dst, s, a, b)
+            # ours: the custom call on XLA's compute stream; ours_stream*: on a GPU stream of its
+            # own, with the default grid cap (HOST_COPY_CTAS) or another one; step_stream: the
+            # matmuls on a GPU stream of their own too
+            ours_options = {"ours": {}, "ours_stream": {"stream": 1},
+                            "ours_stream_4ctas": {"stream": 1, "max_ctas": 4},
+                            "ours_stream_32ctas": {"stream": 1, "max_ctas": 32},
+                            "ours_stream_step_stream": {"stream": 1, "step_stream": 2},
+                            "ours_stream_step_stream_1cta": {"stream": 1, "step_stream": 2,
+                                                             "max_ctas": 1},
+                            "ours_stream_step_stream_nocap": {"stream": 1, "step_stream": 2,
+                                                              "max_ctas": 1 << 20}}
 
-            # ours_stream: the same custom call annotated to run on a GPU stream of its own
-            offload_on_stream = on_gpu_stream(offload, 1, jax.memory.Space.Host)
+            def offload_fn(options: dict[str, int]) -> Callable[..., jax.Array]:
+                kw = {k: v for k, v in options.items() if k != "step_stream"}
+                return lambda dst, s, a, b: copy_blocks(dst, s, a, b, **kw)
+
+            offloads = {name: offload_fn(o) for name, o in ours_options.items()}
             ours_fns = {name: jax.jit(f, donate_argnums=0, out_shardings=self.hsh)
-                        for name, f in (("ours", offload), ("ours_stream", offload_on_stream))}
+                        for name, f in offloads.items()}
             xla_fn = jax.jit(lambda s, a: s[a], out_shardings=self.hsh)
 
             def ours_call(name: str) -> jax.Array:
@@ -64,9 +77,10 @@ class OverlapMixin:
 
             transfer: dict[str, float] = {}
             errors: dict[str, str] = {}
-            for name, call in (("ours", lambda: ours_call("ours")),
-                               ("ours_stream", lambda: ours_call("ours_stream")),
-                               ("xla", lambda: xla_fn(src, si_dev))):
+            transfer_calls: dict[str, Callable[[], Any]] = {
+                name: functools.partial(ours_call, name) for name in ours_fns}
+            transfer_calls["xla"] = lambda: xla_fn(src, si_dev)
+            for name, call in transfer_calls.items():
                 try:
                     transfer[name] = _median(self.time_jax(call, pipe=1)[0])
                 except Exception as e:  # noqa: BLE001
@@ -97,10 +111,17 @@ class OverlapMixin:
             self.log(f"overlap: step {iters} matmuls = {step_s * 1e3:.2f} ms "
                      f"({flops / step_s / 1e12:.0f} TFLOP/s)")
 
-            ours_both = {name: jax.jit(lambda a, b, dst, s, i, j, f=f: (matmuls(a, b, iters),
-                                                                        f(dst, s, i, j)),
+            def step_fn(options: dict[str, int]) -> Callable[..., jax.Array]:
+                def run(a: jax.Array, b: jax.Array) -> jax.Array:
+                    return matmuls(a, b, iters)
+                if "step_stream" not in options:
+                    return run
+                return on_stream(run, options["step_stream"], jax.memory.Space.Device)
+
+            ours_both = {name: jax.jit(lambda a, b, dst, s, i, j, f=f, g=step_fn(o): (
+                                           g(a, b), f(dst, s, i, j)),
                                        donate_argnums=2, out_shardings=(self.dsh, self.hsh))
-                         for name, f in (("ours", offload), ("ours_stream", offload_on_stream))}
+                         for (name, f), o in zip(offloads.items(), ours_options.values())}
             xla_both = jax.jit(lambda a, b, s, i: (matmuls(a, b, iters), s[i]),
                                out_shardings=(self.dsh, self.hsh))
 
@@ -109,9 +130,8 @@ class OverlapMixin:
                 return y, st["dst"]
 
             both_calls: dict[str, Callable[[], Any]] = {
-                "ours": lambda: ours_both_call("ours"),
-                "ours_stream": lambda: ours_both_call("ours_stream"),
-                "xla": lambda: xla_both(x, w, src, si_dev)}
+                name: functools.partial(ours_both_call, name) for name in ours_both}
+            both_calls["xla"] = lambda: xla_both(x, w, src, si_dev)
             if cu is not None and "memcpy_side_stream" in transfer:
                 dp, sp = cu.ptr("host_b"), cu.ptr("dev_a")
 
@@ -137,6 +157,9 @@ class OverlapMixin:
                                "both_s": both_s, "no_overlap_sum_s": t + step_s,
                                "added_to_step": both_s / step_s - 1,
                                "transfer_hidden": (t + step_s - both_s) / t}
+                        if name in ours_both:
+                            res["schedule"] = schedule_summary(ours_both[name], x, w, st["dst"],
+                                                               src, si_dev, di_dev)
                         if name.startswith("ours"):  # the pool it wrote holds the blocks
                             ends = [0, nb - 1]
                             res["verified"] = bool(np.array_equal(
@@ -157,3 +180,31 @@ class OverlapMixin:
             self.log(f"overlap: ERROR {sec['error'][:300]}")
         gc.collect()
         self.save()
+
+
+def schedule_summary(fn: Any, *args: Any) -> str:
+    """The order XLA gave the entry computation's work, compacted: G a GEMM, C our custom call,
+    c another custom call, f a fusion, S/D an async start/done (a stream annotation), cs/cd a
+    copy start/done."""
+    try:
+        text = fn.lower(*args).compile().as_text()
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        return f"unavailable: {_err_text(e)[:200]}"
+    entry = text[text.find("ENTRY"):]
+    entry = entry[:entry.find("\n}") if "\n}" in entry else len(entry)]
+    kinds = []
+    for line in entry.splitlines()[1:]:
+        for key, tag in (("copy-start", "cs"), ("copy-done", "cd"), ("-start", "S"),
+                         ("-done", "D"), ("jax_kvxfer", "C"), ("cublas", "G"),
+                         ("custom-call", "c"), ("fusion(", "f"), ("call(", "call")):
+            if key in line:
+                kinds.append(tag)
+                break
+    out: list[str] = []
+    for tag in kinds:  # run-length: "G x27"
+        if out and out[-1].split(" x")[0] == tag:
+            head, _, count = out[-1].partition(" x")
+            out[-1] = f"{head} x{int(count or 1) + 1}"
+        else:
+            out.append(tag)
+    return " ".join(out)
