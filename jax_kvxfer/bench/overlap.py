@@ -111,17 +111,18 @@ class OverlapMixin:
             self.log(f"overlap: step {iters} matmuls = {step_s * 1e3:.2f} ms "
                      f"({flops / step_s / 1e12:.0f} TFLOP/s)")
 
-            def step_fn(options: dict[str, int]) -> Callable[..., jax.Array]:
+            def both_fn(name: str) -> Callable[..., Any]:
                 def run(a: jax.Array, b: jax.Array) -> jax.Array:
                     return matmuls(a, b, iters)
-                if "step_stream" not in options:
-                    return run
-                return on_stream(run, options["step_stream"], jax.memory.Space.Device)
 
-            ours_both = {name: jax.jit(lambda a, b, dst, s, i, j, f=f, g=step_fn(o): (
-                                           g(a, b), f(dst, s, i, j)),
-                                       donate_argnums=2, out_shardings=(self.dsh, self.hsh))
-                         for (name, f), o in zip(offloads.items(), ours_options.values())}
+                options, offload = ours_options[name], offloads[name]
+                step_part = run if "step_stream" not in options else on_stream(
+                    run, options["step_stream"], jax.memory.Space.Device)
+                return lambda a, b, dst, s, i, j: (step_part(a, b), offload(dst, s, i, j))
+
+            ours_both = {name: jax.jit(both_fn(name), donate_argnums=2,
+                                       out_shardings=(self.dsh, self.hsh))
+                         for name in ours_options}
             xla_both = jax.jit(lambda a, b, s, i: (matmuls(a, b, iters), s[i]),
                                out_shardings=(self.dsh, self.hsh))
 
