@@ -227,8 +227,11 @@ def _touches_host(*pools: Any) -> bool:
 
 def check_launch_options(max_ctas: int | None, stream: int | None) -> None:
     for name, value in (("max_ctas", max_ctas), ("stream", stream)):
-        if value is not None and (isinstance(value, (bool, np.bool_))
-                                  or not isinstance(value, (int, np.integer)) or value < 1):
+        if value is None:
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be None or a positive int, got {value!r}")
+        if value < 1:
             raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
 
@@ -376,9 +379,11 @@ def copy_blocks(
       The new destination pool (same shape, dtype and, outside jit, sharding as `dst_pool`).
 
     Raises:
-      TypeError: non-array pools, mismatched dtypes, non-integer indices or token counts.
+      TypeError: non-array pools, mismatched dtypes, non-integer indices, token counts,
+        max_ctas or stream.
       ValueError: wrong ranks or block shapes, other memory kinds, deleted pools, index vectors
-        of different lengths, partial copies of sub-byte rows that are not whole bytes.
+        of different lengths, partial copies of sub-byte rows that are not whole bytes,
+        max_ctas or stream below 1.
       IndexError: known (non-traced) indices >= the pool's number of blocks.
     """
     _check_pool("dst_pool", dst_pool, POOL_RANK)

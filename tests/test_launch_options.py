@@ -116,11 +116,12 @@ def test_on_stream_runs_a_function_on_another_stream(rng):
 
 
 @pytest.mark.parametrize("name", ["max_ctas", "stream"])
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "1"])
-def test_bad_launch_options_raise_and_leave_pools_unchanged(name, bad, rng):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
+                                        (True, TypeError), ("1", TypeError)])
+def test_bad_launch_options_raise_and_leave_pools_unchanged(name, bad, error, rng):
     dst, src = make_pools(rng, SHAPE, jnp.float32)
     d, s = put(dst), put(src)
-    with pytest.raises(ValueError, match=f"{name} must be None or a positive int"):
+    with pytest.raises(error, match=f"{name} must be None or a positive int, got {bad!r}"):
         kvx.copy_blocks(d, s, [0, 1], [2, 3], **{name: bad})
     assert_unchanged(d, dst, "dst_pool")
     assert_unchanged(s, src, "src_pool")
