@@ -239,8 +239,9 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
                     max_ctas: int | None = None):
     """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool.
 
-    max_ctas: the GPU grid cap (None: no cap)."""
-    max_ctas = max_ctas or 0
+    max_ctas: the GPU grid cap (None: no cap; above 2**30, which no GPU can run at once, the
+    same as 2**30)."""
+    max_ctas = min(max_ctas or 0, 1 << 30)
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
     within = src_pool is dst_pool

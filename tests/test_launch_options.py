@@ -39,7 +39,7 @@ def random_batch(rng: np.random.Generator, batch: int, blocks: int, duplicates: 
     return src, dst, tokens
 
 
-@pytest.mark.parametrize("max_ctas", [1, 3, None])
+@pytest.mark.parametrize("max_ctas", [1, 3, 2**40, None])
 @pytest.mark.parametrize("src_kind", KINDS)
 @pytest.mark.parametrize("dst_kind", KINDS)
 def test_max_ctas_copies_exactly(dst_kind, src_kind, max_ctas, rng):
