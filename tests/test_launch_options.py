@@ -125,3 +125,26 @@ def test_bad_launch_options_raise_and_leave_pools_unchanged(name, bad, error, rn
         kvx.copy_blocks(d, s, [0, 1], [2, 3], **{name: bad})
     assert_unchanged(d, dst, "dst_pool")
     assert_unchanged(s, src, "src_pool")
+
+
+def test_offload_and_onboard_between_the_same_two_pools_on_two_streams(rng):
+    """The serving pattern in one jit: evict GPU blocks to the host pool on stream 1 while
+    bringing other host blocks back into the GPU pool on stream 2. Each copy reads the pool the
+    other one writes, so XLA must order (or copy) them: every read sees the pools as they were
+    before the call."""
+    gpu, host = make_pools(rng, SHAPE, jnp.bfloat16)
+    evict_from = np.array([0, 5, 9, 13], np.int32)   # GPU blocks to save
+    evict_to = np.array([2, 3, 4, 6], np.int32)      # host slots they go to
+    reuse_from = np.array([3, 7, 8], np.int32)       # host blocks to bring back (slot 3 is
+    reuse_to = np.array([5, 1, 20], np.int32)        # also written by the eviction above)
+
+    def serve(host, gpu):
+        new_host = kvx.copy_blocks(host, gpu, evict_from, evict_to, stream=1)
+        new_gpu = kvx.copy_blocks(gpu, host, reuse_from, reuse_to, stream=2)
+        return new_host, new_gpu
+
+    new_host, new_gpu = jax.jit(serve, donate_argnums=(0, 1))(put(host, "pinned_host"), put(gpu))
+    assert_bitwise_equal(new_host, reference_copy_blocks(host, gpu, evict_from, evict_to),
+                         "host pool")
+    assert_bitwise_equal(new_gpu, reference_copy_blocks(gpu, host, reuse_from, reuse_to),
+                         "GPU pool")
