@@ -52,6 +52,33 @@ __device__ __forceinline__ int64_t SlotOf(const Side& side, const int32_t* idx, 
   return side.by_pair ? pair : idx[pair];
 }
 
+// Copies `runs` runs of `per_run` vectors, `pitch` bytes apart: each group of kGroup lanes of a
+// warp takes whole runs and its lanes stride along one, so no thread divides to find its run
+// and a run of a few vectors (n = 1) does not leave most of the warp idle. The `stride`
+// threads of this pair take the work from `first`.
+template <typename V, int kGroup>
+__device__ void CopyShortRuns(char* __restrict__ dst, const char* __restrict__ src, int64_t runs,
+                              int64_t per_run, int64_t pitch, int64_t first, int64_t stride) {
+  constexpr int64_t kGroupsPerWarp = 32 / kGroup;
+  const int lane = static_cast<int>(first % 32);
+  const int64_t run_stride = stride / 32 * kGroupsPerWarp;
+  for (int64_t r = first / 32 * kGroupsPerWarp + lane / kGroup; r < runs; r += run_stride) {
+    const V* __restrict__ s = reinterpret_cast<const V*>(src + r * pitch);
+    V* __restrict__ d = reinterpret_cast<V*>(dst + r * pitch);
+    for (int64_t base = lane % kGroup; base < per_run; base += kGroup * kUnroll) {
+      V v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * kGroup < per_run) v[k] = s[base + k * kGroup];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * kGroup < per_run) d[base + k * kGroup] = v[k];
+      }
+    }
+  }
+}
+
 // Copies `runs` runs of `run_bytes` each, `pitch` bytes apart, using vectors of type V. The
 // `stride` threads of this pair take the work from `first` (the thread's rank among them).
 template <typename V>
@@ -74,30 +101,21 @@ __device__ void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, i
     }
     return;
   }
-  // A partial block: `runs` short runs (one per layer, K/V and head). A warp splits into
-  // groups of `group` lanes, the fewest (a power of two) that cover a run in one step, and each
-  // group takes whole runs, its lanes striding along one: no thread divides to find its run,
-  // and a run of a few vectors (n = 1) does not leave most of the warp idle.
-  int group = 32;
-  while (group > 1 && group / 2 >= per_run) group /= 2;
-  const int lane = static_cast<int>(first % 32);
-  const int64_t groups_per_warp = 32 / group;
-  const int64_t run_stride = stride / 32 * groups_per_warp;
-  const int g_lane = lane % group;
-  for (int64_t r = first / 32 * groups_per_warp + lane / group; r < runs; r += run_stride) {
-    const V* __restrict__ s = reinterpret_cast<const V*>(src + r * pitch);
-    V* __restrict__ d = reinterpret_cast<V*>(dst + r * pitch);
-    for (int64_t base = g_lane; base < per_run; base += int64_t{group} * kUnroll) {
-      V v[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * group < per_run) v[k] = s[base + k * group];
-      }
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * group < per_run) d[base + k * group] = v[k];
-      }
-    }
+  // A partial block: `runs` short runs (one per layer, K/V and head), copied by lane groups of
+  // the fewest lanes (a power of two) that cover a run in one step: a constant per loop, so the
+  // index arithmetic of these device-speed loops stays shifts and masks.
+  if (per_run > 16) {
+    CopyShortRuns<V, 32>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 8) {
+    CopyShortRuns<V, 16>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 4) {
+    CopyShortRuns<V, 8>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 2) {
+    CopyShortRuns<V, 4>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 1) {
+    CopyShortRuns<V, 2>(dst, src, runs, per_run, pitch, first, stride);
+  } else {
+    CopyShortRuns<V, 1>(dst, src, runs, per_run, pitch, first, stride);
   }
 }
 

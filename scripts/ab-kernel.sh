@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# A/B of two versions of the CUDA handlers on the GPU machine, in one session: builds the
+# working tree's ffi/block_copy_cuda.cu ("new") and another version of that file ("old"),
+# alternately, and runs the same bench on each build, so that both versions see the same
+# machine, clocks and neighbours.
+#   scripts/ab-kernel.sh OLD.cu [ROUNDS] [BENCH ARGS...]
+# (default: 2 rounds of `bench --only ours,ceiling --sizes 64K,256K,1M,4M --repeats 5`).
+# Logs: $OUT/ab-{new,old}{1,2,..}.log (the bench's JSON and plots stay in a scratch folder, so
+# few files come back); the working tree's file is restored at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvxfer-ab}
+old=${1:?usage: scripts/ab-kernel.sh OLD.cu [ROUNDS] [BENCH ARGS...]}
+rounds=${2:-2}
+shift $(( $# < 2 ? $# : 2 ))
+args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--only ours,ceiling --sizes 64K,256K,1M,4M --repeats 5)
+mkdir -p "$OUT"
+scratch=$(mktemp -d)
+cp ffi/block_copy_cuda.cu "$scratch/new.cu"
+trap 'cp "$scratch/new.cu" ffi/block_copy_cuda.cu' EXIT
+
+build() {
+  cp "$1" ffi/block_copy_cuda.cu
+  python3 -m pip install --no-build-isolation --no-deps -C cmake.define.KVXFER_CUDA=ON -e . \
+    >> "$scratch/build.log" 2>&1 || { echo "build of $1 failed"; tail -30 "$scratch/build.log"; exit 1; }
+}
+for r in $(seq 1 "$rounds"); do
+  for v in new old; do
+    if [ $v = new ]; then build "$scratch/new.cu"; else build "$old"; fi
+    python3 -m jax_kvxfer bench "${args[@]}" --out "$scratch/$v$r" > /dev/null 2> "$OUT/ab-$v$r.log"
+    echo "ab $v$r: exit $?"
+  done
+done
+# One line per case and version: the percent of the ceiling in each round.
+python3 - "$OUT" "$rounds" <<'PY'
+import re, sys
+from collections import defaultdict
+out, rounds = sys.argv[1], int(sys.argv[2])
+rows = defaultdict(dict)
+for v in ("new", "old"):
+    for r in range(1, rounds + 1):
+        for line in open(f"{out}/ab-{v}{r}.log"):
+            m = re.search(r"\] (\w+ \S+ ours n=\S+):.*\(\s*([\d.]+)% of", line)
+            if m:
+                rows[m.group(1)].setdefault(v, []).append(m.group(2))
+for case, by in rows.items():
+    print(f"AB {case:28s} new {'/'.join(by.get('new', []))}  old {'/'.join(by.get('old', []))}")
+PY
