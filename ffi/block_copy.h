@@ -116,7 +116,9 @@ auto BindIndicesResultsAndAttrs(Binding binding) {
       .template Ret<ffi::Buffer<ffi::U8>>()             // staging [B * block bytes] or [0]
       .template Attr<bool>("hazard_free")               // no block is read and written
       .template Attr<bool>("unique_dst")                // no block is written twice
-      .template Attr<int64_t>("max_ctas");              // GPU grid cap, <= 0: none
+      .template Attr<int64_t>("max_ctas")               // GPU grid cap, <= 0: none
+      .template Attr<bool>("dma")                       // GPU: copy engines where possible
+      .template Attr<bool>("whole_blocks");             // every pair copies whole blocks
 }
 
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole

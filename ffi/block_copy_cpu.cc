@@ -23,7 +23,7 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
                         ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                         ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                        bool unique_dst, int64_t max_ctas) {
+                        bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
@@ -58,9 +58,12 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
     }
   }
   // Pairs apply in order, so the last pair writing a token wins (`unique_dst`, which lets the
-  // GPU skip its duplicate scan, and the GPU's grid cap change nothing here).
+  // GPU skip its duplicate scan, the GPU's grid cap and its choice of copy engines change
+  // nothing here; `whole_blocks` only promises what num_tokens says).
   (void)unique_dst;
   (void)max_ctas;
+  (void)dma;
+  (void)whole_blocks;
   for (int64_t i = 0; i < num_pairs; ++i) {
     if (!valid(i)) continue;
     const char* from = stage ? staged + i * g.block_bytes : src_data + si[i] * g.block_bytes;
@@ -76,9 +79,9 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                               ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                              bool unique_dst, int64_t max_ctas) {
+                              bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
   return BlockCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                      hazard_free, unique_dst, max_ctas);
+                      hazard_free, unique_dst, max_ctas, dma, whole_blocks);
 }
 
 }  // namespace

@@ -3,12 +3,27 @@
 // Pools may live in device memory or in pinned host memory (XLA hands a `pinned_host` operand's
 // host pointer to the handler); the kernel reaches both through unified addressing. JAX offers
 // no other memory kind on GPUs (no pageable host memory), and the Python side checks kinds, so
-// the handler does not query pointer attributes on every call.
+// the kernel path does not query pointer attributes.
+//
+// Two ways to copy:
+//  - the kernel (CopyPairsKernel): any batch; it reads the indices on the GPU, and its loads
+//    and stores occupy SMs for as long as the copy lasts;
+//  - the copy engines (dma=true, TryDma): cudaMemcpyBatchAsync / cudaMemcpy2DAsync, no SMs, so
+//    a copy on a stream of its own leaves every SM to compute running beside it. Only between
+//    device and pinned host memory, and only when the index arrays (and the token counts,
+//    unless every pair copies whole blocks) are in pinned host memory: the handler reads them
+//    on the host while it enqueues the copies. They must therefore hold their final values
+//    when the program is dispatched (jit arguments written on the host, as the manager's plan
+//    ring is), never values computed earlier in the same program; and these handlers must
+//    never be declared command-buffer compatible, since a captured graph would replay the
+//    first call's indices.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "block_copy.h"
 #include "nanobind/nanobind.h"
@@ -24,6 +39,8 @@ constexpr int64_t kMaxCtasPerPair = 4096;
 // 8 such CTAs keep PCIe busy in both directions (benchmarks/kernel_probe.cu), so a copy to or
 // from host memory can leave the other SMs to compute running beside it on another stream.
 constexpr int kCappedCtaThreads = 1024;
+
+std::atomic<int64_t> dma_batches{0};  // batches copied by the copy engines (read by tests)
 
 // One side of a batch: a pool addressed by the pair's block index, or a staging buffer laid out
 // one block per pair (by_pair).
@@ -227,12 +244,126 @@ ffi::Error Launch(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
 }
 
+bool IsHostMemory(const void* p) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a pointer CUDA knows: clear the error, use the kernel
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
+// One copy of the DMA path: `height` rows of `width` bytes, `pitch` bytes apart (height 1: a
+// contiguous range, possibly several adjacent blocks).
+struct DmaCopy {
+  char* dst;
+  const char* src;
+  size_t width;
+  size_t pitch;
+  size_t height;
+};
+
+cudaError_t EnqueueOne(cudaStream_t stream, const DmaCopy& c) {
+  if (c.height == 1) return cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDefault, stream);
+  return cudaMemcpy2DAsync(c.dst, c.pitch, c.src, c.pitch, c.width, c.height, cudaMemcpyDefault,
+                           stream);
+}
+
+// Contiguous copies in any order, as one batch where the runtime has batched copies.
+cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
+                         std::vector<const void*>& srcs, std::vector<size_t>& sizes) {
+  if (sizes.empty()) return cudaSuccess;
+#if CUDART_VERSION >= 13000
+  if (sizes.size() > 1) {
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // earlier work may write the source
+    size_t attr_index = 0;
+    cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(),
+                                           &attr, &attr_index, 1, stream);
+    if (err != cudaErrorNotSupported && err != cudaErrorInvalidValue) return err;
+    (void)cudaGetLastError();  // no batched copies here: one copy each, below
+  }
+#endif
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    if (cudaError_t err = cudaMemcpyAsync(dsts[k], srcs[k], sizes[k], cudaMemcpyDefault, stream);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+// Enqueues the batch on the copy engines and returns true, or returns false having enqueued
+// nothing when the batch does not qualify (see the top of this file). Out-of-range pairs are
+// skipped as by the kernel. Whole blocks adjacent in both pools merge into one copy; a partial
+// block is one strided copy. Pairs apply in order: with distinct destinations the copies may
+// run in any order (one batch); when two pairs write one block, every copy is enqueued on its
+// own, in pair order, so the later pair wins on the tokens it writes, as with the kernel.
+bool TryDma(cudaStream_t stream, const Batch& b, bool whole_blocks, ffi::Error* error) {
+  const PoolGeometry& g = b.g;
+  if (!IsHostMemory(b.src_idx) || !IsHostMemory(b.dst_idx) ||
+      (!whole_blocks && !IsHostMemory(b.num_tokens)) ||
+      IsHostMemory(b.dst.data) == IsHostMemory(b.src.data)) {
+    return false;
+  }
+  std::vector<DmaCopy> copies;
+  std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
+  bool duplicates = false;
+  int64_t last_s = -2, last_d = -2;
+  bool last_whole = false;
+  for (int64_t i = 0; i < b.num_pairs; ++i) {
+    const int64_t s = b.src_idx[i], d = b.dst_idx[i];
+    if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) continue;
+    duplicates = duplicates || written[d];
+    written[d] = true;
+    const int64_t n = whole_blocks ? g.tokens : TokensToCopy(b.num_tokens[i], g);
+    const bool whole = n == g.tokens;
+    if (whole && last_whole && s == last_s + 1 && d == last_d + 1) {
+      copies.back().width += static_cast<size_t>(g.block_bytes);
+    } else if (whole) {
+      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
+                        static_cast<size_t>(g.block_bytes), 0, 1});
+    } else {
+      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
+                        static_cast<size_t>(n * g.row_bytes),
+                        static_cast<size_t>(g.tokens * g.row_bytes),
+                        static_cast<size_t>(g.outer)});
+    }
+    last_s = s;
+    last_d = d;
+    last_whole = whole;
+  }
+  cudaError_t err = cudaSuccess;
+  if (duplicates) {
+    for (size_t k = 0; k < copies.size() && err == cudaSuccess; ++k) {
+      err = EnqueueOne(stream, copies[k]);
+    }
+  } else {
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+    for (const DmaCopy& c : copies) {
+      if (c.height != 1) {
+        if (err = EnqueueOne(stream, c); err != cudaSuccess) break;
+        continue;
+      }
+      dsts.push_back(c.dst);
+      srcs.push_back(c.src);
+      sizes.push_back(c.width);
+    }
+    if (err == cudaSuccess) err = EnqueueBatch(stream, dsts, srcs, sizes);
+  }
+  if (err != cudaSuccess) *error = CudaError(err, "block copy on the copy engines");
+  dma_batches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
                          ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                          ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                          ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                         bool unique_dst, int64_t max_ctas) {
+                         bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
@@ -266,6 +397,10 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
           src_blocks,
           dst_blocks,
           g};
+  if (dma && !stage) {
+    ffi::Error error = ffi::Error::Success();
+    if (TryDma(stream, b, whole_blocks, &error)) return error;
+  }
   if (num_pairs > 1 && !unique_dst) {
     int32_t* first = superseded->typed_data();
     SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
@@ -292,9 +427,9 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                                ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                                ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                               bool unique_dst, int64_t max_ctas) {
+                               bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
   return BlockCopyCuda(stream, pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                       hazard_free, unique_dst, max_ctas);
+                       hazard_free, unique_dst, max_ctas, dma, whole_blocks);
 }
 
 }  // namespace
@@ -319,4 +454,6 @@ NB_MODULE(_kvxfer_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCuda));
     return d;
   });
+  m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },
+        "How many batches the CUDA handlers have copied on the copy engines (for tests).");
 }

@@ -225,6 +225,38 @@ def _touches_host(*pools: Any) -> bool:
                for p in pools)
 
 
+def _memory_space(x: Any) -> Any:
+    """x's memory space (jax.memory.Space) where JAX tells it, else None (NumPy, older JAX)."""
+    return getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array) else None
+
+
+def _all_whole(tokens: Any, tokens_per_block: int) -> bool:
+    values = _concrete(tokens)
+    return values is not None and not np.any((values > 0) & (values < tokens_per_block))
+
+
+def check_dma(dst_pool: Any, src_pool: Any, plan: dict[str, Any], whole_blocks: bool) -> None:
+    """dma=True: one pool in device memory and the other in pinned_host memory, and the plan
+    arrays (`name: array`; "num_tokens" may be left out when every pair copies whole blocks)
+    in pinned_host memory, where the GPU handler reads them as it enqueues the copies."""
+    host = jax.memory.Space.Host
+    if (_memory_space(dst_pool) == host) == (_memory_space(src_pool) == host):
+        kinds = [getattr(getattr(p, "sharding", None), "memory_kind", None) or
+                 str(_memory_space(p)) for p in (dst_pool, src_pool)]
+        raise ValueError("dma=True copies between device and pinned_host memory; dst_pool and "
+                         f"src_pool are in {kinds[0]!r} and {kinds[1]!r}")
+    for name, x in plan.items():
+        if name == "num_tokens" and whole_blocks:
+            continue
+        if not _is_tracer(x) and not isinstance(x, jax.Array):
+            raise ValueError(f"dma=True inside jax.jit needs {name} in pinned_host memory (a jit "
+                             f"argument put there on the host), got a constant {type(x).__name__}")
+        space = _memory_space(x)
+        if space is not None and space != host:
+            raise ValueError(f"dma=True needs {name} in pinned_host memory, where the GPU handler "
+                             f"reads it while it enqueues the copies; it is in {space}")
+
+
 def check_launch_options(max_ctas: int | None, stream: int | None) -> None:
     for name, value in (("max_ctas", max_ctas), ("stream", stream)):
         if value is None:
@@ -236,11 +268,12 @@ def check_launch_options(max_ctas: int | None, stream: int | None) -> None:
 
 
 def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts,
-                    max_ctas: int | None = None):
+                    max_ctas: int | None = None, dma: bool = False, whole_blocks: bool = False):
     """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool.
 
     max_ctas: the GPU grid cap (None: no cap; above 2**30, which no GPU can run at once, the
-    same as 2**30)."""
+    same as 2**30). dma: use the GPU's copy engines where the handler can (see `copy_blocks`).
+    whole_blocks: every pair copies a whole block (the handler then need not read `tokens`)."""
     max_ctas = min(max_ctas or 0, 1 << 30)
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
@@ -264,7 +297,8 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
     )
     pools = (dst_pool,) if within else (dst_pool, src_pool)
     return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(facts.hazard_free),
-                unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(max_ctas))[0]
+                unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(max_ctas),
+                dma=np.bool_(dma), whole_blocks=np.bool_(whole_blocks))[0]
 
 
 def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
@@ -285,17 +319,20 @@ def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts,
-              donate: bool = False, max_ctas: int | None = None):
+              donate: bool = False, max_ctas: int | None = None, dma: bool = False,
+              whole_blocks: bool = False):
     """A jitted op for calls made outside jit; the result keeps the destination's sharding.
 
     A destination split over several devices is copied by each device on its own shard.
     """
+    options = {"dma": dma, "whole_blocks": whole_blocks}
     if kind == "pool":
         def fn(dst, src, si, di, nt):
-            return block_copy_call(dst, src, si, di, nt, facts, max_ctas)
+            return block_copy_call(dst, src, si, di, nt, facts, max_ctas, **options)
     else:
         def fn(dst, src, si, di, nt):
-            return block_copy_call(dst[None], src[None], si, di, nt, facts, max_ctas)[0]
+            return block_copy_call(dst[None], src[None], si, di, nt, facts, max_ctas,
+                                   **options)[0]
     if _is_split(out_sharding):
         spec, whole = out_sharding.spec, jax.sharding.PartitionSpec()
         fn = jax.shard_map(fn, mesh=out_sharding.mesh, in_specs=(spec, spec) + (whole,) * 3,
@@ -342,6 +379,7 @@ def copy_blocks(
     donate: bool = False,
     max_ctas: int | None = None,
     stream: int | None = None,
+    dma: bool = False,
 ) -> jax.Array:
     """Copies block `src_indices[i]` of `src_pool` into block `dst_indices[i]` of `dst_pool`.
 
@@ -375,22 +413,35 @@ def copy_blocks(
         function's other work; XLA makes the users of the result wait for it. An offload and
         an onboard on two streams share PCIe's two directions. No effect outside `jax.jit`
         or on CPU.
+      dma: on GPUs, copy with the copy engines (DMA) instead of the copy kernel: no SM is
+        used, so with `stream` the copy runs beside compute without slowing it. Only between
+        a `device` and a `pinned_host` pool, and the GPU handler reads the indices (and
+        `num_tokens`, unless every pair copies whole blocks) on the host as it enqueues the
+        copies: outside jit they are put in pinned_host memory for you; inside `jax.jit` they
+        must be jit arguments in pinned_host memory whose values were written on the host
+        before the call (not computed in the same program). Whole blocks adjacent in both
+        pools become one copy, a partial block one strided copy; small or scattered blocks
+        move slower than with the kernel (about 60 % of the ceiling at 16 KiB). Ignored on
+        CPU.
 
     Returns:
       The new destination pool (same shape, dtype and, outside jit, sharding as `dst_pool`).
 
     Raises:
       TypeError: non-array pools, mismatched dtypes, non-integer indices, token counts,
-        max_ctas or stream.
+        max_ctas or stream, a non-bool dma.
       ValueError: wrong ranks or block shapes, other memory kinds, deleted pools, index vectors
         of different lengths, partial copies of sub-byte rows that are not whole bytes,
-        max_ctas or stream below 1.
+        max_ctas or stream below 1; with dma=True, two pools in one memory kind, pools split
+        over devices, or (inside jit) indices that are not in pinned_host memory.
       IndexError: known (non-traced) indices >= the pool's number of blocks.
     """
     _check_pool("dst_pool", dst_pool, POOL_RANK)
     _check_pool("src_pool", src_pool, POOL_RANK)
     _check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
     check_launch_options(max_ctas, stream)
+    if not isinstance(dma, (bool, np.bool_)):
+        raise TypeError(f"dma must be True or False, got {dma!r}")
     si = _as_index_array("src_indices", src_indices)
     di = _as_index_array("dst_indices", dst_indices)
     if si.shape[0] != di.shape[0]:
@@ -408,20 +459,42 @@ def copy_blocks(
     if max_ctas is None and stream is not None and _touches_host(dst_pool, src_pool):
         max_ctas = HOST_COPY_CTAS
     max_ctas = None if max_ctas is None else int(max_ctas)
-    if any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens)):
+    dma, whole = bool(dma), _all_whole(tokens, dst_pool.shape[4])
+    traced = any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens))
+    if dma:
+        if not traced:
+            if _is_split(dst_pool.sharding):
+                raise ValueError("dma=True does not take pools split over several devices")
+            si, di, tokens = _put_in_pinned_host((si, di, tokens), dst_pool)
+        check_dma(dst_pool, src_pool, {"src_indices": si, "dst_indices": di,
+                                       "num_tokens": tokens}, whole)
+    options = {"dma": dma, "whole_blocks": dma and whole}
+    if traced:
         if stream is None:
-            return block_copy_call(dst_pool, src_pool, si, di, tokens, facts, max_ctas)
+            return block_copy_call(dst_pool, src_pool, si, di, tokens, facts, max_ctas,
+                                   **options)
         within = src_pool is dst_pool
 
         def copy(dst, src, a, b, n):
-            return block_copy_call(dst, dst if within else src, a, b, n, facts, max_ctas)
+            return block_copy_call(dst, dst if within else src, a, b, n, facts, max_ctas,
+                                   **options)
 
         space = getattr(jax.typeof(dst_pool), "memory_space", None) or jax.memory.Space.Device
         return on_stream(copy, int(stream), space)(dst_pool, src_pool, si, di, tokens)
     if donate and dst_pool is src_pool:
         raise ValueError("donate=True needs src_pool to be another array than dst_pool")
-    fn = _eager_fn("pool", dst_pool.sharding, facts, bool(donate), max_ctas)
+    fn = _eager_fn("pool", dst_pool.sharding, facts, bool(donate), max_ctas, **options)
     return fn(dst_pool, src_pool, si, di, tokens)
+
+
+def _put_in_pinned_host(arrays: tuple[Any, ...], like: jax.Array) -> tuple[jax.Array, ...]:
+    """The index vectors in pinned_host memory of `like`'s device, their values in place
+    before the copy is dispatched (the GPU handler reads them on the host as it enqueues)."""
+    sharding = jax.sharding.SingleDeviceSharding(next(iter(like.devices())),
+                                                 memory_kind="pinned_host")
+    return jax.block_until_ready(tuple(
+        jax.device_put(np.asarray(a, np.int32) if not isinstance(a, jax.Array) else a, sharding)
+        for a in arrays))
 
 
 def _may_be_partial(tokens: Any, tokens_per_block: int) -> bool:

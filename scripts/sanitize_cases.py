@@ -294,6 +294,21 @@ def capped_grid_and_stream(rng):
 
 
 @case
+def copy_engines(rng):
+    # dma=True: the handler reads the indices on the host and enqueues copies (merged whole
+    # runs, strided partial blocks, in pair order when a block is written twice); no kernel
+    # of ours runs, so this case checks the copies' results and the CUDA API calls.
+    for dtype, block in ((jnp.bfloat16, (4, 2, 4, 32, 128)), (jnp.uint8, (1, 2, 3, 5, 3))):
+        for src_kind, dst_kind in (("device", "pinned_host"), ("pinned_host", "device")):
+            dst = random_pool(rng, (6, *block), dtype)
+            src = random_pool(rng, (6, *block), dtype)
+            si, di, nt = i32([0, 1, 2, 5, -1, 3]), i32([3, 4, 0, 0, 1, 5]), i32([0, 0, 3, 1, 2, -1])
+            out = kvx.copy_blocks(put(dst, dst_kind), put(src, src_kind), si, di, nt, dma=True)
+            check(out, reference(dst, src, si, di, nt),
+                  f"dma {jnp.dtype(dtype).name} {block} {src_kind}->{dst_kind}")
+
+
+@case
 def many_pairs(rng):
     n = 4096
     si = rng.permutation(n)

@@ -12,6 +12,7 @@ the test checks the pieces in order, anchored at both ends of the message.
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import sys
@@ -354,6 +355,21 @@ CASES: list[Case] = [
     Case("ops-stream-float", "copy_blocks", "stream=1.5", TypeError,
          "stream must be None or a positive int, got 1.5",
          lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], stream=1.5)),
+    Case("ops-dma-not-bool", "copy_blocks", "dma='yes'", TypeError,
+         "dma must be True or False, got 'yes'",
+         lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], dma="yes")),
+    Case("ops-dma-same-kind", "copy_blocks", "dma=True between two device pools", ValueError,
+         "dma=True copies between device and pinned_host memory; dst_pool and src_pool are in "
+         "'device' and 'device'",
+         lambda c, mp: functools.partial(kvx.copy_blocks, c.dst,
+                                         c.array((5, *BLOCK), jnp.float32, "device"), [0], [1],
+                                         dma=True)),
+    Case("ops-dma-device-indices", "copy_blocks",
+         "dma=True in jit with indices in device memory", ValueError,
+         "dma=True needs src_indices in pinned_host memory, where the GPU handler reads it while "
+         "it enqueues the copies; it is in …",
+         lambda c, mp: lambda: jax.jit(lambda d, s, i, j: kvx.copy_blocks(d, s, i, j, dma=True))(
+             c.dst, c.src, jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))),
     Case("ops-num-tokens-float", "copy_blocks", "num_tokens=1.5", TypeError,
          "num_tokens must hold integers, got dtype float64",
          lambda c, mp: _copy(c, nt=1.5)),

@@ -38,6 +38,9 @@ class BidirectionalMixin:
                   "dev_b": self.zero_pool(geom, B, self.dsh)}
             si1, di1 = (jnp.asarray(self.perms(1, B, B)[0]) for _ in range(2))
             si2, di2 = (jnp.asarray(self.perms(1, B, B)[0]) for _ in range(2))
+            # the DMA variant reads its indices on the host: jit arguments in pinned_host
+            pinned = jax.device_put((si1, di1, si2, di2), self.hsh)
+            _block(pinned)
             _block([dev_a, host_b, st])
             _, pipe = self.plan(total, False)
 
@@ -49,13 +52,14 @@ class BidirectionalMixin:
 
             # ours_streams: the offload and the onboard each on a GPU stream of its own (with
             # the default grid cap, or another one)
-            def copy_on(stream, max_ctas=None):
+            def copy_on(stream, max_ctas=None, dma=False):
                 return lambda dst, s, i, j: copy_blocks(dst, s, i, j, stream=stream,
-                                                        max_ctas=max_ctas)
+                                                        max_ctas=max_ctas, dma=dma)
 
             variants = {"ours": (copy, copy), "ours_streams": (copy_on(1), copy_on(2)),
                         "ours_streams_4ctas": (copy_on(1, 4), copy_on(2, 4)),
-                        "ours_streams_32ctas": (copy_on(1, 32), copy_on(2, 32))}
+                        "ours_streams_32ctas": (copy_on(1, 32), copy_on(2, 32)),
+                        "ours_dma_streams": (copy_on(1, dma=True), copy_on(2, dma=True))}
             xla_off = jax.jit(lambda s, i: s[i], out_shardings=self.hsh)
             xla_on = jax.jit(xla_onboard_body, donate_argnums=0, out_shardings=self.dsh)
             # Outputs in the order of the donated arguments: jax matches a donated buffer to
@@ -67,6 +71,7 @@ class BidirectionalMixin:
 
             def ours_calls(name: str) -> tuple[Any, Any, Any]:
                 off, on = variants[name]
+                i1, j1, i2, j2 = pinned if "dma" in name else (si1, di1, si2, di2)
                 f_off = jax.jit(off, donate_argnums=0, out_shardings=self.hsh)
                 f_on = jax.jit(on, donate_argnums=0, out_shardings=self.dsh)
                 f_both = jax.jit(lambda h, dv, sa, sb, i1, j1, i2, j2: (off(h, sa, i1, j1),
@@ -74,16 +79,16 @@ class BidirectionalMixin:
                                  donate_argnums=(0, 1), out_shardings=(self.hsh, self.dsh))
 
                 def c_off():
-                    st["host_a"] = f_off(st["host_a"], dev_a, si1, di1)
+                    st["host_a"] = f_off(st["host_a"], dev_a, i1, j1)
                     return st["host_a"]
 
                 def c_on():
-                    st["dev_b"] = f_on(st["dev_b"], host_b, si2, di2)
+                    st["dev_b"] = f_on(st["dev_b"], host_b, i2, j2)
                     return st["dev_b"]
 
                 def c_both():
                     st["host_a"], st["dev_b"] = f_both(st["host_a"], st["dev_b"], dev_a, host_b,
-                                                       si1, di1, si2, di2)
+                                                       i1, j1, i2, j2)
                     return st["host_a"], st["dev_b"]
 
                 return c_off, c_on, c_both

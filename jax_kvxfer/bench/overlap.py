@@ -41,6 +41,9 @@ class OverlapMixin:
             st = {"dst": self.zero_pool(geom, nb, self.hsh)}
             si, di = self.perms(1, nb, nb)[0], self.perms(1, nb, nb)[0]
             si_dev, di_dev = jnp.asarray(si), jnp.asarray(di)
+            # the DMA variants read their indices on the host: jit arguments in pinned_host
+            si_pin, di_pin = jax.device_put((si, di), self.hsh)
+            _block([si_pin, di_pin])
             x = self.matrix(N, 2.0)
             w = self.matrix(N, 2.0 * math.sqrt(3.0 / N))
             _block([src, st["dst"], x, w])
@@ -52,7 +55,7 @@ class OverlapMixin:
 
             # ours: the custom call on XLA's compute stream; ours_stream*: on a GPU stream of its
             # own, with the default grid cap (HOST_COPY_CTAS) or another one; step_stream: the
-            # matmuls on a GPU stream of their own too
+            # matmuls on a GPU stream of their own too; dma: the copy engines, no SMs
             ours_options = {"ours": {}, "ours_stream": {"stream": 1},
                             "ours_stream_4ctas": {"stream": 1, "max_ctas": 4},
                             "ours_stream_32ctas": {"stream": 1, "max_ctas": 32},
@@ -60,7 +63,13 @@ class OverlapMixin:
                             "ours_stream_step_stream_1cta": {"stream": 1, "step_stream": 2,
                                                              "max_ctas": 1},
                             "ours_stream_step_stream_nocap": {"stream": 1, "step_stream": 2,
-                                                              "max_ctas": 1 << 20}}
+                                                              "max_ctas": 1 << 20},
+                            "ours_dma_stream": {"stream": 1, "dma": True},
+                            "ours_dma_stream_step_stream": {"stream": 1, "step_stream": 2,
+                                                            "dma": True}}
+
+            def indices(name: str) -> tuple[jax.Array, jax.Array]:
+                return (si_pin, di_pin) if "dma" in name else (si_dev, di_dev)
 
             def offload_fn(options: dict[str, int]) -> Callable[..., jax.Array]:
                 kw = {k: v for k, v in options.items() if k != "step_stream"}
@@ -72,7 +81,7 @@ class OverlapMixin:
             xla_fn = jax.jit(lambda s, a: s[a], out_shardings=self.hsh)
 
             def ours_call(name: str) -> jax.Array:
-                st["dst"] = ours_fns[name](st["dst"], src, si_dev, di_dev)
+                st["dst"] = ours_fns[name](st["dst"], src, *indices(name))
                 return st["dst"]
 
             transfer: dict[str, float] = {}
@@ -128,7 +137,7 @@ class OverlapMixin:
                                out_shardings=(self.dsh, self.hsh))
 
             def ours_both_call(name: str) -> Any:
-                y, st["dst"] = ours_both[name](x, w, st["dst"], src, si_dev, di_dev)
+                y, st["dst"] = ours_both[name](x, w, st["dst"], src, *indices(name))
                 return y, st["dst"]
 
             both_calls: dict[str, Callable[[], Any]] = {

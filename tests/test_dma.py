@@ -1,0 +1,129 @@
+"""Tests of `copy_blocks(..., dma=True)`: the copy on the GPU's copy engines, against the NumPy
+reference on fresh random data.
+
+On a GPU the handler reads the indices on the host and enqueues copies (whole runs merged, a
+strided copy per partial block, one copy at a time in pair order when two pairs write one
+block); `dma_batches` counts the batches it copied that way, so each GPU test also checks that
+the DMA path, not the kernel, did the work. On CPU `dma` changes nothing but the checks of its
+arguments, and the copies must still be exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    ON_GPU,
+    assert_bitwise_equal,
+    assert_unchanged,
+    make_pools,
+    put,
+    reference_copy_blocks,
+)
+
+import jax_kvxfer as kvx
+from jax_kvxfer import _native
+
+SHAPE = (24, 2, 2, 4, 16, 64)  # 24 blocks of 64 KiB (float32)
+T = SHAPE[4]
+DIRECTIONS = [("pinned_host", "device"), ("device", "pinned_host")]  # (dst, src): offload, onboard
+
+
+def dma_batches() -> int | None:
+    """Batches the CUDA handler has copied on the copy engines (None without a GPU)."""
+    return _native._kvxfer_cuda.dma_batches() if ON_GPU else None
+
+
+def check_dma_used(before: int | None, calls: int) -> None:
+    if before is not None:
+        assert dma_batches() - before == calls, "the copy did not take the DMA path"
+
+
+def pinned(x: np.ndarray) -> jax.Array:
+    return jax.block_until_ready(put(np.asarray(x, np.int32), "pinned_host"))
+
+
+@pytest.mark.parametrize("dst_kind, src_kind", DIRECTIONS)
+@pytest.mark.parametrize("case", ["whole_runs", "partial", "duplicates"])
+def test_dma_copies_exactly(dst_kind, src_kind, case, rng):
+    dst, src = make_pools(rng, SHAPE, jnp.float32)
+    if case == "whole_runs":  # adjacent in both pools (merged into one copy), then scattered
+        si = np.array([4, 5, 6, 7, 20, 2, -1], np.int32)
+        di = np.array([10, 11, 12, 13, 0, 3, 5], np.int32)
+        nt = None
+    else:
+        si = rng.permutation(SHAPE[0])[:12].astype(np.int32)
+        di = rng.permutation(SHAPE[0])[:12].astype(np.int32)
+        si[3] = -1  # padding
+        nt = rng.integers(-1, T + 2, 12).astype(np.int32)  # whole, partial and n = 1
+        if case == "duplicates":  # three later pairs write block di[0]: the last wins per token
+            di[5:8] = di[0]
+            nt[0], nt[5:8] = T, [T // 2, 1, T - 3]
+    expected = reference_copy_blocks(dst, src, si, di, nt)
+
+    before = dma_batches()
+    eager = kvx.copy_blocks(put(dst, dst_kind), put(src, src_kind), si, di, nt, dma=True)
+    assert eager.sharding.memory_kind == dst_kind
+    assert_bitwise_equal(eager, expected, f"eager, {case}")
+    check_dma_used(before, 1)
+
+    # inside jit: the indices are jit arguments in pinned_host memory, the copy on a stream
+    tokens = () if nt is None else (pinned(nt),)
+    fn = jax.jit(lambda d, s, a, b, *n: kvx.copy_blocks(d, s, a, b, *n, dma=True, stream=1),
+                 donate_argnums=0)
+    before = dma_batches()
+    out = fn(put(dst, dst_kind), put(src, src_kind), pinned(si), pinned(di), *tokens)
+    assert out.sharding.memory_kind == dst_kind
+    assert_bitwise_equal(out, expected, f"jit, {case}")
+    check_dma_used(before, 1)
+
+
+def test_dma_offload_beside_compute_in_one_jit(rng):
+    """The use it exists for: an offload on stream 1 while the step runs, both exact."""
+    host, dev = make_pools(rng, SHAPE, jnp.bfloat16)
+    si = rng.permutation(SHAPE[0])[:16].astype(np.int32)
+    di = rng.permutation(SHAPE[0])[:16].astype(np.int32)
+    x = rng.integers(-50, 50, (64, 64)).astype(np.int32)
+
+    def step(h, d, a, b, x):
+        y = kvx.on_stream(lambda x: jnp.cumsum(x @ x, axis=0), 2, jax.memory.Space.Device)(x)
+        return kvx.copy_blocks(h, d, a, b, dma=True, stream=1), y
+
+    before = dma_batches()
+    out, y = jax.jit(step, donate_argnums=0)(put(host, "pinned_host"), put(dev), pinned(si),
+                                              pinned(di), jnp.asarray(x))
+    assert_bitwise_equal(out, reference_copy_blocks(host, dev, si, di, None), "offload")
+    np.testing.assert_array_equal(np.asarray(y), np.cumsum(x @ x, axis=0))
+    check_dma_used(before, 1)
+
+
+@pytest.mark.parametrize("what", ["device_indices", "same_kind_pools", "constant_indices",
+                                  "device_tokens", "not_bool"])
+def test_dma_bad_arguments_raise_and_leave_pools_unchanged(what, rng):
+    dst, src = make_pools(rng, SHAPE, jnp.float32)
+    d, s = put(dst, "pinned_host"), put(src)
+    si, di = np.array([0, 1], np.int32), np.array([2, 3], np.int32)
+    if what == "device_indices":
+        call = lambda: jax.jit(lambda d, s, a, b: kvx.copy_blocks(d, s, a, b, dma=True))(
+            d, s, jnp.asarray(si), jnp.asarray(di))
+        error, match = ValueError, "dma=True needs src_indices in pinned_host memory"
+    elif what == "same_kind_pools":
+        d = put(dst)
+        call = lambda: kvx.copy_blocks(d, s, si, di, dma=True)
+        error, match = ValueError, "dma=True copies between device and pinned_host memory"
+    elif what == "constant_indices":
+        call = lambda: jax.jit(lambda d, s: kvx.copy_blocks(d, s, si, di, dma=True))(d, s)
+        error, match = ValueError, "dma=True inside jax.jit needs src_indices in pinned_host"
+    elif what == "device_tokens":
+        call = lambda: jax.jit(lambda d, s, a, b, n: kvx.copy_blocks(d, s, a, b, n, dma=True))(
+            d, s, pinned(si), pinned(di), jnp.asarray([1, 2], jnp.int32))
+        error, match = ValueError, "dma=True needs num_tokens in pinned_host memory"
+    else:
+        call = lambda: kvx.copy_blocks(d, s, si, di, dma="yes")
+        error, match = TypeError, "dma must be True or False, got 'yes'"
+    with pytest.raises(error, match=match):
+        call()
+    assert_unchanged(d, dst, "dst_pool")
+    assert_unchanged(s, src, "src_pool")
