@@ -129,7 +129,8 @@ class ReportMixin:
         return t
 
     def table(self) -> str:
-        cols = [("ours", "T"), ("ours", "T-1"), ("ours", "T/2"), ("ours", "1"), ("xla", "T"),
+        cols = [("ours", "T"), ("ours", "T-1"), ("ours", "T/2"), ("ours", "1"), ("ours_dma", "T"),
+                ("ours_dma", "T/2"), ("xla", "T"),
                 ("naive", "T"), ("trt_gpu", "T"), ("trt_gpu", "T/2"), ("trt_loop", "T")]
         cols = [c for c in cols if any(r.get("path") == c[0] and r.get("n_label") == c[1]
                                        for r in self.results)]
