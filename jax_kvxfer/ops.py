@@ -240,11 +240,16 @@ def check_dma(dst_pool: Any, src_pool: Any, plan: dict[str, Any], whole_blocks: 
     arrays (`name: array`; "num_tokens" may be left out when every pair copies whole blocks)
     in pinned_host memory, where the GPU handler reads them as it enqueues the copies."""
     host = jax.memory.Space.Host
-    if (_memory_space(dst_pool) == host) == (_memory_space(src_pool) == host):
-        kinds = [getattr(getattr(p, "sharding", None), "memory_kind", None) or
-                 str(_memory_space(p)) for p in (dst_pool, src_pool)]
+
+    def kind(pool: Any) -> str:  # a concrete array's sharding says it on every JAX version
+        if not _is_tracer(pool):
+            return pool.sharding.memory_kind
+        return "pinned_host" if _memory_space(pool) == host else "device"
+
+    dst_kind, src_kind = kind(dst_pool), kind(src_pool)
+    if (dst_kind == "pinned_host") == (src_kind == "pinned_host"):
         raise ValueError("dma=True copies between device and pinned_host memory; dst_pool and "
-                         f"src_pool are in {kinds[0]!r} and {kinds[1]!r}")
+                         f"src_pool are in {dst_kind!r} and {src_kind!r}")
     for name, x in plan.items():
         if name == "num_tokens" and whole_blocks:
             continue
@@ -420,9 +425,10 @@ def copy_blocks(
         copies: outside jit they are put in pinned_host memory for you; inside `jax.jit` they
         must be jit arguments in pinned_host memory whose values were written on the host
         before the call (not computed in the same program). Whole blocks adjacent in both
-        pools become one copy, a partial block one strided copy; small or scattered blocks
-        move slower than with the kernel (about 60 % of the ceiling at 16 KiB). Ignored on
-        CPU.
+        pools become one copy, a partial block one strided copy. On an H200 whole blocks of
+        64 KiB or more move as fast as with the kernel or faster (98 % of the memcpy at
+        4 MiB), but 16 KiB blocks at a third of it, and partial blocks below 1 MiB slower
+        than with the kernel. Ignored on CPU.
 
     Returns:
       The new destination pool (same shape, dtype and, outside jit, sharding as `dst_pool`).
