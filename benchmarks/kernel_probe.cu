@@ -23,23 +23,9 @@
 #include <string>
 #include <vector>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,               \
-                   cudaGetErrorString(e));                                         \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+#include "probe_timer.h"
 
 namespace {
-
-__global__ void Spin(long long cycles) {
-  long long start = clock64();
-  while (clock64() - start < cycles) {
-  }
-}
 
 // The shape of the library's kernel for whole blocks.
 __global__ void PerPair(char* dst, const char* src, const int* si, const int* di, int64_t bytes,
@@ -81,31 +67,6 @@ __global__ void Grid(char* dst, const char* src, const int* si, const int* di, i
   }
 }
 
-struct Timer {
-  cudaStream_t stream;
-  cudaEvent_t a, b;
-  long long spin_cycles;
-  int repeats;
-
-  template <typename F>
-  double Median(F&& enqueue) {
-    std::vector<double> ms;
-    for (int r = -2; r < repeats; ++r) {  // two warm-ups
-      Spin<<<1, 1, 0, stream>>>(spin_cycles);
-      CHECK(cudaEventRecord(a, stream));
-      enqueue();
-      CHECK(cudaEventRecord(b, stream));
-      CHECK(cudaEventSynchronize(b));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, a, b));
-      if (r >= 0) ms.push_back(t);
-    }
-    CHECK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2] * 1e-3;
-  }
-};
-
 struct Pools {
   char *dev_a, *dev_b, *host;
 };
@@ -141,7 +102,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(d_si, si.data(), pairs * sizeof(int), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(d_di, di.data(), pairs * sizeof(int), cudaMemcpyHostToDevice));
 
-  Timer timer{};
+  probe::Timer timer{};
   CHECK(cudaStreamCreateWithFlags(&timer.stream, cudaStreamNonBlocking));
   CHECK(cudaEventCreate(&timer.a));
   CHECK(cudaEventCreate(&timer.b));
