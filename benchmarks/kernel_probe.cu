@@ -91,25 +91,10 @@ int main(int argc, char** argv) {
   std::memset(p.host, 2, max_bytes);
 
   std::mt19937 rng(7);
-  std::vector<int> si(pairs), di(pairs);
-  std::iota(si.begin(), si.end(), 0);
-  std::iota(di.begin(), di.end(), 0);
-  std::shuffle(si.begin(), si.end(), rng);
-  std::shuffle(di.begin(), di.end(), rng);
-  int *d_si, *d_di;
-  CHECK(cudaMalloc(&d_si, pairs * sizeof(int)));
-  CHECK(cudaMalloc(&d_di, pairs * sizeof(int)));
-  CHECK(cudaMemcpy(d_si, si.data(), pairs * sizeof(int), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_di, di.data(), pairs * sizeof(int), cudaMemcpyHostToDevice));
-
-  probe::Timer timer{};
-  CHECK(cudaStreamCreateWithFlags(&timer.stream, cudaStreamNonBlocking));
-  CHECK(cudaEventCreate(&timer.a));
-  CHECK(cudaEventCreate(&timer.b));
-  int clock_khz = 0;
-  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  timer.spin_cycles = static_cast<long long>(clock_khz) * 3;  // ~3 ms
-  timer.repeats = repeats;
+  const std::vector<int> si = probe::Shuffled(pairs, rng), di = probe::Shuffled(pairs, rng);
+  int* d_si = probe::ToDevice(si);
+  int* d_di = probe::ToDevice(di);
+  probe::Timer timer = probe::MakeTimer(repeats);
   const int sms = prop.multiProcessorCount;
 
   struct Dir {

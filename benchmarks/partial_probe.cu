@@ -138,25 +138,10 @@ int main(int argc, char** argv) {
   for (auto& c : host_src) c = static_cast<unsigned char>(rng());
   CHECK(cudaMemcpy(src, host_src.data(), max_bytes, cudaMemcpyHostToDevice));
 
-  std::vector<int> si(pairs), di(pairs);
-  std::iota(si.begin(), si.end(), 0);
-  std::iota(di.begin(), di.end(), 0);
-  std::shuffle(si.begin(), si.end(), rng);
-  std::shuffle(di.begin(), di.end(), rng);
-  int *d_si, *d_di;
-  CHECK(cudaMalloc(&d_si, pairs * sizeof(int)));
-  CHECK(cudaMalloc(&d_di, pairs * sizeof(int)));
-  CHECK(cudaMemcpy(d_si, si.data(), pairs * sizeof(int), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_di, di.data(), pairs * sizeof(int), cudaMemcpyHostToDevice));
-
-  probe::Timer timer{};
-  CHECK(cudaStreamCreateWithFlags(&timer.stream, cudaStreamNonBlocking));
-  CHECK(cudaEventCreate(&timer.a));
-  CHECK(cudaEventCreate(&timer.b));
-  int clock_khz = 0;
-  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  timer.spin_cycles = static_cast<long long>(clock_khz) * 3;  // ~3 ms
-  timer.repeats = repeats;
+  const std::vector<int> si = probe::Shuffled(pairs, rng), di = probe::Shuffled(pairs, rng);
+  int* d_si = probe::ToDevice(si);
+  int* d_di = probe::ToDevice(di);
+  probe::Timer timer = probe::MakeTimer(repeats);
   std::vector<unsigned char> got(max_bytes);
 
   for (const Geo& g : geos) {

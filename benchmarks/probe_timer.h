@@ -5,8 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #define CHECK(x)                                                                   \
@@ -51,5 +54,33 @@ struct Timer {
     return ms[ms.size() / 2] * 1e-3;
   }
 };
+
+// A timer on a non-blocking stream of its own; the spin kernel lasts about 3 ms.
+inline Timer MakeTimer(int repeats) {
+  Timer timer{};
+  CHECK(cudaStreamCreateWithFlags(&timer.stream, cudaStreamNonBlocking));
+  CHECK(cudaEventCreate(&timer.a));
+  CHECK(cudaEventCreate(&timer.b));
+  int clock_khz = 0;
+  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  timer.spin_cycles = static_cast<long long>(clock_khz) * 3;
+  timer.repeats = repeats;
+  return timer;
+}
+
+// 0..n-1 in a random order (scattered block indices).
+inline std::vector<int> Shuffled(int64_t n, std::mt19937& rng) {
+  std::vector<int> v(n);
+  std::iota(v.begin(), v.end(), 0);
+  std::shuffle(v.begin(), v.end(), rng);
+  return v;
+}
+
+inline int* ToDevice(const std::vector<int>& v) {
+  int* d = nullptr;
+  CHECK(cudaMalloc(&d, v.size() * sizeof(int)));
+  CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice));
+  return d;
+}
 
 }  // namespace probe
