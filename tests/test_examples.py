@@ -1,0 +1,22 @@
+"""The examples run as a user would run them, each in a fresh Python, and check themselves
+(each ends with assertions against NumPy)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user has
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.strip(), "the example printed nothing"
