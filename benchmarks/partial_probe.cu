@@ -1,5 +1,6 @@
-// Partial-copy probe (issue 4, target 3): which way of copying the first n tokens of 256
-// scattered blocks device->device gets closest to the contiguous-memcpy ceiling. A block is
+// Partial-copy probe (issue 4, targets 2 and 3): which way of copying the first n tokens of 256
+// scattered blocks gets closest to the contiguous-memcpy ceiling, device->device (256 KiB-4 MiB
+// blocks) and between device and pinned host memory (16-256 KiB blocks). A block is
 // `outer` runs (layers x K/V x heads) of T token rows; a partial copy moves the first n rows of
 // every run, so it is `outer` short runs of n * row bytes, T * row bytes apart.
 // Standalone CUDA (no JAX, no XLA): GPU time between CUDA events after a spin kernel, median of
@@ -122,21 +123,24 @@ __global__ void Tile(Args a, int64_t ctas_per_pair) {
 int main(int argc, char** argv) {
   const int repeats = argc > 1 ? std::atoi(argv[1]) : 7;
   const int64_t pairs = 256;
-  // The bench's 256 KiB, 1 MiB and 4 MiB blocks (bf16, size_per_head 64 or 128).
-  const Geo geos[] = {{128, 16, 128}, {512, 16, 128}, {512, 32, 256}};
+  // The bench's blocks (bf16, size_per_head 64 or 128): 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB.
+  const Geo g16k{8, 16, 128}, g64k{16, 32, 128}, g256k{128, 16, 128}, g1m{512, 16, 128},
+      g4m{512, 32, 256};
   const int64_t max_bytes = pairs * (4 << 20);
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# partial probe on %s, %d SMs, %lld blocks per batch, median of %d\n", prop.name,
               prop.multiProcessorCount, static_cast<long long>(pairs), repeats);
 
-  char *src, *dst;
-  CHECK(cudaMalloc(&src, max_bytes));
-  CHECK(cudaMalloc(&dst, max_bytes));
+  char *dev_a, *dev_b, *host;
+  CHECK(cudaMalloc(&dev_a, max_bytes));
+  CHECK(cudaMalloc(&dev_b, max_bytes));
+  CHECK(cudaHostAlloc(&host, max_bytes, cudaHostAllocDefault));
   std::vector<unsigned char> host_src(max_bytes);
   std::mt19937 rng(7);
   for (auto& c : host_src) c = static_cast<unsigned char>(rng());
-  CHECK(cudaMemcpy(src, host_src.data(), max_bytes, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dev_a, host_src.data(), max_bytes, cudaMemcpyHostToDevice));
+  std::memcpy(host, host_src.data(), max_bytes);
 
   const std::vector<int> si = probe::Shuffled(pairs, rng), di = probe::Shuffled(pairs, rng);
   int* d_si = probe::ToDevice(si);
@@ -144,24 +148,43 @@ int main(int argc, char** argv) {
   probe::Timer timer = probe::MakeTimer(repeats);
   std::vector<unsigned char> got(max_bytes);
 
-  for (const Geo& g : geos) {
+  struct Case {
+    const char* dir;
+    char* dst;
+    const char* src;
+    Geo g;
+  } cases[] = {{"d2d", dev_b, dev_a, g256k}, {"d2d", dev_b, dev_a, g1m}, {"d2d", dev_b, dev_a, g4m},
+               {"d2h", host, dev_a, g16k},   {"d2h", host, dev_a, g64k}, {"d2h", host, dev_a, g256k},
+               {"h2d", dev_b, host, g16k},   {"h2d", dev_b, host, g64k}, {"h2d", dev_b, host, g256k}};
+  for (const Case& c : cases) {
+    // host_src is the reference: dev_a and the host pool hold its bytes (the d2h cases, which
+    // write the host pool, come before the h2d cases, which read it: restore it first).
+    char* dst = c.dst;
+    const char* src = c.src;
+    const Geo& g = c.g;
+    if (src == host) std::memcpy(host, host_src.data(), max_bytes);
     for (int64_t n : {g.tokens / 2, g.tokens - 1}) {
       const int64_t moved = pairs * g.outer * n * g.row_bytes;
       const int64_t bb = g.block_bytes();
       const double ceiling = timer.Median(
-          [&] { CHECK(cudaMemcpyAsync(dst, src, moved, cudaMemcpyDeviceToDevice, timer.stream)); });
-      std::printf("d2d %5lld KiB n=%-3lld memcpy of the moved bytes %7.1f GB/s\n",
+          [&] { CHECK(cudaMemcpyAsync(dst, src, moved, cudaMemcpyDefault, timer.stream)); });
+      std::printf("%s %5lld KiB n=%-3lld memcpy of the moved bytes %7.1f GB/s\n", c.dir,
                   static_cast<long long>(bb >> 10), static_cast<long long>(n),
                   moved / ceiling / 1e9);
       const Args args{dst, src, d_si, d_di, g, n};
       // Checks the first n rows of every run of two pairs against the source.
       auto verify = [&](const std::string& what) {
-        CHECK(cudaMemset(dst, 0, max_bytes));
-        CHECK(cudaStreamSynchronize(timer.stream));
+        CHECK(cudaDeviceSynchronize());
+        if (dst == host) {
+          std::memset(host, 0, max_bytes);
+        } else {
+          CHECK(cudaMemset(dst, 0, max_bytes));
+          CHECK(cudaDeviceSynchronize());
+        }
         return [&, what](auto&& enqueue) {
           enqueue();
           CHECK(cudaStreamSynchronize(timer.stream));
-          CHECK(cudaMemcpy(got.data(), dst, max_bytes, cudaMemcpyDeviceToHost));
+          CHECK(cudaMemcpy(got.data(), dst, max_bytes, cudaMemcpyDefault));
           for (int64_t p : {int64_t{0}, pairs - 1}) {
             for (int64_t r = 0; r < g.outer; ++r) {
               const int64_t off = r * g.tokens * g.row_bytes, len = n * g.row_bytes;
@@ -178,12 +201,12 @@ int main(int argc, char** argv) {
       auto run = [&](const std::string& what, auto&& enqueue) {
         if (!verify(what)(enqueue)) return;
         const double s = timer.Median(enqueue);
-        std::printf("d2d %5lld KiB n=%-3lld %-22s %7.1f GB/s  %5.1f%%\n",
+        std::printf("%s %5lld KiB n=%-3lld %-22s %7.1f GB/s  %5.1f%%\n", c.dir,
                     static_cast<long long>(bb >> 10), static_cast<long long>(n), what.c_str(),
                     moved / s / 1e9, 100.0 * ceiling / s);
       };
       for (int64_t cpp : {1, 2, 4, 8, 16, 64}) {  // CTAs per pair
-        if (cpp * 8 > g.outer) continue;          // every warp gets a run
+        if (cpp > 1 && cpp * 8 > g.outer) continue;  // every warp gets a run
         char name[64];
         std::snprintf(name, sizeof name, "warp-run u4 c%lld", static_cast<long long>(cpp));
         run(name, [&] { WarpRun<4><<<pairs * cpp, 256, 0, timer.stream>>>(args, cpp); });
@@ -209,7 +232,7 @@ int main(int argc, char** argv) {
         for (int64_t i = 0; i < pairs; ++i)
           CHECK(cudaMemcpy2DAsync(dst + di[i] * bb, g.tokens * g.row_bytes, src + si[i] * bb,
                                   g.tokens * g.row_bytes, n * g.row_bytes, g.outer,
-                                  cudaMemcpyDeviceToDevice, timer.stream));
+                                  cudaMemcpyDefault, timer.stream));
       });
       Args whole = args;
       whole.n = g.tokens;
