@@ -5,7 +5,7 @@
 #                        [profile] [sanitize] [stress] [partial-probe]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
 #   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
-#   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks device->device).
+#   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX).
 #   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
 #   a machine with 2 or more GPUs).
