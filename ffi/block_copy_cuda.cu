@@ -502,6 +502,9 @@ ffi::Error BlockCopyForkCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
   cudaStream_t side = nullptr;
   if (auto err = SideStreamFor(stream, &device, &side); err.failure()) return err;
   ScopedDevice on_device(device);
+  // Were the result not the destination's own buffer, the copy would first fill all of it,
+  // which the join (reading it) must not overlap: then the copy stays on XLA's stream.
+  if (out->untyped_data() != dst.untyped_data()) side = stream;
   cudaEvent_t fork = nullptr, join = nullptr;
   if (cudaError_t err = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
       err != cudaSuccess) {
