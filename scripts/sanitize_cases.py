@@ -308,6 +308,40 @@ def copy_engines(rng):
                   f"dma {jnp.dtype(dtype).name} {block} {src_kind}->{dst_kind}")
 
 
+BOTH_WAYS = jax.jit(lambda a, b, s1, d1, n1, s2, d2, n2: kvx.copy_blocks_both_ways(
+    a, b, s1, d1, s2, d2, a_to_b_tokens=n1, b_to_a_tokens=n2), donate_argnums=(0, 1))
+
+
+@case
+def both_ways(rng):
+    # Every plan of copy_blocks_both_ways: no clash (the fork on a side stream, the join on
+    # XLA's, with the kernel and with the copy engines), one-sided clashes (an order), both, and
+    # traced indices (staged); duplicates, padding and partial copies in each direction.
+    block = (2, 2, 2, 8, 16)
+    for a_kind, b_kind in (("device", "pinned_host"), ("pinned_host", "device"),
+                           ("device", "device")):
+        for clashes in ("none", "a", "b", "both"):
+            a = random_pool(rng, (8, *block), jnp.bfloat16)
+            b = random_pool(rng, (8, *block), jnp.bfloat16)
+            ab = [i32([0, 1, 2, -1]), i32([4, 4, 5, 6]), i32([0, 3, 1, 0])]
+            ba = [i32([0, 1, 2]), i32([5, 6, 7]), i32([8, 2, -1])]
+            if clashes in ("a", "both"):
+                ba[1][0] = 1  # b->a writes a block that a->b reads
+            if clashes in ("b", "both"):
+                ba[0][1] = 5  # b->a reads a block that a->b writes
+            want_a, want_b = reference(a, b, *ba), reference(b, a, *ab)
+            what = f"both_ways {clashes} {a_kind}/{b_kind}"
+            for dma in (False, True) if clashes == "none" and a_kind != b_kind else (False,):
+                got_a, got_b = kvx.copy_blocks_both_ways(
+                    put(a, a_kind), put(b, b_kind), ab[0], ab[1], ba[0], ba[1],
+                    a_to_b_tokens=ab[2], b_to_a_tokens=ba[2], donate=True, dma=dma)
+                check(got_a, want_a, f"{what} a dma={dma}")
+                check(got_b, want_b, f"{what} b dma={dma}")
+            got_a, got_b = BOTH_WAYS(put(a, a_kind), put(b, b_kind), *ab, *ba)  # traced
+            check(got_a, want_a, what + " a traced")
+            check(got_b, want_b, what + " b traced")
+
+
 @case
 def many_pairs(rng):
     n = 4096

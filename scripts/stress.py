@@ -182,6 +182,9 @@ class Run:
         if r < 0.02:
             self.user_write()
             return
+        if r < 0.1:
+            self.offload_and_onboard()
+            return
         if r < 0.45:
             pairs, tokens = [(self.block(), self.block())], [self.tokens()]
             verb = "offload" if self.rng.random() < 0.5 else "onboard"
@@ -204,6 +207,30 @@ class Run:
             getattr(self.manager, verb)(pairs, num_tokens=arg)
             self.counts[verb] += 1
         self.apply(verb, pairs, tokens)
+
+    def offload_and_onboard(self) -> None:
+        """Evictions and reuses in one call; primary blocks and secondary slots drawn from a
+        few, so that an onboard often reuses an evicted block or reads a slot just written."""
+        cfg = self.cfg
+        hot_p = self.rng.integers(cfg.num_primary, size=4)
+        hot_s = self.rng.integers(cfg.num_secondary, size=4)
+
+        def blk(hot, primary):
+            return kvx.KVCacheBlock(block_id=int(self.rng.integers(1 << 20)),
+                                    memory_pool_block_index=int(self.rng.choice(hot)),
+                                    is_primary=primary)
+
+        n_off, n_on = (int(self.rng.integers(0, cfg.max_batch + 1)) for _ in range(2))
+        off = [(blk(hot_p, True), blk(hot_s, False)) for _ in range(n_off)]
+        on = [(blk(hot_s, False), blk(hot_p, True)) for _ in range(n_on)]
+        off_tokens = [self.tokens() for _ in off]
+        on_tokens = [self.tokens() for _ in on]
+        self.manager.offload_and_onboard(off, on, off_tokens, on_tokens)
+        self.counts["offload_and_onboard"] += 1
+        for verb, pairs, tokens in (("offload_blocks", off, off_tokens),
+                                    ("onboard_blocks", on, on_tokens)):
+            if pairs:
+                self.apply(verb, pairs, tokens)
 
     def apply(self, verb: str, pairs, tokens) -> None:
         """The shadow, pending records and stats: the pairs one after another, in order."""
