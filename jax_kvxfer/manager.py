@@ -70,9 +70,9 @@ def _on_shards(fn, mesh, spec, num_pools: int):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
-def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs):
+def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=False):
     def copy(d, s, p):
-        return block_copy_call(d, s, p[0], p[1], p[2], facts)
+        return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=dma)
     pools = tuple(_on_shards(copy, mesh, spec, 2)(d, s, plan)
                   for d, s, spec in zip(dsts, srcs, specs))
     return pools, jnp.zeros((1,), jnp.int32)
@@ -86,12 +86,12 @@ def _copy_within_impl(pools, plan, facts, mesh, specs):
 
 
 _STATIC = ("facts", "mesh", "specs")
-_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC)
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC + ("dma",))
 _copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames=_STATIC)
 # The same without donation, for a destination that cannot be donated: on GPUs, reading a
 # pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
 # viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
-_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC)
+_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC + ("dma",))
 _copy_within_undonated = jax.jit(_copy_within_impl, static_argnames=_STATIC)
 
 
@@ -120,7 +120,8 @@ class KVCacheTransferManager:
     if the transfers ran one after another in call order. Methods are thread-safe (one lock).
     """
 
-    def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True) -> None:
+    def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True,
+                 dma: bool = False) -> None:
         """Args:
           pools: one or more pools with equal block counts and tokens per block.
           plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
@@ -128,7 +129,15 @@ class KVCacheTransferManager:
             False: send them as NumPy arrays, which JAX moves to the device with each call.
             Both copy the same; the ring relies on JAX handing a pinned_host array's own
             buffer to the custom call, so False is the way out should a JAX version not.
+          dma: on GPUs, offload and onboard with the copy engines instead of the copy kernel
+            (`copy_blocks(..., dma=True)`; the handler reads the plan from the ring as it
+            enqueues the copies). Faster for whole blocks of 64 KiB or more, slower for
+            16 KiB blocks and for partial blocks below 1 MiB (benchmarks/NOTES.md, v7).
+            Copies within the GPU pool always use the kernel. Needs plan_ring=True and pools
+            on one device.
         """
+        if not isinstance(dma, (bool, np.bool_)):
+            raise TypeError(f"dma must be True or False, got {dma!r}")
         if isinstance(pools, KVCacheBlockPool):
             pools = [pools]
         self._pools = tuple(pools)
@@ -156,6 +165,13 @@ class KVCacheTransferManager:
         # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
         self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
+        if dma and not plan_ring:
+            raise ValueError("dma=True needs plan_ring=True: the copy engines are handed the "
+                             "block indices from the plan ring's pinned_host arrays")
+        if dma and first.mesh is not None:
+            raise ValueError("dma=True takes pools on one device; these are sharded over "
+                             f"{first.mesh.size} devices")
+        self._dma = bool(dma)
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
         ring_sharding = PlanRing.sharding_for(first.sharding("device")) if plan_ring else None
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
@@ -290,8 +306,11 @@ class KVCacheTransferManager:
             facts = IndexFacts(hazard_free=True, unique_dst=len(set(run.dst.tolist())) == n)
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
+        static = dict(self._static, facts=facts)
+        if src_primary != dst_primary:
+            static["dma"] = self._dma
         try:
-            results, done = donated(*args, facts=facts, **self._static)
+            results, done = donated(*args, **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
             if "external reference" not in str(e):
                 raise
@@ -300,7 +319,7 @@ class KVCacheTransferManager:
                 "because a NumPy view of it exists (np.asarray on a host-memory array keeps "
                 "one); this transfer copied the whole pool instead. Read pools with "
                 "jax_kvxfer.to_numpy.", DonationWarning, stacklevel=4)
-            results, done = undonated(*args, facts=facts, **self._static)
+            results, done = undonated(*args, **static)
         if slot is not None:
             slot.done = done
         for pool, result in zip(self._pools, results):
