@@ -12,7 +12,7 @@ import numpy as np
 
 from ..ops import copy_blocks
 from .config import fmt_size, geometry_for
-from .helpers import _block, _err_text, _median, xla_onboard_rows
+from .helpers import _block, _dma_batches, _err_text, _median, xla_onboard_rows
 
 
 class BidirectionalMixin:
@@ -109,10 +109,13 @@ class BidirectionalMixin:
                     sec["paths"][name] = {"skipped": "past the deadline"}
                     continue
                 try:
+                    before = _dma_batches()
                     t_off = _median(self.time_jax(off, pipe=pipe)[0])
                     t_on = _median(self.time_jax(on, pipe=pipe)[0])
                     t_both = _median(self.time_jax(both, pipe=pipe)[0])
                     res = self._bidir_result(total, t_off, t_on, t_both)
+                    if "dma" in name and before is not None:
+                        res["dma_used"] = _dma_batches() > before
                     if name.startswith("ours"):  # both destinations hold their blocks
                         ends = [0, B - 1]
                         i1, j1, i2, j2 = (np.asarray(a)[ends] for a in (si1, di1, si2, di2))

@@ -24,6 +24,16 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def _dma_batches() -> int | None:
+    """Batches the CUDA handler has copied on the copy engines (None off GPUs): the DMA paths
+    record whether their copies really took that path (`dma_used`)."""
+    from .. import _native
+
+    if jax.default_backend() != "gpu" or _native._kvxfer_cuda is None:
+        return None
+    return _native._kvxfer_cuda.dma_batches()
+
+
 def _block(tree: Any) -> None:
     leaves = [x for x in jax.tree.leaves(tree)
               if isinstance(x, jax.Array) and not x.is_deleted()]

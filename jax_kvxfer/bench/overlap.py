@@ -15,7 +15,7 @@ import numpy as np
 
 from ..ops import copy_blocks, on_stream
 from .config import DTYPE, MiB, fmt_size, geometry_for
-from .helpers import _block, _clamp, _err_text, _median
+from .helpers import _block, _clamp, _dma_batches, _err_text, _median
 
 
 class OverlapMixin:
@@ -162,15 +162,19 @@ class OverlapMixin:
                     res["skipped"] = "past the deadline"
                 else:
                     try:
+                        before = _dma_batches()
                         both_s = _median(self.time_jax(call, pipe=1)[0])
+                        used = None if before is None else _dma_batches() > before
                         t = transfer[name]
                         res = {"transfer_s": t, "transfer_gbps": total / t / 1e9, "step_s": step_s,
                                "both_s": both_s, "no_overlap_sum_s": t + step_s,
                                "added_to_step": both_s / step_s - 1,
                                "transfer_hidden": (t + step_s - both_s) / t}
+                        if "dma" in name and used is not None:
+                            res["dma_used"] = used
                         if name in ours_both:
                             res["schedule"] = schedule_summary(ours_both[name], x, w, st["dst"],
-                                                               src, si_dev, di_dev)
+                                                               src, *indices(name))
                         if name.startswith("ours"):  # the pool it wrote holds the blocks
                             ends = [0, nb - 1]
                             res["verified"] = bool(np.array_equal(

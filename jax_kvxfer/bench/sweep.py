@@ -14,7 +14,7 @@ import numpy as np
 
 from ..ops import copy_blocks
 from .config import DIRECTIONS, DTYPE, Geometry, MiB, fmt_size, geometry_for, n_cases
-from .helpers import _block, _clamp, _err_text, xla_onboard_rows
+from .helpers import _block, _clamp, _dma_batches, _err_text, xla_onboard_rows
 
 
 class SweepMixin:
@@ -159,7 +159,9 @@ class SweepMixin:
                     st["dst"] = fn(st["dst"], s_pool, si_dev, di_dev, nt)
                     return st["dst"]
 
+                before = _dma_batches()
                 times, first = self.time_jax(call, pipe=pipe)
+                extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
                 times = [t / k for t in times]
                 # the last chained call used si_all[k-1] -> di_all[k-1]
                 pairs = [0, B - 1]
@@ -167,7 +169,7 @@ class SweepMixin:
                 want = self.fetch(s_pool, si_all[k - 1][pairs])[..., :n, :]
                 return self.timing(times, B * geom.moved(n), timing="wall, block_until_ready",
                                    k_per_call=k, pipe=pipe, first_call_s=first,
-                                   verified=bool(np.array_equal(got, want)), n=n)
+                                   verified=bool(np.array_equal(got, want)), n=n, **extra)
 
             self.case({**dbase, "path": "ours_dma" if dma else "ours", "kind": "path",
                        "n_label": label}, run)
