@@ -205,14 +205,16 @@ class SweepMixin:
                     return kvpool.secondary if offload else kvpool.primary
 
                 _, pipe = self.plan(B * geom.block_bytes, False)
+                before = _dma_batches()
                 times, first = self.time_jax(call, pipe=pipe)
+                extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
                 si, di = batches[(calls[0] - 1) % len(batches)]
                 src, dst = ((kvpool.primary, kvpool.secondary) if offload else
                             (kvpool.secondary, kvpool.primary))
                 pairs = [0, B - 1]
                 ok = np.array_equal(self.fetch(dst, di[pairs]), self.fetch(src, si[pairs]))
                 return self.timing(times, B * geom.block_bytes, timing="wall, block_until_ready",
-                                   pipe=pipe, first_call_s=first, verified=bool(ok))
+                                   pipe=pipe, first_call_s=first, verified=bool(ok), **extra)
 
             self.case({**dbase, "path": "manager_dma" if dma else "manager", "kind": "path",
                        "n_label": "T"}, run)
