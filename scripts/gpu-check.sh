@@ -2,9 +2,10 @@
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [sharded] [demo-tp]
-#                        [profile] [sanitize] [stress] [stress-dma]
+#                        [profile] [sanitize] [stress] [stress-dma] [partial-probe]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
-#   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX).
+#   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
+#   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks device->device).
 #   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
 #   a machine with 2 or more GPUs). stress-dma: 30,000 stress operations with a dma=True manager.
@@ -51,6 +52,13 @@ if has probe; then
     && "$OUT/kernel_probe.bin" >> "$OUT/probe.txt" 2>&1
   summary+=("kernel probe: exit $? ($(( $(date +%s) - t )) s)")
   rm -f "$OUT/kernel_probe.bin"
+fi
+if has partial-probe; then
+  t=$(date +%s)
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/partial_probe.cu -o "$OUT/partial_probe.bin" > "$OUT/partial-probe.txt" 2>&1 \
+    && "$OUT/partial_probe.bin" >> "$OUT/partial-probe.txt" 2>&1
+  summary+=("partial probe: exit $? ($(( $(date +%s) - t )) s)")
+  rm -f "$OUT/partial_probe.bin"
 fi
 if has demo; then
   t=$(date +%s)
