@@ -71,9 +71,9 @@ def _on_shards(fn, mesh, spec, num_pools: int):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
-def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs):
+def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=False):
     def copy(d, s, p):
-        return block_copy_call(d, s, p[0], p[1], p[2], facts)
+        return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=dma)
     pools = tuple(_on_shards(copy, mesh, spec, 2)(d, s, plan)
                   for d, s, spec in zip(dsts, srcs, specs))
     return pools, jnp.zeros((1,), jnp.int32)
@@ -86,10 +86,11 @@ def _copy_within_impl(pools, plan, facts, mesh, specs):
     return pools, jnp.zeros((1,), jnp.int32)
 
 
-def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, specs):
-    """Per pool, one custom call that offloads (GPU -> host) and onboards (host -> GPU)."""
+def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, specs,
+                    dma=False):
+    """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) at once."""
     def copy(g, h, off, on):
-        return both_ways_call(g, h, off, on, facts, plan, HOST_COPY_CTAS, dma=False)
+        return both_ways_call(g, h, off, on, facts, plan, HOST_COPY_CTAS, dma=dma)
     results = []
     for g, h, spec in zip(gpus, hosts, specs):
         fn = copy
@@ -102,15 +103,16 @@ def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, 
 
 
 _STATIC = ("facts", "mesh", "specs")
-_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC)
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC + ("dma",))
 _copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames=_STATIC)
 # The same without donation, for a destination that cannot be donated: on GPUs, reading a
 # pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
 # viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
-_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC)
+_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC + ("dma",))
 _copy_within_undonated = jax.jit(_copy_within_impl, static_argnames=_STATIC)
-_both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1), static_argnames=_STATIC + ("plan",))
-_both_ways_undonated = jax.jit(_both_ways_impl, static_argnames=_STATIC + ("plan",))
+_both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1),
+                     static_argnames=_STATIC + ("plan", "dma"))
+_both_ways_undonated = jax.jit(_both_ways_impl, static_argnames=_STATIC + ("plan", "dma"))
 
 
 class DonationWarning(UserWarning):
@@ -146,7 +148,8 @@ class KVCacheTransferManager:
     if the transfers ran one after another in call order. Methods are thread-safe (one lock).
     """
 
-    def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True) -> None:
+    def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True,
+                 dma: bool = False) -> None:
         """Args:
           pools: one or more pools with equal block counts and tokens per block.
           plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
@@ -154,7 +157,15 @@ class KVCacheTransferManager:
             False: send them as NumPy arrays, which JAX moves to the device with each call.
             Both copy the same; the ring relies on JAX handing a pinned_host array's own
             buffer to the custom call, so False is the way out should a JAX version not.
+          dma: on GPUs, offload and onboard with the copy engines instead of the copy kernel
+            (`copy_blocks(..., dma=True)`; the handler reads the plan from the ring as it
+            enqueues the copies). Faster for whole blocks of 64 KiB or more, slower for
+            16 KiB blocks and for partial blocks below 1 MiB (benchmarks/NOTES.md, v7).
+            Copies within the GPU pool always use the kernel. Needs plan_ring=True and pools
+            on one device.
         """
+        if not isinstance(dma, (bool, np.bool_)):
+            raise TypeError(f"dma must be True or False, got {dma!r}")
         if isinstance(pools, KVCacheBlockPool):
             pools = [pools]
         self._pools = tuple(pools)
@@ -182,6 +193,13 @@ class KVCacheTransferManager:
         # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
         self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
+        if dma and not plan_ring:
+            raise ValueError("dma=True needs plan_ring=True: the copy engines are handed the "
+                             "block indices from the plan ring's pinned_host arrays")
+        if dma and first.mesh is not None:
+            raise ValueError("dma=True takes pools on one device; these are sharded over "
+                             f"{first.mesh.size} devices")
+        self._dma = bool(dma)
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
         ring_sharding = PlanRing.sharding_for(first.sharding("device")) if plan_ring else None
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
@@ -365,7 +383,7 @@ class KVCacheTransferManager:
         gpus = tuple(p.current(True, "transfer") for p in self._pools)
         hosts = tuple(p.current(False, "transfer") for p in self._pools)
         args = (gpus, hosts, tuple(off_plan), tuple(on_plan))
-        kw = {"facts": facts, "plan": plan, **self._static}
+        kw = {"facts": facts, "plan": plan, "dma": self._dma, **self._static}
         try:
             new_gpus, new_hosts, done = _both_ways(*args, **kw)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
@@ -395,14 +413,17 @@ class KVCacheTransferManager:
             facts = IndexFacts(hazard_free=True, unique_dst=len(set(run.dst.tolist())) == n)
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
+        static = dict(self._static, facts=facts)
+        if src_primary != dst_primary:
+            static["dma"] = self._dma
         try:
-            results, done = donated(*args, facts=facts, **self._static)
+            results, done = donated(*args, **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
             if "external reference" not in str(e):
                 raise
             # from the user: offload_blocks -> _transfer -> _issue -> _dispatch -> here
             _warn_not_in_place("primary" if dst_primary else "secondary", stacklevel=6)
-            results, done = undonated(*args, facts=facts, **self._static)
+            results, done = undonated(*args, **static)
         if slot is not None:
             slot.done = done
         for pool, result in zip(self._pools, results):

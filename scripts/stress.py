@@ -50,6 +50,7 @@ class Config:
     warmup_syncs: int = 4
     fail_fast: bool = False
     verbose: bool = False
+    dma: bool = False  # the manager's host transfers on the copy engines
 
 
 def make_pools(cfg: Config, rng: np.random.Generator) -> list[kvx.KVCacheBlockPool]:
@@ -362,11 +363,11 @@ def run(cfg: Config) -> int:
     rng = np.random.default_rng(cfg.seed)
     t0 = time.perf_counter()
     pools = make_pools(cfg, rng)
-    run = Run(cfg, rng, pools, kvx.KVCacheTransferManager(pools),
+    run = Run(cfg, rng, pools, kvx.KVCacheTransferManager(pools, dma=cfg.dma),
               [[read_back(p.primary).copy(), read_back(p.secondary).copy()] for p in pools])
     print(f"stress: {cfg.ops} ops, seed {cfg.seed}, backend {jax.default_backend()} "
           f"({jax.devices()[0].device_kind}), jax {jax.__version__}, "
-          f"CUDA handlers {kvx.HAS_CUDA_HANDLERS}")
+          f"CUDA handlers {kvx.HAS_CUDA_HANDLERS}, dma {cfg.dma}")
     for p in pools:
         print(f"  {p!r}")
     next_sync = int(rng.integers(*cfg.sync_every))
@@ -401,9 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20240601)
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first bad sync")
     parser.add_argument("-v", "--verbose", action="store_true", help="a line per sync")
+    parser.add_argument("--dma", action="store_true",
+                        help="a manager made with dma=True (host transfers on the copy engines)")
     args = parser.parse_args(argv)
     ops = args.ops if args.ops is not None else (QUICK_OPS if args.quick else FULL_OPS)
-    cfg = Config(ops=ops, seed=args.seed, fail_fast=args.fail_fast, verbose=args.verbose)
+    cfg = Config(ops=ops, seed=args.seed, fail_fast=args.fail_fast, verbose=args.verbose,
+                 dma=args.dma)
     if args.quick and args.ops is None:
         cfg.sync_every = (30, 120)  # more syncs (and memory samples) in the short run
     return run(cfg)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_kvxfer as kvx
+from jax_kvxfer import _native
 from jax_kvxfer import manager as manager_module
 
 T = 4  # tokens per block
@@ -526,3 +527,59 @@ def test_offload_and_onboard_bad_onboard_leaves_everything_unchanged(rng):
     assert tm.get_and_reset_transfer_stats() == kvx.TransferStats()
     tm.sync_transfers()
     assert_same(snapshot(pools), before)
+
+
+# -- the copy engines (dma=True) --------------------------------------------------------------
+
+
+def test_dma_manager_matches_the_kernel_manager(rng):
+    """The same random offloads, onboards (whole, partial, duplicate destinations) and copies
+    within the GPU pool through a manager with dma=True and one without: the pools must end
+    bitwise equal, and on a GPU the copy engines must have done the host transfers."""
+    seed = int(rng.integers(1 << 30))
+    pools_dma, pools_ref = (make_pools(np.random.default_rng(seed)) for _ in range(2))
+    initial = snapshot(pools_ref)
+    with_dma = kvx.KVCacheTransferManager(pools_dma, dma=True)
+    kernel = kvx.KVCacheTransferManager(pools_ref)
+    t = pools_dma[0].tokens_per_block
+    gpu = jax.default_backend() == "gpu"
+    before = _native._kvxfer_cuda.dma_batches() if gpu else 0
+    for _ in range(12):
+        k = int(rng.integers(1, 5))
+        src, dst = rng.integers(0, 5, k), rng.integers(0, 5, k)
+        tokens = [int(x) for x in rng.integers(-1, t + 2, k)]
+        verb = rng.choice(["offload_blocks", "onboard_blocks", "within", "both"])
+        if verb == "both":  # offload_and_onboard: both directions at once where exact
+            off = [(P(int(s)), S(int(d))) for s, d in zip(src, dst)]
+            on = [(S(int(s)), P(int(d))) for s, d in zip(rng.integers(0, 5, k),
+                                                        rng.integers(0, 5, k))]
+            for m in (with_dma, kernel):
+                m.offload_and_onboard(off, on, tokens, tokens[::-1])
+            continue
+        if verb == "offload_blocks":
+            pairs = [(P(int(s)), S(int(d))) for s, d in zip(src, dst)]
+        elif verb == "onboard_blocks":
+            pairs = [(S(int(s)), P(int(d))) for s, d in zip(src, dst)]
+        else:
+            verb, pairs = "onboard_blocks", [(P(int(s)), P(int(d) + 1)) for s, d in zip(src, dst)]
+        for m in (with_dma, kernel):
+            getattr(m, verb)(pairs, tokens)
+    with_dma.sync_transfers()
+    kernel.sync_transfers()
+    for a, b in zip(pools_dma, pools_ref):
+        np.testing.assert_array_equal(kvx.to_numpy(a.primary), kvx.to_numpy(b.primary))
+        np.testing.assert_array_equal(kvx.to_numpy(a.secondary), kvx.to_numpy(b.secondary))
+    assert any(not np.array_equal(kvx.to_numpy(p.secondary), sec) or
+               not np.array_equal(kvx.to_numpy(p.primary), prim)
+               for p, (prim, sec) in zip(pools_dma, initial)), "nothing was copied"
+    if gpu:
+        assert _native._kvxfer_cuda.dma_batches() > before
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"dma": 1}, TypeError, "dma must be True or False, got 1"),
+    ({"dma": True, "plan_ring": False}, ValueError, "dma=True needs plan_ring=True"),
+])
+def test_dma_manager_arguments(rng, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kvx.KVCacheTransferManager(make_pools(rng), **kwargs)
