@@ -9,6 +9,7 @@
 #   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
 #   a machine with 2 or more GPUs). stress-dma: 30,000 stress operations with a dma=True manager.
+#   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-gpu-check}
@@ -102,3 +103,9 @@ fi
 
 echo; cat "$OUT/gpu.txt"
 for line in "${summary[@]}"; do echo "SUMMARY $line"; done
+# GPU_CHECK_PACK=1: everything under $OUT in one archive (the device tool returns few files)
+if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
+  printf 'SUMMARY %s\n' "${summary[@]}" > "$OUT/summary.txt"
+  pack=$(mktemp)
+  tar czf "$pack" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$pack" "$OUT/gpu-check.tgz"
+fi
