@@ -480,6 +480,7 @@ ffi::Error SideStreamFor(cudaStream_t stream, int* device, cudaStream_t* side) {
   std::lock_guard<std::mutex> lock(state.mu);
   auto it = state.side_streams.find(*device);
   if (it == state.side_streams.end()) {
+    ScopedDevice on_device(*device);  // the side stream belongs to the device of XLA's stream
     cudaStream_t created = nullptr;
     if (cudaError_t err = cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking);
         err != cudaSuccess) {
