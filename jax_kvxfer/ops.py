@@ -220,19 +220,13 @@ def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
 HOST_COPY_CTAS = 8
 
 
-def _touches_host(*pools: Any) -> bool:
-    return any(getattr(jax.typeof(p), "memory_space", None) == jax.memory.Space.Host
-               for p in pools)
-
-
 def _memory_space(x: Any) -> Any:
     """x's memory space (jax.memory.Space) where JAX tells it, else None (NumPy, older JAX)."""
     return getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array) else None
 
 
-def _all_whole(tokens: Any, tokens_per_block: int) -> bool:
-    values = _concrete(tokens)
-    return values is not None and not np.any((values > 0) & (values < tokens_per_block))
+def _touches_host(*pools: Any) -> bool:
+    return any(_memory_space(p) == jax.memory.Space.Host for p in pools)
 
 
 def check_dma(dst_pool: Any, src_pool: Any, plan: dict[str, Any], whole_blocks: bool,
@@ -457,7 +451,8 @@ def copy_blocks(
             f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}"
         )
     tokens = _normalize_tokens(num_tokens, si.shape[0])
-    check_byte_rows(dst_pool.shape[1:], dst_pool.dtype, _may_be_partial(tokens, dst_pool.shape[4]))
+    may_be_partial = _may_be_partial(tokens, dst_pool.shape[4])
+    check_byte_rows(dst_pool.shape[1:], dst_pool.dtype, may_be_partial)
     si_host, di_host = _concrete(si), _concrete(di)
     _check_in_range("src_indices", si_host, src_pool.shape[0], "src_pool")
     _check_in_range("dst_indices", di_host, dst_pool.shape[0], "dst_pool")
@@ -467,7 +462,7 @@ def copy_blocks(
     if max_ctas is None and stream is not None and _touches_host(dst_pool, src_pool):
         max_ctas = HOST_COPY_CTAS
     max_ctas = None if max_ctas is None else int(max_ctas)
-    dma, whole = bool(dma), _all_whole(tokens, dst_pool.shape[4])
+    dma, whole = bool(dma), not may_be_partial
     traced = any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens))
     if dma:
         if not traced:
@@ -487,7 +482,7 @@ def copy_blocks(
             return block_copy_call(dst, dst if within else src, a, b, n, facts, max_ctas,
                                    **options)
 
-        space = getattr(jax.typeof(dst_pool), "memory_space", None) or jax.memory.Space.Device
+        space = _memory_space(dst_pool) or jax.memory.Space.Device
         return on_stream(copy, int(stream), space)(dst_pool, src_pool, si, di, tokens)
     if donate and dst_pool is src_pool:
         raise ValueError("donate=True needs src_pool to be another array than dst_pool")
