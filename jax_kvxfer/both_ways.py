@@ -27,7 +27,6 @@ from .ops import (
     IndexFacts,
     IndexLike,
     TokensLike,
-    _all_whole,
     _as_index_array,
     _check_in_range,
     _check_platform,
@@ -278,7 +277,8 @@ def copy_blocks_both_ways(
     max_ctas = None if max_ctas is None else int(max_ctas)
     args = (ab_si, ab_di, ab_nt, ba_si, ba_di, ba_nt)
     traced = any(_is_tracer(x) for x in (pool_a, pool_b, *args))
-    whole = (_all_whole(ab_nt, pool_a.shape[4]), _all_whole(ba_nt, pool_a.shape[4]))
+    whole = (not _may_be_partial(ab_nt, pool_a.shape[4]),
+             not _may_be_partial(ba_nt, pool_a.shape[4]))
     if dma:
         if not traced:
             if _is_split(pool_a.sharding):
