@@ -254,9 +254,9 @@ def copy_blocks_both_ways(
             raise type(e)(str(e).replace("num_tokens", tokens_name)) from None
         idx.append((si, di, nt))
     (ab_si, ab_di, ab_nt), (ba_si, ba_di, ba_nt) = idx
-    check_byte_rows(pool_a.shape[1:], pool_a.dtype,
-                    _may_be_partial(ab_nt, pool_a.shape[4]) or
-                    _may_be_partial(ba_nt, pool_a.shape[4]))
+    may_be_partial = (_may_be_partial(ab_nt, pool_a.shape[4]),
+                      _may_be_partial(ba_nt, pool_a.shape[4]))
+    check_byte_rows(pool_a.shape[1:], pool_a.dtype, any(may_be_partial))
     known = [_concrete(x) for x in (ab_si, ab_di, ba_si, ba_di)]
     _check_in_range("a_to_b_src", known[0], pool_a.shape[0], "pool_a")
     _check_in_range("a_to_b_dst", known[1], pool_b.shape[0], "pool_b")
@@ -277,8 +277,7 @@ def copy_blocks_both_ways(
     max_ctas = None if max_ctas is None else int(max_ctas)
     args = (ab_si, ab_di, ab_nt, ba_si, ba_di, ba_nt)
     traced = any(_is_tracer(x) for x in (pool_a, pool_b, *args))
-    whole = (not _may_be_partial(ab_nt, pool_a.shape[4]),
-             not _may_be_partial(ba_nt, pool_a.shape[4]))
+    whole = (not may_be_partial[0], not may_be_partial[1])
     if dma:
         if not traced:
             if _is_split(pool_a.sharding):
