@@ -104,21 +104,57 @@ inline ffi::Error CheckWorkspaces(int64_t num_pairs, const PoolGeometry& g, bool
   return ffi::Error::Success();
 }
 
-// The FFI binding of everything after the pool operand(s), shared by all four handlers:
-// `binding` already holds the platform context (if any) and the pool(s).
+// The FFI bindings after the pool operand(s), shared by the handlers: `binding` already holds
+// the platform context (if any) and the pool(s).
+// (Bindings cannot be copied or moved: each helper takes one by reference and returns the
+// extended binding as a new value.)
 template <typename Binding>
-auto BindIndicesResultsAndAttrs(Binding binding) {
+auto BindIndices(Binding&& binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
       .template Arg<ffi::Buffer<ffi::S32>>()            // dst_indices [B]
-      .template Arg<ffi::Buffer<ffi::S32>>()            // num_tokens [B]
-      .template Ret<ffi::AnyBuffer>()                   // new dst pool, aliased to operand 0
+      .template Arg<ffi::Buffer<ffi::S32>>();           // num_tokens [B]
+}
+
+template <typename Binding>
+auto BindResults(Binding&& binding) {
+  return std::move(binding).template Ret<ffi::AnyBuffer>()  // new dst pool, aliased to operand 0
       .template Ret<ffi::Buffer<ffi::S32>>()            // workspace [B] (the GPU's duplicate scan)
-      .template Ret<ffi::Buffer<ffi::U8>>()             // staging [B * block bytes] or [0]
-      .template Attr<bool>("hazard_free")               // no block is read and written
+      .template Ret<ffi::Buffer<ffi::U8>>();            // staging [B * block bytes] or [0]
+}
+
+template <typename Binding>
+auto BindAttrs(Binding&& binding) {
+  return std::move(binding).template Attr<bool>("hazard_free")  // no block is read and written
       .template Attr<bool>("unique_dst")                // no block is written twice
       .template Attr<int64_t>("max_ctas")               // GPU grid cap, <= 0: none
       .template Attr<bool>("dma")                       // GPU: copy engines where possible
       .template Attr<bool>("whole_blocks");             // every pair copies whole blocks
+}
+
+// One copy: the pool(s), the indices, the results, the attributes.
+template <typename Binding>
+auto BindIndicesResultsAndAttrs(Binding&& binding) {
+  return BindAttrs(BindResults(BindIndices(std::forward<Binding>(binding))));
+}
+
+// The first half of a both-ways copy (copy_blocks_both_ways): one copy, plus a ticket result
+// that the second half takes to find what to wait for.
+template <typename Binding>
+auto BindForkCopy(Binding&& binding) {
+  return BindAttrs(
+      BindResults(BindIndices(std::forward<Binding>(binding))).template Ret<ffi::AnyBuffer>());
+}
+
+// The second half: one copy, then the first half's ticket and, to keep them alive until the
+// first half's copy is done, its other operands and results. With `wait` false there is no
+// first half: the extra operands only order the copy after the work that made them.
+template <typename Binding>
+auto BindJoinCopy(Binding&& binding) {
+  return BindAttrs(BindResults(
+                       BindIndices(std::forward<Binding>(binding))
+                           .template Arg<ffi::AnyBuffer>()
+                           .RemainingArgs()))
+      .template Attr<bool>("wait");
 }
 
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole

@@ -84,7 +84,43 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
                       hazard_free, unique_dst, max_ctas, dma, whole_blocks);
 }
 
+// The two halves of a both-ways copy. On the CPU they are two copies, one after the other (the
+// second reads the first's result, which the Python side allows only where that equals reading
+// the pool as it was); the ticket and the operands kept alive for the GPU are not used.
+ffi::Error BlockCopyForkCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
+                            ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                            ffi::Result<ffi::Buffer<ffi::U8>> staging,
+                            ffi::Result<ffi::AnyBuffer> /*ticket*/, bool hazard_free,
+                            bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
+  return BlockCopyCpu(dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging,
+                      hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+}
+
+ffi::Error BlockCopyJoinCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
+                            ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                            ffi::AnyBuffer /*ticket*/, ffi::RemainingArgs /*kept alive*/,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                            ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                            bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks,
+                            bool /*wait*/) {
+  return BlockCopyCpu(dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging,
+                      hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu,
+                              BindForkCopy(ffi::Ffi::Bind()
+                                               .Arg<ffi::AnyBuffer>()    // dst pool
+                                               .Arg<ffi::AnyBuffer>()));  // src pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu,
+                              BindJoinCopy(ffi::Ffi::Bind()
+                                               .Arg<ffi::AnyBuffer>()    // dst pool
+                                               .Arg<ffi::AnyBuffer>()));  // src pool
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind()
@@ -104,6 +140,8 @@ NB_MODULE(_kvxfer_cpu, m) {
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
     d["jax_kvxfer_block_copy_within"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
+    d["jax_kvxfer_block_copy_fork"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCpu));
+    d["jax_kvxfer_block_copy_join"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCpu));
     return d;
   });
 }

@@ -22,7 +22,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "block_copy.h"
@@ -432,11 +434,159 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                        hazard_free, unique_dst, max_ctas, dma, whole_blocks);
 }
 
+// -- both ways at once: a fork/join pair of custom calls ------------------------------------
+//
+// copy_blocks_both_ways runs an offload and an onboard between the same two pools as two calls,
+// `new_b = fork(b, a, ...)` then `new_a = join(a, new_b, ..., ticket, ...)`: each aliases one
+// pool only (XLA's host offloader rejects a custom call that aliases a pinned_host pool and
+// another output), and the second reads the first's result, so XLA sees no cycle and copies
+// no pool. To run the two at the same time, the fork enqueues its copy on a side stream of its
+// own and returns at once; the join enqueues its copy on XLA's stream and then makes that
+// stream wait for the fork's copy, so everything after the join (and the optimization barrier
+// the Python side puts over both results) sees both copies done. The Python side uses the
+// pair only when no block is written by one direction and read by the other. The join takes
+// the fork's operands and results as extra operands, so that XLA keeps them alive (and does not
+// reuse their memory) until the fork's copy has finished.
+
+struct ForkJoinState {
+  std::mutex mu;
+  std::unordered_map<int, cudaStream_t> side_streams;           // by device
+  std::unordered_map<const void*, cudaEvent_t> pending_joins;  // by ticket buffer
+};
+
+ForkJoinState& ForkJoin() {
+  static ForkJoinState* state = new ForkJoinState;  // never destroyed: handlers may run late
+  return *state;
+}
+
+// Sets the current device for the scope (events and streams belong to one device).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    (void)cudaGetDevice(&previous_);
+    if (previous_ != device) (void)cudaSetDevice(device);
+  }
+  ~ScopedDevice() { (void)cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+ffi::Error SideStreamFor(cudaStream_t stream, int* device, cudaStream_t* side) {
+  if (cudaError_t err = cudaStreamGetDevice(stream, device); err != cudaSuccess) {
+    return CudaError(err, "cudaStreamGetDevice");
+  }
+  ForkJoinState& state = ForkJoin();
+  std::lock_guard<std::mutex> lock(state.mu);
+  auto it = state.side_streams.find(*device);
+  if (it == state.side_streams.end()) {
+    ScopedDevice on_device(*device);  // the side stream belongs to the device of XLA's stream
+    cudaStream_t created = nullptr;
+    if (cudaError_t err = cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking);
+        err != cudaSuccess) {
+      return CudaError(err, "cudaStreamCreateWithFlags");
+    }
+    it = state.side_streams.emplace(*device, created).first;
+  }
+  *side = it->second;
+  return ffi::Error::Success();
+}
+
+ffi::Error BlockCopyForkCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
+                             ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                             ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                             ffi::Result<ffi::Buffer<ffi::U8>> staging,
+                             ffi::Result<ffi::AnyBuffer> ticket, bool hazard_free, bool unique_dst,
+                             int64_t max_ctas, bool dma, bool whole_blocks) {
+  int device = 0;
+  cudaStream_t side = nullptr;
+  if (auto err = SideStreamFor(stream, &device, &side); err.failure()) return err;
+  ScopedDevice on_device(device);
+  // Were the result not the destination's own buffer, the copy would first fill all of it,
+  // which the join (reading it) must not overlap: then the copy stays on XLA's stream.
+  if (out->untyped_data() != dst.untyped_data()) side = stream;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  if (cudaError_t err = cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+      err != cudaSuccess) {
+    return CudaError(err, "cudaEventCreateWithFlags");
+  }
+  // The side stream starts where XLA's stream is (after whatever produced the operands).
+  cudaError_t err = cudaEventRecord(fork, stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(side, fork, 0);
+  (void)cudaEventDestroy(fork);  // released once recorded work completes
+  if (err != cudaSuccess) return CudaError(err, "fork onto the side stream");
+  if (auto copy = BlockCopyCuda(side, dst, src, src_idx, dst_idx, num_tokens, out, superseded,
+                                staging, hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+      copy.failure()) {
+    return copy;
+  }
+  if (err = cudaEventCreateWithFlags(&join, cudaEventDisableTiming); err != cudaSuccess) {
+    return CudaError(err, "cudaEventCreateWithFlags");
+  }
+  if (err = cudaEventRecord(join, side); err != cudaSuccess) {
+    (void)cudaEventDestroy(join);
+    return CudaError(err, "cudaEventRecord");
+  }
+  ForkJoinState& state = ForkJoin();
+  std::lock_guard<std::mutex> lock(state.mu);
+  auto [it, inserted] = state.pending_joins.emplace(ticket->untyped_data(), join);
+  if (!inserted) {  // a ticket buffer reused before its join ran: cannot happen through XLA
+    (void)cudaEventDestroy(it->second);
+    it->second = join;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
+                             ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                             ffi::Buffer<ffi::S32> num_tokens, ffi::AnyBuffer ticket,
+                             ffi::RemainingArgs /*kept alive*/, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                             ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                             bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks,
+                             bool wait) {
+  ffi::Error copy = BlockCopyCuda(stream, dst, src, src_idx, dst_idx, num_tokens, out,
+                                  superseded, staging, hazard_free, unique_dst, max_ctas, dma,
+                                  whole_blocks);
+  if (!wait) return copy;  // ordered by its operands only
+  cudaEvent_t join = nullptr;
+  {
+    ForkJoinState& state = ForkJoin();
+    std::lock_guard<std::mutex> lock(state.mu);
+    auto it = state.pending_joins.find(ticket.untyped_data());
+    if (it == state.pending_joins.end()) {
+      return ffi::Error::InvalidArgument(
+          "jax_kvxfer both-ways copy: the second half found no first half to wait for (its "
+          "ticket operand must be the first half's ticket result)");
+    }
+    join = it->second;
+    state.pending_joins.erase(it);
+  }
+  // Wait even if this half failed, so that nothing after it runs beside the first half.
+  cudaError_t err = cudaStreamWaitEvent(stream, join, 0);
+  (void)cudaEventDestroy(join);
+  if (copy.failure()) return copy;
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "join the side stream");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinCuda,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()));  // pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCuda, BlockCopyForkCuda,
+                              BindForkCopy(ffi::Ffi::Bind()
+                                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                               .Arg<ffi::AnyBuffer>()    // dst pool
+                                               .Arg<ffi::AnyBuffer>()));  // src pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCuda, BlockCopyJoinCuda,
+                              BindJoinCopy(ffi::Ffi::Bind()
+                                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                               .Arg<ffi::AnyBuffer>()    // dst pool
+                                               .Arg<ffi::AnyBuffer>()));  // src pool
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -452,6 +602,10 @@ NB_MODULE(_kvxfer_cuda, m) {
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCuda));
     d["jax_kvxfer_block_copy_within"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCuda));
+    d["jax_kvxfer_block_copy_fork"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCuda));
+    d["jax_kvxfer_block_copy_join"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCuda));
     return d;
   });
   m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },

@@ -2,13 +2,15 @@
 
 - `copy_blocks`, `partial_block_copy`: batched and partial block copies, XLA FFI custom calls
   usable inside `jax.jit` (CPU and CUDA); `on_stream` runs other work on a GPU stream of its
-  own beside a copy made with `copy_blocks(..., stream=N)`.
+  own beside a copy made with `copy_blocks(..., stream=N)`; `copy_blocks_both_ways` offloads
+  and onboards between the same two pools at once.
 - `KVCacheBlockPool`, `KVCacheBlock`, `KVCacheTransferManager`: TensorRT-LLM's offload/onboard
   machinery with pools held as `jax.Array`s (primary in `device`, secondary in `pinned_host`).
 """
 
 from ._native import HAS_CUDA_HANDLERS
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
+from .both_ways import copy_blocks_both_ways
 from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import HOST_COPY_CTAS, copy_blocks, on_stream, partial_block_copy
 from .pool import KVCacheBlock, KVCacheBlockPool, to_numpy
@@ -27,6 +29,7 @@ __all__ = [
     "PrefixMatch",
     "TransferStats",
     "copy_blocks",
+    "copy_blocks_both_ways",
     "on_stream",
     "partial_block_copy",
     "to_numpy",

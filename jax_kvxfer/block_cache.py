@@ -209,7 +209,8 @@ def check_priority(priority: object) -> int:
 
 
 class TransferQueue:
-    """Transfers queued during allocation, issued as one batch of offloads, then of onboards.
+    """Transfers queued during allocation, issued as one batch of offloads, then of onboards
+    (one `offload_and_onboard` call: both directions at once where that gives the same result).
 
     The reordering is valid because queued sources are pinned until issued, secondary slots
     read by queued onboards are freed only once issued, and the block manager issues early
@@ -246,10 +247,9 @@ class TransferQueue:
 
     def issue(self, transfer_manager) -> tuple[list[CachedBlock], list[int]]:
         """Issues everything queued; returns the pins to release and secondary slots to free."""
-        if self._offloads:
-            transfer_manager.offload_blocks(self._offloads)
-        if self._onboards:
-            transfer_manager.onboard_blocks(self._onboards, self._onboard_tokens)
+        if self._offloads or self._onboards:  # both directions at once where exact
+            transfer_manager.offload_and_onboard(self._offloads, self._onboards, None,
+                                                 self._onboard_tokens)
         pins, slots = self._pins, self._slots_to_free
         self.__init__()
         return pins, slots

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batch import PairBatch, check_batch, split_runs
-from .ops import IndexFacts, block_copy_call, check_byte_rows, index_facts
+from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
+from .ops import HOST_COPY_CTAS, IndexFacts, block_copy_call, check_byte_rows, index_facts
 from .plan_ring import PlanRing
 from .pool import KVCacheBlock, KVCacheBlockPool
 
@@ -70,9 +71,9 @@ def _on_shards(fn, mesh, spec, num_pools: int):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
-def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs):
+def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=False):
     def copy(d, s, p):
-        return block_copy_call(d, s, p[0], p[1], p[2], facts)
+        return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=dma)
     pools = tuple(_on_shards(copy, mesh, spec, 2)(d, s, plan)
                   for d, s, spec in zip(dsts, srcs, specs))
     return pools, jnp.zeros((1,), jnp.int32)
@@ -85,18 +86,45 @@ def _copy_within_impl(pools, plan, facts, mesh, specs):
     return pools, jnp.zeros((1,), jnp.int32)
 
 
+def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, specs,
+                    dma=False):
+    """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) at once."""
+    def copy(g, h, off, on):
+        return both_ways_call(g, h, off, on, facts, plan, HOST_COPY_CTAS, dma=dma)
+    results = []
+    for g, h, spec in zip(gpus, hosts, specs):
+        fn = copy
+        if spec is not None:
+            replicated = jax.sharding.PartitionSpec()
+            fn = jax.shard_map(copy, mesh=mesh, in_specs=(spec, spec, replicated, replicated),
+                               out_specs=(spec, spec))
+        results.append(fn(g, h, offload_plan, onboard_plan))
+    return tuple(r[0] for r in results), tuple(r[1] for r in results), jnp.zeros((1,), jnp.int32)
+
+
 _STATIC = ("facts", "mesh", "specs")
-_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC)
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC + ("dma",))
 _copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames=_STATIC)
 # The same without donation, for a destination that cannot be donated: on GPUs, reading a
 # pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
 # viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
-_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC)
+_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC + ("dma",))
 _copy_within_undonated = jax.jit(_copy_within_impl, static_argnames=_STATIC)
+_both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1),
+                     static_argnames=_STATIC + ("plan", "dma"))
+_both_ways_undonated = jax.jit(_both_ways_impl, static_argnames=_STATIC + ("plan", "dma"))
 
 
 class DonationWarning(UserWarning):
     """A pool array could not be donated, so a transfer copied the whole pool."""
+
+
+def _warn_not_in_place(which: str, stacklevel: int) -> None:
+    """stacklevel: of the user's call, counted from this function."""
+    warnings.warn(
+        f"pool.{which} could not be updated in place because a NumPy view of it exists "
+        "(np.asarray on a host-memory array keeps one); this transfer copied the whole pool "
+        "instead. Read pools with jax_kvxfer.to_numpy.", DonationWarning, stacklevel=stacklevel)
 
 
 def _bucket(n: int) -> int:
@@ -120,7 +148,8 @@ class KVCacheTransferManager:
     if the transfers ran one after another in call order. Methods are thread-safe (one lock).
     """
 
-    def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True) -> None:
+    def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True,
+                 dma: bool = False) -> None:
         """Args:
           pools: one or more pools with equal block counts and tokens per block.
           plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
@@ -128,7 +157,15 @@ class KVCacheTransferManager:
             False: send them as NumPy arrays, which JAX moves to the device with each call.
             Both copy the same; the ring relies on JAX handing a pinned_host array's own
             buffer to the custom call, so False is the way out should a JAX version not.
+          dma: on GPUs, offload and onboard with the copy engines instead of the copy kernel
+            (`copy_blocks(..., dma=True)`; the handler reads the plan from the ring as it
+            enqueues the copies). Faster for whole blocks of 64 KiB or more, slower for
+            16 KiB blocks and for partial blocks below 1 MiB (benchmarks/NOTES.md, v7).
+            Copies within the GPU pool always use the kernel. Needs plan_ring=True and pools
+            on one device.
         """
+        if not isinstance(dma, (bool, np.bool_)):
+            raise TypeError(f"dma must be True or False, got {dma!r}")
         if isinstance(pools, KVCacheBlockPool):
             pools = [pools]
         self._pools = tuple(pools)
@@ -156,6 +193,13 @@ class KVCacheTransferManager:
         # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
         self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
+        if dma and not plan_ring:
+            raise ValueError("dma=True needs plan_ring=True: the copy engines are handed the "
+                             "block indices from the plan ring's pinned_host arrays")
+        if dma and first.mesh is not None:
+            raise ValueError("dma=True takes pools on one device; these are sharded over "
+                             f"{first.mesh.size} devices")
+        self._dma = bool(dma)
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
         ring_sharding = PlanRing.sharding_for(first.sharding("device")) if plan_ring else None
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
@@ -205,6 +249,41 @@ class KVCacheTransferManager:
         """Batched `onboard`; arguments as for `offload_blocks`."""
         self._transfer("onboard", pairs, num_tokens)
 
+    def offload_and_onboard(self, offload_pairs: Sequence[tuple[KVCacheBlock, KVCacheBlock]],
+                            onboard_pairs: Sequence[tuple[KVCacheBlock, KVCacheBlock]],
+                            offload_tokens: None | int | Sequence[int] = None,
+                            onboard_tokens: None | int | Sequence[int] = None) -> None:
+        """`offload_blocks(offload_pairs)` then `onboard_blocks(onboard_pairs)`, with both
+        directions of PCIe busy at once where that gives the same result.
+
+        On a GPU the two run at the same time (`copy_blocks_both_ways` per pool) when every
+        offload goes primary -> secondary, every onboard secondary -> primary, no onboard reads
+        a secondary slot that an offload writes (it must then see the offloaded data, so the two
+        run one after the other) and no onboard writes a primary block that an offload reads
+        (the common case of reusing an evicted block at once: the offload then runs first, in
+        the same dispatch).
+
+        Args:
+          offload_pairs, onboard_pairs, offload_tokens, onboard_tokens: as for
+            `offload_blocks` / `onboard_blocks`.
+
+        Raises:
+          TypeError, ValueError, IndexError: bad blocks or token counts in either list;
+          nothing is copied.
+        """
+        with self._lock:
+            off = self._checked("offload", offload_pairs, offload_tokens)
+            on = self._checked("onboard", onboard_pairs, onboard_tokens)
+            if len(off) and len(on) and self._one_run_each_way(off, on):
+                self._dispatch_both_ways(off, on)
+                self._count(off)
+                self._count(on)
+                self._issued += [("offload", off), ("onboard", on)]
+                return
+            for op, batch in (("offload", off), ("onboard", on)):
+                if len(batch):
+                    self._issue(op, batch)
+
     def sync_transfers(self) -> None:
         """Waits until every transfer issued so far is done and the pools' arrays are ready.
 
@@ -247,41 +326,85 @@ class KVCacheTransferManager:
 
     def _transfer(self, op: str, pairs: Sequence[Any], num_tokens: Any) -> None:
         with self._lock:
-            first = self._pools[0]
-            batch = check_batch(pairs, num_tokens, first.num_primary_blocks,
-                                first.num_secondary_blocks)
-            if not len(batch):
-                return
-            if np.any((batch.tokens > 0) & (batch.tokens < first.tokens_per_block)):
-                for pool in self._pools:
-                    check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
-            memories = set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist())
-            for pool in self._pools:  # every array must be live before anything is dispatched
-                for is_primary in memories:
-                    pool.current(is_primary, op)
-            runs = split_runs(batch)
-            for rows in runs:
-                run = batch if len(runs) == 1 else batch.take(rows)
-                self._dispatch(run)
-                self._count(run)
-            self._issued.append((op, batch))
+            batch = self._checked(op, pairs, num_tokens)
+            if len(batch):
+                self._issue(op, batch)
+
+    def _checked(self, op: str, pairs: Sequence[Any], num_tokens: Any) -> PairBatch:
+        """The batch, checked against every pool; raises before anything is dispatched."""
+        first = self._pools[0]
+        batch = check_batch(pairs, num_tokens, first.num_primary_blocks,
+                            first.num_secondary_blocks)
+        if not len(batch):
+            return batch
+        if np.any((batch.tokens > 0) & (batch.tokens < first.tokens_per_block)):
+            for pool in self._pools:
+                check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
+        memories = set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist())
+        for pool in self._pools:  # every array must be live before anything is dispatched
+            for is_primary in memories:
+                pool.current(is_primary, op)
+        return batch
+
+    def _issue(self, op: str, batch: PairBatch) -> None:
+        runs = split_runs(batch)
+        for rows in runs:
+            run = batch if len(runs) == 1 else batch.take(rows)
+            self._dispatch(run)
+            self._count(run)
+        self._issued.append((op, batch))
+
+    @staticmethod
+    def _one_run_each_way(off: PairBatch, on: PairBatch) -> bool:
+        """Offloads all primary -> secondary, onboards all secondary -> primary, and no onboard
+        reads a secondary slot that an offload writes."""
+        return bool(off.src_primary.all() and not off.dst_primary.any()
+                    and on.dst_primary.all() and not on.src_primary.any()
+                    and not set(on.src.tolist()) & set(off.dst.tolist()))
+
+    def _plan_arrays(self, run: PairBatch) -> tuple[Any, Any]:
+        """(what to pass for the run's [3, bucket] plan, its ring slot or None)."""
+        n = len(run)
+        plan = np.full((3, _bucket(n)), -1, np.int32)  # -1: a padding pair, skipped
+        plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
+        if self._plans is None:
+            return plan, None
+        slot = self._plans.next_slot(plan.shape[1])
+        return slot.write(plan), slot
+
+    def _dispatch_both_ways(self, off: PairBatch, on: PairBatch) -> None:
+        """One jitted call per manager: each pool offloads and onboards in one custom call."""
+        (off_plan, off_slot), (on_plan, on_slot) = self._plan_arrays(off), self._plan_arrays(on)
+        first = self._pools[0]
+        facts = (IndexFacts(hazard_free=True, unique_dst=len(set(off.dst.tolist())) == len(off)),
+                 IndexFacts(hazard_free=True, unique_dst=len(set(on.dst.tolist())) == len(on)))
+        plan: BothWaysPlan = both_ways_plan(off.src, off.dst, on.src, on.dst,
+                                            first.num_primary_blocks, first.num_secondary_blocks)
+        gpus = tuple(p.current(True, "transfer") for p in self._pools)
+        hosts = tuple(p.current(False, "transfer") for p in self._pools)
+        args = (gpus, hosts, tuple(off_plan), tuple(on_plan))
+        kw = {"facts": facts, "plan": plan, "dma": self._dma, **self._static}
+        try:
+            new_gpus, new_hosts, done = _both_ways(*args, **kw)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            if "external reference" not in str(e):
+                raise
+            _warn_not_in_place("primary and secondary", stacklevel=4)
+            new_gpus, new_hosts, done = _both_ways_undonated(*args, **kw)
+        for slot in (off_slot, on_slot):
+            if slot is not None:
+                slot.done = done
+        for pool, g, h in zip(self._pools, new_gpus, new_hosts):
+            pool._primary, pool._secondary = g, h
 
     def _dispatch(self, run: PairBatch) -> None:
         """One jitted copy per pool for a run of one direction."""
         n = len(run)
-        bucket = _bucket(n)
-        plan = np.full((3, bucket), -1, np.int32)  # -1: a padding pair, skipped
-        plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
-        slot = None
-        if self._plans is not None:
-            slot = self._plans.next_slot(bucket)
-            plan_arg = slot.write(plan)
-        else:
-            plan_arg = plan
+        plan_arg, slot = self._plan_arrays(run)
         src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
-            facts = index_facts(plan[0, :n], plan[1, :n], dsts[0].shape[0], dsts[0].shape[0])
+            facts = index_facts(run.src, run.dst, dsts[0].shape[0], dsts[0].shape[0])
             args = (dsts, plan_arg)
             donated, undonated = _copy_within, _copy_within_undonated
         else:
@@ -290,17 +413,17 @@ class KVCacheTransferManager:
             facts = IndexFacts(hazard_free=True, unique_dst=len(set(run.dst.tolist())) == n)
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
+        static = dict(self._static, facts=facts)
+        if src_primary != dst_primary:
+            static["dma"] = self._dma
         try:
-            results, done = donated(*args, facts=facts, **self._static)
+            results, done = donated(*args, **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
             if "external reference" not in str(e):
                 raise
-            warnings.warn(
-                f"pool.{'primary' if dst_primary else 'secondary'} could not be updated in place "
-                "because a NumPy view of it exists (np.asarray on a host-memory array keeps "
-                "one); this transfer copied the whole pool instead. Read pools with "
-                "jax_kvxfer.to_numpy.", DonationWarning, stacklevel=4)
-            results, done = undonated(*args, facts=facts, **self._static)
+            # from the user: offload_blocks -> _transfer -> _issue -> _dispatch -> here
+            _warn_not_in_place("primary" if dst_primary else "secondary", stacklevel=6)
+            results, done = undonated(*args, **static)
         if slot is not None:
             slot.done = done
         for pool, result in zip(self._pools, results):

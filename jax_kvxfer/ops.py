@@ -229,7 +229,8 @@ def _touches_host(*pools: Any) -> bool:
     return any(_memory_space(p) == jax.memory.Space.Host for p in pools)
 
 
-def check_dma(dst_pool: Any, src_pool: Any, plan: dict[str, Any], whole_blocks: bool) -> None:
+def check_dma(dst_pool: Any, src_pool: Any, plan: dict[str, Any], whole_blocks: bool,
+              pool_names: tuple[str, str] = ("dst_pool", "src_pool")) -> None:
     """dma=True: one pool in device memory and the other in pinned_host memory, and the plan
     arrays (`name: array`; "num_tokens" may be left out when every pair copies whole blocks)
     in pinned_host memory, where the GPU handler reads them as it enqueues the copies."""
@@ -242,8 +243,9 @@ def check_dma(dst_pool: Any, src_pool: Any, plan: dict[str, Any], whole_blocks: 
 
     dst_kind, src_kind = kind(dst_pool), kind(src_pool)
     if (dst_kind == "pinned_host") == (src_kind == "pinned_host"):
-        raise ValueError("dma=True copies between device and pinned_host memory; dst_pool and "
-                         f"src_pool are in {dst_kind!r} and {src_kind!r}")
+        raise ValueError("dma=True copies between device and pinned_host memory; "
+                         f"{pool_names[0]} and {pool_names[1]} are in {dst_kind!r} and "
+                         f"{src_kind!r}")
     for name, x in plan.items():
         if name == "num_tokens" and whole_blocks:
             continue

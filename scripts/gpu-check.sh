@@ -2,14 +2,14 @@
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [sharded] [demo-tp]
-#                        [profile] [sanitize] [stress] [partial-probe]
+#                        [profile] [sanitize] [stress] [stress-dma] [partial-probe]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
 #   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
 #   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX).
 #   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
-#   a machine with 2 or more GPUs). GPU_CHECK_PACK=1 packs everything under $OUT into
-#   $OUT/gpu-check.tgz at the end.
+#   a machine with 2 or more GPUs). stress-dma: 30,000 stress operations with a dma=True manager.
+#   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-gpu-check}
@@ -94,6 +94,11 @@ if has stress && [ -f scripts/stress.py ]; then
   t=$(date +%s)
   python3 scripts/stress.py > "$OUT/stress.log" 2>&1
   summary+=("stress: exit $? ($(( $(date +%s) - t )) s): $(tail -1 "$OUT/stress.log")")
+fi
+if has stress-dma; then
+  t=$(date +%s)
+  python3 scripts/stress.py --dma --ops 30000 > "$OUT/stress-dma.log" 2>&1
+  summary+=("stress --dma: exit $? ($(( $(date +%s) - t )) s): $(tail -1 "$OUT/stress-dma.log")")
 fi
 
 echo; cat "$OUT/gpu.txt"

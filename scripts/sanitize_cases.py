@@ -40,7 +40,7 @@ import numpy as np
 import jax_kvxfer as kvx
 
 CASES: list[tuple[str, Callable[[np.random.Generator], None]]] = []
-OPTIONS = {"int4": True, "device_only": False}
+OPTIONS = {"int4": True, "device_only": False, "xla_made_inputs": True}
 
 
 def case(fn):
@@ -308,6 +308,44 @@ def copy_engines(rng):
                   f"dma {jnp.dtype(dtype).name} {block} {src_kind}->{dst_kind}")
 
 
+BOTH_WAYS = jax.jit(lambda a, b, s1, d1, n1, s2, d2, n2: kvx.copy_blocks_both_ways(
+    a, b, s1, d1, s2, d2, a_to_b_tokens=n1, b_to_a_tokens=n2), donate_argnums=(0, 1))
+
+
+@case
+def both_ways(rng):
+    # Every plan of copy_blocks_both_ways: no clash (the fork on a side stream, the join on
+    # XLA's, with the kernel and with the copy engines), one-sided clashes (an order), both, and
+    # traced indices (staged); duplicates, padding and partial copies in each direction.
+    block = (2, 2, 2, 8, 16)
+    for a_kind, b_kind in (("device", "pinned_host"), ("pinned_host", "device"),
+                           ("device", "device")):
+        # "both" clashes and traced indices take the staged plan, whose slot and token vectors
+        # XLA's own code computes: initcheck (filtered to our kernels) cannot see those writes
+        for clashes in ("none", "a", "b", "both")[:None if OPTIONS["xla_made_inputs"] else 3]:
+            a = random_pool(rng, (8, *block), jnp.bfloat16)
+            b = random_pool(rng, (8, *block), jnp.bfloat16)
+            ab = [i32([0, 1, 2, -1]), i32([4, 4, 5, 6]), i32([0, 3, 1, 0])]
+            ba = [i32([0, 1, 2]), i32([5, 6, 7]), i32([8, 2, -1])]
+            if clashes in ("a", "both"):
+                ba[1][0] = 1  # b->a writes a block that a->b reads
+            if clashes in ("b", "both"):
+                ba[0][1] = 5  # b->a reads a block that a->b writes
+            want_a, want_b = reference(a, b, *ba), reference(b, a, *ab)
+            what = f"both_ways {clashes} {a_kind}/{b_kind}"
+            for dma in (False, True) if clashes == "none" and a_kind != b_kind else (False,):
+                got_a, got_b = kvx.copy_blocks_both_ways(
+                    put(a, a_kind), put(b, b_kind), ab[0], ab[1], ba[0], ba[1],
+                    a_to_b_tokens=ab[2], b_to_a_tokens=ba[2], donate=True, dma=dma)
+                check(got_a, want_a, f"{what} a dma={dma}")
+                check(got_b, want_b, f"{what} b dma={dma}")
+            if not OPTIONS["xla_made_inputs"]:
+                continue
+            got_a, got_b = BOTH_WAYS(put(a, a_kind), put(b, b_kind), *ab, *ba)  # traced
+            check(got_a, want_a, what + " a traced")
+            check(got_b, want_b, what + " b traced")
+
+
 @case
 def many_pairs(rng):
     n = 4096
@@ -392,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-int4", action="store_true", help="skip the packed int4 cases")
     parser.add_argument("--initcheck", action="store_true",
                         help="skip the cases whose inputs XLA's own device code may write (a "
-                             "non-donated destination's copy, packing int4): with the kernel "
+                             "non-donated destination's copy, packing int4, both_ways' staged "
+                             "plan): with the kernel "
                              "filter, initcheck does not track those writes")
     parser.add_argument("--device-only", action="store_true",
                         help="put every pool in device memory (for an initcheck that would "
@@ -409,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     OPTIONS["int4"] = not (args.no_int4 or args.initcheck)
     OPTIONS["device_only"] = args.device_only
+    OPTIONS["xla_made_inputs"] = not args.initcheck
     skip = {"destination_not_donated"} if args.initcheck else set()
     if args.device_only:
         skip.add("manager_transfers")  # its secondary pools are pinned_host by design

@@ -50,6 +50,7 @@ class Config:
     warmup_syncs: int = 4
     fail_fast: bool = False
     verbose: bool = False
+    dma: bool = False  # the manager's host transfers on the copy engines
 
 
 def make_pools(cfg: Config, rng: np.random.Generator) -> list[kvx.KVCacheBlockPool]:
@@ -182,6 +183,9 @@ class Run:
         if r < 0.02:
             self.user_write()
             return
+        if r < 0.1:
+            self.offload_and_onboard()
+            return
         if r < 0.45:
             pairs, tokens = [(self.block(), self.block())], [self.tokens()]
             verb = "offload" if self.rng.random() < 0.5 else "onboard"
@@ -204,6 +208,30 @@ class Run:
             getattr(self.manager, verb)(pairs, num_tokens=arg)
             self.counts[verb] += 1
         self.apply(verb, pairs, tokens)
+
+    def offload_and_onboard(self) -> None:
+        """Evictions and reuses in one call; primary blocks and secondary slots drawn from a
+        few, so that an onboard often reuses an evicted block or reads a slot just written."""
+        cfg = self.cfg
+        hot_p = self.rng.integers(cfg.num_primary, size=4)
+        hot_s = self.rng.integers(cfg.num_secondary, size=4)
+
+        def blk(hot, primary):
+            return kvx.KVCacheBlock(block_id=int(self.rng.integers(1 << 20)),
+                                    memory_pool_block_index=int(self.rng.choice(hot)),
+                                    is_primary=primary)
+
+        n_off, n_on = (int(self.rng.integers(0, cfg.max_batch + 1)) for _ in range(2))
+        off = [(blk(hot_p, True), blk(hot_s, False)) for _ in range(n_off)]
+        on = [(blk(hot_s, False), blk(hot_p, True)) for _ in range(n_on)]
+        off_tokens = [self.tokens() for _ in off]
+        on_tokens = [self.tokens() for _ in on]
+        self.manager.offload_and_onboard(off, on, off_tokens, on_tokens)
+        self.counts["offload_and_onboard"] += 1
+        for verb, pairs, tokens in (("offload_blocks", off, off_tokens),
+                                    ("onboard_blocks", on, on_tokens)):
+            if pairs:
+                self.apply(verb, pairs, tokens)
 
     def apply(self, verb: str, pairs, tokens) -> None:
         """The shadow, pending records and stats: the pairs one after another, in order."""
@@ -335,11 +363,11 @@ def run(cfg: Config) -> int:
     rng = np.random.default_rng(cfg.seed)
     t0 = time.perf_counter()
     pools = make_pools(cfg, rng)
-    run = Run(cfg, rng, pools, kvx.KVCacheTransferManager(pools),
+    run = Run(cfg, rng, pools, kvx.KVCacheTransferManager(pools, dma=cfg.dma),
               [[read_back(p.primary).copy(), read_back(p.secondary).copy()] for p in pools])
     print(f"stress: {cfg.ops} ops, seed {cfg.seed}, backend {jax.default_backend()} "
           f"({jax.devices()[0].device_kind}), jax {jax.__version__}, "
-          f"CUDA handlers {kvx.HAS_CUDA_HANDLERS}")
+          f"CUDA handlers {kvx.HAS_CUDA_HANDLERS}, dma {cfg.dma}")
     for p in pools:
         print(f"  {p!r}")
     next_sync = int(rng.integers(*cfg.sync_every))
@@ -374,9 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20240601)
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first bad sync")
     parser.add_argument("-v", "--verbose", action="store_true", help="a line per sync")
+    parser.add_argument("--dma", action="store_true",
+                        help="a manager made with dma=True (host transfers on the copy engines)")
     args = parser.parse_args(argv)
     ops = args.ops if args.ops is not None else (QUICK_OPS if args.quick else FULL_OPS)
-    cfg = Config(ops=ops, seed=args.seed, fail_fast=args.fail_fast, verbose=args.verbose)
+    cfg = Config(ops=ops, seed=args.seed, fail_fast=args.fail_fast, verbose=args.verbose,
+                 dma=args.dma)
     if args.quick and args.ops is None:
         cfg.sync_every = (30, 120)  # more syncs (and memory samples) in the short run
     return run(cfg)

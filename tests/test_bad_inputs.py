@@ -370,6 +370,21 @@ CASES: list[Case] = [
          "it enqueues the copies; it is in …",
          lambda c, mp: lambda: jax.jit(lambda d, s, i, j: kvx.copy_blocks(d, s, i, j, dma=True))(
              c.dst, c.src, jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))),
+    Case("both-ways-one-pool", "copy_blocks_both_ways", "one array as pool_a and pool_b",
+         ValueError, "pool_a and pool_b must be two different arrays; to copy within one pool "
+         "use copy_blocks(pool, pool, ...)",
+         lambda c, mp: lambda: kvx.copy_blocks_both_ways(c.dst, c.dst, [0], [1], [2], [3])),
+    Case("both-ways-index-out-of-range", "copy_blocks_both_ways",
+         "b_to_a_src 5 of a 5-block pool_b (known)", IndexError,
+         "b_to_a_src holds block index 5, but pool_b has 5 blocks (valid: 0..num_blocks-1, or "
+         "negative to skip the pair)",
+         lambda c, mp: lambda: kvx.copy_blocks_both_ways(c.dst, c.src, [0], [1], [5], [3])),
+    Case("both-ways-disjoint-broken", "copy_blocks_both_ways",
+         "disjoint=True with b->a writing a block that a->b reads", ValueError,
+         "disjoint=True, but a block is written by one direction and read by the other (the "
+         "copy would need plan 'a_to_b_first')",
+         lambda c, mp: lambda: kvx.copy_blocks_both_ways(c.dst, c.src, [0], [1], [2], [0],
+                                                         disjoint=True)),
     Case("ops-num-tokens-float", "copy_blocks", "num_tokens=1.5", TypeError,
          "num_tokens must hold integers, got dtype float64",
          lambda c, mp: _copy(c, nt=1.5)),

@@ -33,6 +33,13 @@ class FakeTransferManager:
     def onboard_blocks(self, pairs, num_tokens=None):
         self._apply("onboard", pairs, num_tokens)
 
+    def offload_and_onboard(self, offload_pairs, onboard_pairs, offload_tokens=None,
+                            onboard_tokens=None):  # the manager's documented meaning
+        if offload_pairs:
+            self.offload_blocks(offload_pairs, offload_tokens)
+        if onboard_pairs:
+            self.onboard_blocks(onboard_pairs, onboard_tokens)
+
     def _apply(self, op, pairs, num_tokens):
         pairs = list(pairs)
         if num_tokens is None or isinstance(num_tokens, int):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_kvxfer as kvx
+from jax_kvxfer import _native
 from jax_kvxfer import manager as manager_module
 
 T = 4  # tokens per block
@@ -461,3 +462,124 @@ def test_plan_slots_have_buffers_of_their_own(rng):
     arrays = [a for a in m._plans.arrays() if a.sharding.memory_kind == "pinned_host"]
     pointers = {s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards}
     assert len(pointers) == 16 * 3  # one bucket (2 pairs), 16 slots of 3 arrays
+
+
+# -- both directions in one call ------------------------------------------------------------
+
+
+def sequential_reference(rng_seed, offloads, onboards, off_tokens, on_tokens):
+    """The pools after offload_blocks then onboard_blocks, on pools made from `rng_seed`."""
+    pools = make_pools(np.random.default_rng(rng_seed), num_primary=8, num_secondary=8)
+    tm = kvx.KVCacheTransferManager(pools)
+    tm.offload_blocks(offloads, off_tokens)
+    tm.onboard_blocks(onboards, on_tokens)
+    tm.sync_transfers()
+    return snapshot(pools), tm.get_and_reset_transfer_stats()
+
+
+@pytest.mark.parametrize("case", ["disjoint", "reuse_evicted_block", "onboard_reads_new_slot",
+                                  "mixed_directions", "one_side_empty"])
+@pytest.mark.parametrize("plan_ring", [True, False])
+def test_offload_and_onboard_equals_one_after_the_other(case, plan_ring, monkeypatch):
+    off_pairs = [(P(0), S(1)), (P(2), S(3)), (P(5), S(0))]
+    on_pairs = [(S(4), P(6)), (S(5), P(7))]
+    off_tokens, on_tokens = [0, 2, T], [1, 0]
+    if case == "reuse_evicted_block":  # evict block 2 and bring another block into it at once
+        on_pairs = [(S(4), P(2)), (S(5), P(7))]
+    elif case == "onboard_reads_new_slot":  # onboard what this very call offloads: in order
+        on_pairs = [(S(3), P(6)), (S(5), P(7))]
+    elif case == "mixed_directions":  # a primary -> primary copy among the onboards
+        on_pairs = [(S(4), P(6)), (P(1), P(7))]
+    elif case == "one_side_empty":
+        on_pairs, on_tokens = [], None
+    seed = 1234
+    expected, expected_stats = sequential_reference(seed, off_pairs, on_pairs, off_tokens,
+                                                    on_tokens)
+    calls = []
+    monkeypatch.setattr(manager_module, "_both_ways",
+                        _counting(manager_module._both_ways, calls))
+    pools = make_pools(np.random.default_rng(seed), num_primary=8, num_secondary=8)
+    tm = kvx.KVCacheTransferManager(pools, plan_ring=plan_ring)
+    tm.offload_and_onboard(off_pairs, on_pairs, off_tokens, on_tokens)
+    pending = tm.pending_transfers
+    tm.sync_transfers()
+    assert_same(snapshot(pools), expected)
+    assert tm.get_and_reset_transfer_stats() == expected_stats
+    one_call = case in ("disjoint", "reuse_evicted_block")
+    assert len(calls) == (1 if one_call else 0), case
+    assert pending[(2, True)].reads == 1 and pending[(1, False)].writes == 1
+
+
+def _counting(fn, calls):
+    def wrapper(*args, **kwargs):
+        calls.append(kwargs.get("plan"))
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def test_offload_and_onboard_bad_onboard_leaves_everything_unchanged(rng):
+    pools = make_pools(rng, num_primary=8, num_secondary=8)
+    before = snapshot(pools)
+    tm = kvx.KVCacheTransferManager(pools)
+    with pytest.raises(IndexError):
+        tm.offload_and_onboard([(P(0), S(1))], [(S(99), P(2))])
+    assert not tm.pending_transfers
+    assert tm.get_and_reset_transfer_stats() == kvx.TransferStats()
+    tm.sync_transfers()
+    assert_same(snapshot(pools), before)
+
+
+# -- the copy engines (dma=True) --------------------------------------------------------------
+
+
+def test_dma_manager_matches_the_kernel_manager(rng):
+    """The same random offloads, onboards (whole, partial, duplicate destinations) and copies
+    within the GPU pool through a manager with dma=True and one without: the pools must end
+    bitwise equal, and on a GPU the copy engines must have done the host transfers."""
+    seed = int(rng.integers(1 << 30))
+    pools_dma, pools_ref = (make_pools(np.random.default_rng(seed)) for _ in range(2))
+    initial = snapshot(pools_ref)
+    with_dma = kvx.KVCacheTransferManager(pools_dma, dma=True)
+    kernel = kvx.KVCacheTransferManager(pools_ref)
+    t = pools_dma[0].tokens_per_block
+    gpu = jax.default_backend() == "gpu"
+    before = _native._kvxfer_cuda.dma_batches() if gpu else 0
+    for _ in range(12):
+        k = int(rng.integers(1, 5))
+        src, dst = rng.integers(0, 5, k), rng.integers(0, 5, k)
+        tokens = [int(x) for x in rng.integers(-1, t + 2, k)]
+        verb = rng.choice(["offload_blocks", "onboard_blocks", "within", "both"])
+        if verb == "both":  # offload_and_onboard: both directions at once where exact
+            off = [(P(int(s)), S(int(d))) for s, d in zip(src, dst)]
+            on = [(S(int(s)), P(int(d))) for s, d in zip(rng.integers(0, 5, k),
+                                                        rng.integers(0, 5, k))]
+            for m in (with_dma, kernel):
+                m.offload_and_onboard(off, on, tokens, tokens[::-1])
+            continue
+        if verb == "offload_blocks":
+            pairs = [(P(int(s)), S(int(d))) for s, d in zip(src, dst)]
+        elif verb == "onboard_blocks":
+            pairs = [(S(int(s)), P(int(d))) for s, d in zip(src, dst)]
+        else:
+            verb, pairs = "onboard_blocks", [(P(int(s)), P(int(d) + 1)) for s, d in zip(src, dst)]
+        for m in (with_dma, kernel):
+            getattr(m, verb)(pairs, tokens)
+    with_dma.sync_transfers()
+    kernel.sync_transfers()
+    for a, b in zip(pools_dma, pools_ref):
+        np.testing.assert_array_equal(kvx.to_numpy(a.primary), kvx.to_numpy(b.primary))
+        np.testing.assert_array_equal(kvx.to_numpy(a.secondary), kvx.to_numpy(b.secondary))
+    assert any(not np.array_equal(kvx.to_numpy(p.secondary), sec) or
+               not np.array_equal(kvx.to_numpy(p.primary), prim)
+               for p, (prim, sec) in zip(pools_dma, initial)), "nothing was copied"
+    if gpu:
+        assert _native._kvxfer_cuda.dma_batches() > before
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"dma": 1}, TypeError, "dma must be True or False, got 1"),
+    ({"dma": True, "plan_ring": False}, ValueError, "dma=True needs plan_ring=True"),
+])
+def test_dma_manager_arguments(rng, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kvx.KVCacheTransferManager(make_pools(rng), **kwargs)

@@ -14,6 +14,9 @@ device -> pinned_host), `h2d` (onboard, pinned_host -> device), `d2d` (device ->
                call (K large enough that dispatch is amortised), n in {T, T-1, T/2, 1} tokens.
   ours_dma     `ours` with `dma=True` (the copy engines), host directions, n in {T, T/2, 1}: the
                index vectors and token counts are jit arguments in pinned_host memory.
+  manager      `KVCacheTransferManager.offload_blocks` / `onboard_blocks` of the whole batch, one
+               dispatch per call (plans through its pinned-host ring); manager_dma: the same
+               manager made with `dma=True`. Host directions, whole blocks.
   xla          XLA-native: d2h = jit gather of the rows with `out_shardings` pinned_host (a new
                array); h2d = jit, per block `dynamic_slice` of the host pool -> `device_put(Device)`
                -> `dynamic_update_slice` into the donated device pool (unrolled); d2d = jit gather +

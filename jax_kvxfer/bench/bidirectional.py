@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..both_ways import copy_blocks_both_ways
 from ..ops import copy_blocks
 from .config import fmt_size, geometry_for
 from .helpers import _block, _dma_batches, _err_text, _median, xla_onboard_rows
@@ -130,6 +131,11 @@ class BidirectionalMixin:
                 if "factor" in res:
                     self._log_bidir(name, res)
 
+            for dma in (False, True):
+                name = "ours_both_ways_dma" if dma else "ours_both_ways"
+                if not self.past_deadline():
+                    sec["paths"][name] = self._both_ways_path(geom, B, total, pipe, dma)
+
             cu = self.cupy
             if cu is not None and not self.past_deadline():
                 try:
@@ -165,6 +171,73 @@ class BidirectionalMixin:
             self.log(f"bidirectional: ERROR {sec['error'][:300]}")
         gc.collect()
         self.save()
+
+    def _both_ways_path(self, geom: Any, B: int, total: int, pipe: int,
+                        dma: bool) -> dict[str, Any]:
+        """The serving case: an offload and an onboard between the *same* GPU pool and host
+        pool, one `copy_blocks_both_ways` call, against each direction alone. The offload reads
+        GPU blocks [0, B) into host slots [0, B); the onboard brings host slots [B, 2B) into GPU
+        blocks [B, 2B): no block is written by one direction and read by the other, so the
+        call runs both directions at once (the kernel variant knows its indices when the jit
+        traces; the DMA variant takes them as pinned_host arguments and says `disjoint`)."""
+        name = "ours_both_ways_dma" if dma else "ours_both_ways"
+        res: dict[str, Any] = {}
+        try:
+            st = {"gpu": self.random_pool(geom, 2 * B, self.dsh),
+                  "host": self.random_pool(geom, 2 * B, self.hsh)}
+            off_src, off_dst, on_src, on_dst = (
+                self.perms(1, B, B)[0] + base for base in (0, 0, B, B))
+            if dma:  # traced, in pinned_host memory, where the handler reads them
+                idx = jax.device_put((off_src, off_dst, on_src, on_dst), self.hsh)
+                _block(idx)
+                kw = {"dma": True, "disjoint": True}
+                f_off = jax.jit(lambda h, g, s, d: copy_blocks(h, g, s, d, dma=True),
+                                donate_argnums=0)
+                f_on = jax.jit(lambda g, h, s, d: copy_blocks(g, h, s, d, dma=True),
+                               donate_argnums=0)
+                f_both = jax.jit(lambda g, h, *i: copy_blocks_both_ways(g, h, *i, **kw),
+                                 donate_argnums=(0, 1))
+            else:  # known when the jit traces: the plan sees they are disjoint
+                idx = ()
+                f_off = jax.jit(lambda h, g: copy_blocks(h, g, off_src, off_dst),
+                                donate_argnums=0)
+                f_on = jax.jit(lambda g, h: copy_blocks(g, h, on_src, on_dst), donate_argnums=0)
+                f_both = jax.jit(lambda g, h: copy_blocks_both_ways(g, h, off_src, off_dst,
+                                                                    on_src, on_dst),
+                                 donate_argnums=(0, 1))
+            off_idx, on_idx = idx[:2], idx[2:]
+
+            def c_off():
+                st["host"] = f_off(st["host"], st["gpu"], *off_idx)
+                return st["host"]
+
+            def c_on():
+                st["gpu"] = f_on(st["gpu"], st["host"], *on_idx)
+                return st["gpu"]
+
+            def c_both():
+                st["gpu"], st["host"] = f_both(st["gpu"], st["host"], *idx)
+                return st["gpu"], st["host"]
+
+            before = _dma_batches()
+            t_off = _median(self.time_jax(c_off, pipe=pipe)[0])
+            t_on = _median(self.time_jax(c_on, pipe=pipe)[0])
+            t_both = _median(self.time_jax(c_both, pipe=pipe)[0])
+            res = self._bidir_result(total, t_off, t_on, t_both)
+            if dma and before is not None:
+                res["dma_used"] = _dma_batches() > before
+            ends = [0, B - 1]  # every copy is idempotent: the pools it reads never change
+            res["verified"] = bool(
+                np.array_equal(self.fetch(st["host"], off_dst[ends]),
+                               self.fetch(st["gpu"], off_src[ends]))
+                and np.array_equal(self.fetch(st["gpu"], on_dst[ends]),
+                                   self.fetch(st["host"], on_src[ends])))
+            res["variant"] = "one copy_blocks_both_ways call between one GPU and one host pool"
+            self._log_bidir(name, res)
+        except Exception as e:  # noqa: BLE001
+            res["error"] = _err_text(e)
+            self.log(f"bidirectional {name}: ERROR {res['error'][:300]}")
+        return res
 
     @staticmethod
     def _bidir_result(total: int, t_off: float, t_on: float, t_both: float) -> dict[str, Any]:

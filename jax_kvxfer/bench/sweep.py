@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ops import copy_blocks
-from .config import DIRECTIONS, Geometry, MiB, fmt_size, geometry_for, n_cases
+from .config import DIRECTIONS, DTYPE, Geometry, MiB, fmt_size, geometry_for, n_cases
 from .helpers import _block, _clamp, _dma_batches, _err_text, xla_onboard_rows
 
 
@@ -74,6 +74,8 @@ class SweepMixin:
             if "dma" in cfg.only and not d2d:
                 self.ours_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d],
                                 [c for c in ns if c[0] in ("T", "T/2", "1")], dma=True)
+            if "manager" in cfg.only and not d2d:
+                self.manager_cases(d, geom, B, dbase)
             if "xla" in cfg.only:
                 self.xla_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d],
                                ns if d2d else ns[:1])
@@ -171,6 +173,52 @@ class SweepMixin:
 
             self.case({**dbase, "path": "ours_dma" if dma else "ours", "kind": "path",
                        "n_label": label}, run)
+
+    def manager_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any]) -> None:
+        """The transfer manager's `offload_blocks` / `onboard_blocks` of B whole blocks, one
+        dispatch per call as a serving loop makes them (plans through its pinned-host ring),
+        with the copy kernel ("manager") and with the copy engines ("manager_dma")."""
+        from ..manager import KVCacheTransferManager
+        from ..pool import KVCacheBlock, KVCacheBlockPool
+
+        offload = d == "d2h"
+        for dma in (False, True):
+            def run(dma: bool = dma) -> dict[str, Any]:
+                kvpool = KVCacheBlockPool.create(
+                    num_layers=geom.layers, num_kv_heads=geom.heads, size_per_head=geom.head_dim,
+                    tokens_per_block=geom.tokens, dtype=DTYPE, num_primary_blocks=B,
+                    num_secondary_blocks=B, kv_factor=geom.kv)
+                if offload:
+                    kvpool.primary = self.random_pool(geom, B, kvpool.sharding("device"))
+                else:
+                    kvpool.secondary = self.random_pool(geom, B, kvpool.sharding("pinned_host"))
+                tm = KVCacheTransferManager([kvpool], dma=dma)
+                batches = [(self.perms(1, B, B)[0], self.perms(1, B, B)[0]) for _ in range(4)]
+                lists = [[(KVCacheBlock(0, int(s), offload), KVCacheBlock(0, int(t), not offload))
+                          for s, t in zip(si, di)] for si, di in batches]
+                verb = tm.offload_blocks if offload else tm.onboard_blocks
+                calls = [0]
+
+                def call() -> jax.Array:
+                    verb(lists[calls[0] % len(lists)])
+                    calls[0] += 1
+                    return kvpool.secondary if offload else kvpool.primary
+
+                _, pipe = self.plan(B * geom.block_bytes, False)
+                before = _dma_batches()
+                times, first = self.time_jax(call, pipe=pipe)
+                extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
+                si, di = batches[(calls[0] - 1) % len(batches)]
+                src, dst = ((kvpool.primary, kvpool.secondary) if offload else
+                            (kvpool.secondary, kvpool.primary))
+                pairs = [0, B - 1]
+                ok = np.array_equal(self.fetch(dst, di[pairs]), self.fetch(src, si[pairs]))
+                return self.timing(times, B * geom.block_bytes, timing="wall, block_until_ready",
+                                   pipe=pipe, first_call_s=first, verified=bool(ok), **extra)
+
+            self.case({**dbase, "path": "manager_dma" if dma else "manager", "kind": "path",
+                       "n_label": "T"}, run)
+            gc.collect()
 
     def xla_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any],
                   pool: Callable[[str], jax.Array], src: str, dst: str,
