@@ -104,18 +104,24 @@ template <typename V>
 __device__ void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, int64_t runs,
                          int64_t run_bytes, int64_t pitch, int64_t first, int64_t stride) {
   const int64_t per_run = run_bytes / sizeof(V);
-  if (runs == 1) {  // a whole block: one contiguous run, every thread strides over it
+  if (runs == 1) {
+    // A whole block: one contiguous run, in chunks of kThreads * kUnroll vectors, each read and
+    // written by one work unit, so that a unit's loads in flight are neighbours (DRAM pages)
+    // rather than `stride` vectors apart. `first` is unit * kThreads + thread and `stride`
+    // units * kThreads (CopyUnit).
+    constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;
+    const int64_t thread = first % kThreads, unit = first / kThreads, units = stride / kThreads;
     const V* __restrict__ s = reinterpret_cast<const V*>(src);
     V* __restrict__ d = reinterpret_cast<V*>(dst);
-    for (int64_t base = first; base < per_run; base += stride * kUnroll) {
+    for (int64_t base = unit * kChunk + thread; base < per_run; base += units * kChunk) {
       V v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * stride < per_run) v[k] = s[base + k * stride];
+        if (base + k * kThreads < per_run) v[k] = s[base + k * kThreads];
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * stride < per_run) d[base + k * stride] = v[k];
+        if (base + k * kThreads < per_run) d[base + k * kThreads] = v[k];
       }
     }
     return;
@@ -434,6 +440,37 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                        hazard_free, unique_dst, max_ctas, dma, whole_blocks);
 }
 
+// The command-buffer compatible targets: the kernel only (a replayed graph would not read the
+// indices on the host again, as the copy engines' path does).
+ffi::Error RejectDma() {
+  return ffi::Error::InvalidArgument(
+      "jax_kvxfer block copy: dma=true goes through the target jax_kvxfer_block_copy_dma");
+}
+
+ffi::Error BlockCopyKernelCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
+                               ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                               ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                               ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                               bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
+  if (dma) return RejectDma();
+  return BlockCopyCuda(stream, dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging,
+                       hazard_free, unique_dst, max_ctas, false, whole_blocks);
+}
+
+ffi::Error BlockCopyWithinKernelCuda(cudaStream_t stream, ffi::AnyBuffer pool,
+                                     ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                                     ffi::Buffer<ffi::S32> num_tokens,
+                                     ffi::Result<ffi::AnyBuffer> out,
+                                     ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                                     ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                                     bool unique_dst, int64_t max_ctas, bool dma,
+                                     bool whole_blocks) {
+  if (dma) return RejectDma();
+  return BlockCopyWithinCuda(stream, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
+                             hazard_free, unique_dst, max_ctas, false, whole_blocks);
+}
+
 // -- both ways at once: a fork/join pair of custom calls ------------------------------------
 //
 // copy_blocks_both_ways runs an offload and an onboard between the same two pools as two calls,
@@ -572,9 +609,15 @@ ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinCuda,
+// The kernel-only targets may be recorded into a CUDA graph (XLA's command buffers, which then
+// replay chained copies without running the handler): they read nothing on the host, and XLA
+// traces them again whenever one of their buffers moves (the launch depends on addresses).
+// dma=true copies read the indices on the host, so they have a target of their own without the
+// trait.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinKernelCuda,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                             .Arg<ffi::AnyBuffer>()));  // pool
+                                                             .Arg<ffi::AnyBuffer>()),  // pool
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCuda, BlockCopyForkCuda,
                               BindForkCopy(ffi::Ffi::Bind()
@@ -588,7 +631,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCuda, BlockCopyJoinCuda,
                                                .Arg<ffi::AnyBuffer>()    // dst pool
                                                .Arg<ffi::AnyBuffer>()));  // src pool
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyKernelCuda,
+                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                             .Arg<ffi::AnyBuffer>()     // dst pool
+                                                             .Arg<ffi::AnyBuffer>()),   // src pool
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyDmaCuda, BlockCopyCuda,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()    // dst pool
                                                              .Arg<ffi::AnyBuffer>()));  // src pool
@@ -602,6 +651,7 @@ NB_MODULE(_kvxfer_cuda, m) {
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCuda));
     d["jax_kvxfer_block_copy_within"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCuda));
+    d["jax_kvxfer_block_copy_dma"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyDmaCuda));
     d["jax_kvxfer_block_copy_fork"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCuda));
     d["jax_kvxfer_block_copy_join"] =

@@ -13,6 +13,9 @@ except ImportError:  # pragma: no cover - depends on the build
 
 BLOCK_COPY_TARGET = "jax_kvxfer_block_copy"  # (dst, src, src_idx, dst_idx, num_tokens)
 BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst_idx, num_tokens)
+# As BLOCK_COPY_TARGET, for dma=True: the GPU handler reads the indices on the host, so this one
+# target is not command-buffer compatible (the kernel targets are: XLA may replay them in a graph)
+BLOCK_COPY_DMA_TARGET = "jax_kvxfer_block_copy_dma"
 
 HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None
 """True when this build carries the CUDA handlers (built with a CUDA compiler present)."""

@@ -285,8 +285,10 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
     # block that another pair writes.
     block_nbytes = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype) // 8
     staging = batch * block_nbytes if within and not facts.hazard_free else 0
+    target = (_native.BLOCK_COPY_WITHIN_TARGET if within else
+              _native.BLOCK_COPY_DMA_TARGET if dma else _native.BLOCK_COPY_TARGET)
     call = jax.ffi.ffi_call(
-        _native.BLOCK_COPY_WITHIN_TARGET if within else _native.BLOCK_COPY_TARGET,
+        target,
         (
             # The result has dst_pool's type, memory space included: pinned_host stays there.
             jax.typeof(dst_pool),
