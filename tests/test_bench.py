@@ -251,3 +251,21 @@ def test_sharded_section_scales_over_devices(tmp_path):
         assert c["offload_gbps"] > 0 and c["onboard_gbps"] > 0
         assert c["bytes_per_batch"] == c["devices"] * sec["blocks"] * sec["block_bytes_per_device"]
         assert c["offload_scaling"] > 0 and c["onboard_scaling"] > 0
+
+
+def test_kernel_ns_counts_our_kernels_on_gpu_streams_only():
+    ev = lambda name, ns: types.SimpleNamespace(name=name, duration_ns=ns)
+    line = lambda name, *events: types.SimpleNamespace(name=name, events=list(events))
+    plane = lambda name, *lines: types.SimpleNamespace(name=name, lines=list(lines))
+    rng = np.random.default_rng(7)
+    ours = [int(x) for x in rng.integers(1, 10**6, 3)]
+    profile = types.SimpleNamespace(planes=[
+        plane("/device:GPU:0",
+              line("Stream #13(compute)", ev("void kvxfer::CopyPairsKernel<uint4, 256>", ours[0]),
+                   ev("loop_fusion", 999)),
+              line("Stream #14(copy)", ev("_ZN6kvxfer22SupersededTokensKernel", ours[1])),
+              line("XLA Ops", ev("custom-call kvxfer", 5000))),
+        plane("/device:GPU:1", line("Stream #7", ev("kvxfer::CopyPairsKernel", ours[2]))),
+        plane("/host:CPU", line("Stream host", ev("kvxfer handler", 7000))),
+    ])
+    assert bench.core.kernel_ns(profile) == sum(ours)

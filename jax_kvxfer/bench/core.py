@@ -30,6 +30,14 @@ from .helpers import (
 )
 
 
+def kernel_ns(profile: Any) -> int:
+    """Nanoseconds of jax_kvxfer's kernels (namespace kvxfer) in a jax.profiler.ProfileData:
+    the GPU planes' stream lines only (other lines repeat the same work per XLA op)."""
+    return sum(e.duration_ns for plane in profile.planes if plane.name.startswith("/device:GPU")
+               for line in plane.lines if line.name.startswith("Stream")
+               for e in line.events if "kvxfer" in e.name)
+
+
 class BenchCore:
     """State and helpers every section uses. `Bench` (in the package) adds one mixin per section
     and `ReportMixin`, which supplies `save()` (called after every case)."""
@@ -149,6 +157,31 @@ class BenchCore:
         for _ in range(self.cfg.warmup):
             sample()
         return [sample() for _ in range(samples)], first
+
+    def kernel_seconds(self, call: Callable[[], Any], calls: int = 2) -> float | None:
+        """GPU time of jax_kvxfer's own kernels per call(), summed from a profiler trace (CUPTI's
+        device timestamps, as the memcpy ceiling is timed with CUDA events), so the gaps and
+        host work between them are left out. None without such kernels in the trace (CPU, the
+        copy engines' path, no CUPTI)."""
+        if self.backend != "gpu":
+            return None
+        import glob
+        import tempfile
+
+        from jax.profiler import ProfileData
+
+        _block(call())
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            try:
+                _block([call() for _ in range(calls)])
+            finally:
+                jax.profiler.stop_trace()
+            files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+            if not files:
+                return None
+            ns = kernel_ns(ProfileData.from_file(files[0]))
+        return ns * 1e-9 / calls if ns else None
 
     # --- case bookkeeping ---------------------------------------------------------------------
 

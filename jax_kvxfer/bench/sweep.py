@@ -163,6 +163,9 @@ class SweepMixin:
                 times, first = self.time_jax(call, pipe=pipe)
                 extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
                 times = [t / k for t in times]
+                gpu_s = None if dma else self.kernel_seconds(call)
+                if gpu_s:  # the kernels' own time, beside the wall time per call
+                    extra.update(gpu_seconds=gpu_s / k, gpu_gbps=B * geom.moved(n) * k / gpu_s / 1e9)
                 # the last chained call used si_all[k-1] -> di_all[k-1]
                 pairs = [0, B - 1]
                 got = self.fetch(st["dst"], di_all[k - 1][pairs])[..., :n, :]
