@@ -138,7 +138,9 @@ NB_MODULE(_kvxfer_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
-    d["jax_kvxfer_block_copy_dma"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
+    d["jax_kvxfer_block_copy_nograph"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
+    d["jax_kvxfer_block_copy_within_nograph"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
     d["jax_kvxfer_block_copy_within"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
     d["jax_kvxfer_block_copy_fork"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCpu));

@@ -444,7 +444,7 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
 // indices on the host again, as the copy engines' path does).
 ffi::Error RejectDma() {
   return ffi::Error::InvalidArgument(
-      "jax_kvxfer block copy: dma=true goes through the target jax_kvxfer_block_copy_dma");
+      "jax_kvxfer block copy: dma=true goes through the target jax_kvxfer_block_copy_nograph");
 }
 
 ffi::Error BlockCopyKernelCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
@@ -612,8 +612,9 @@ ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
 // The kernel-only targets may be recorded into a CUDA graph (XLA's command buffers, which then
 // replay chained copies without running the handler): they read nothing on the host, and XLA
 // traces them again whenever one of their buffers moves (the launch depends on addresses).
-// dma=true copies read the indices on the host, so they have a target of their own without the
-// trait.
+// The "nograph" targets run the same handlers without the trait, for what a graph must not
+// hold: dma=true copies (they read the indices on the host as they enqueue) and copies on a
+// stream of their own (a graph on the compute stream would serialize them).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinKernelCuda,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()),  // pool
@@ -637,10 +638,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyKernelCuda,
                                                              .Arg<ffi::AnyBuffer>()),   // src pool
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyDmaCuda, BlockCopyCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyNoGraphCuda, BlockCopyCuda,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()    // dst pool
                                                              .Arg<ffi::AnyBuffer>()));  // src pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinNoGraphCuda, BlockCopyWithinCuda,
+                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                             .Arg<ffi::AnyBuffer>()));  // pool
 
 }  // namespace kvxfer
 
@@ -651,7 +656,10 @@ NB_MODULE(_kvxfer_cuda, m) {
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCuda));
     d["jax_kvxfer_block_copy_within"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCuda));
-    d["jax_kvxfer_block_copy_dma"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyDmaCuda));
+    d["jax_kvxfer_block_copy_nograph"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyNoGraphCuda));
+    d["jax_kvxfer_block_copy_within_nograph"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinNoGraphCuda));
     d["jax_kvxfer_block_copy_fork"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCuda));
     d["jax_kvxfer_block_copy_join"] =

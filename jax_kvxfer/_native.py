@@ -13,9 +13,11 @@ except ImportError:  # pragma: no cover - depends on the build
 
 BLOCK_COPY_TARGET = "jax_kvxfer_block_copy"  # (dst, src, src_idx, dst_idx, num_tokens)
 BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst_idx, num_tokens)
-# As BLOCK_COPY_TARGET, for dma=True: the GPU handler reads the indices on the host, so this one
-# target is not command-buffer compatible (the kernel targets are: XLA may replay them in a graph)
-BLOCK_COPY_DMA_TARGET = "jax_kvxfer_block_copy_dma"
+# The same two without the command-buffer trait of the two above (which lets XLA replay chained
+# copies in a CUDA graph): for dma=True (the GPU handler reads the indices on the host as it
+# enqueues) and for copies on a stream of their own (a graph would put them on the compute one)
+BLOCK_COPY_NOGRAPH_TARGET = "jax_kvxfer_block_copy_nograph"
+BLOCK_COPY_WITHIN_NOGRAPH_TARGET = "jax_kvxfer_block_copy_within_nograph"
 
 HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None
 """True when this build carries the CUDA handlers (built with a CUDA compiler present)."""

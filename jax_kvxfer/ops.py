@@ -12,6 +12,7 @@ import collections
 import functools
 import inspect
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -285,8 +286,11 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
     # block that another pair writes.
     block_nbytes = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype) // 8
     staging = batch * block_nbytes if within and not facts.hazard_free else 0
-    target = (_native.BLOCK_COPY_WITHIN_TARGET if within else
-              _native.BLOCK_COPY_DMA_TARGET if dma else _native.BLOCK_COPY_TARGET)
+    if dma or _ON_SIDE_STREAM.depth:  # never inside a CUDA graph (_native)
+        target = (_native.BLOCK_COPY_WITHIN_NOGRAPH_TARGET if within
+                  else _native.BLOCK_COPY_NOGRAPH_TARGET)
+    else:
+        target = _native.BLOCK_COPY_WITHIN_TARGET if within else _native.BLOCK_COPY_TARGET
     call = jax.ffi.ffi_call(
         target,
         (
@@ -317,7 +321,23 @@ def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
     if annotate is None:
         raise NotImplementedError(f"stream=: jax {jax.__version__} has no function-form "
                                   "jax.experimental.compute_on")
-    return annotate(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=out_space)
+
+    def traced_on_stream(*args: Any) -> Any:
+        _ON_SIDE_STREAM.depth += 1  # copies traced here stay out of CUDA graphs
+        try:
+            return fn(*args)
+        finally:
+            _ON_SIDE_STREAM.depth -= 1
+
+    return annotate(traced_on_stream, compute_type=f"gpu_stream:{stream}",
+                    out_memory_spaces=out_space)
+
+
+class _SideStreamDepth(threading.local):
+    depth = 0  # > 0 while on_stream traces a function: its copies then take a nograph target
+
+
+_ON_SIDE_STREAM = _SideStreamDepth()
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,6 +9,8 @@ addresses).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,3 +82,36 @@ def test_chain_exact_on_every_execution(kinds, rng):
         assert_bitwise_equal(to_device(a), want_a, f"pool a after '{step}'")
         assert_bitwise_equal(to_device(b), want_b, f"pool b after '{step}'")
         a_np, b_np = want_a, want_b
+
+
+def copy_targets(fn, *args) -> set[str]:
+    """The custom-call targets in fn's lowered program."""
+    return set(re.findall(r"jax_kvxfer_block_copy\w*", jax.jit(fn).lower(*args).as_text()))
+
+
+def test_graph_and_nograph_targets(rng):
+    """Copies may be recorded into CUDA graphs, except those a graph would break: copies on a
+    stream of their own (the graph runs on the compute stream) and dma=True copies (the handler
+    reads their indices on the host as it enqueues)."""
+    a_np, b_np = make_pools(rng, SHAPE, jnp.bfloat16)
+    a, b = put(a_np, "device"), put(b_np, "device")
+    idx = jnp.asarray(rng.permutation(SHAPE[0])[:4].astype(np.int32))
+    assert copy_targets(lambda a, b, i: kvx.copy_blocks(a, b, i, i), a, b, idx) == {
+        "jax_kvxfer_block_copy"}
+    assert copy_targets(lambda a, i: kvx.copy_blocks(a, a, i, i[::-1]), a, idx) == {
+        "jax_kvxfer_block_copy_within"}
+    assert copy_targets(lambda a, b, i: kvx.copy_blocks(a, b, i, i, stream=1), a, b, idx) == {
+        "jax_kvxfer_block_copy_nograph"}
+    assert copy_targets(lambda a, i: kvx.copy_blocks(a, a, i, i[::-1], stream=2), a, idx) == {
+        "jax_kvxfer_block_copy_within_nograph"}
+    # kvx.on_stream around a function that copies: the copy inside takes the nograph target
+    on_side = kvx.on_stream(lambda a, b, i: kvx.copy_blocks(a, b, i, i), 1, jax.memory.Space.Device)
+    assert copy_targets(on_side, a, b, idx) == {"jax_kvxfer_block_copy_nograph"}
+    # and the flag does not leak out of it
+    assert copy_targets(lambda a, b, i: kvx.copy_blocks(a, b, i, i), a, b, idx) == {
+        "jax_kvxfer_block_copy"}
+    if "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}:
+        h = put(b_np, "pinned_host")
+        hi = jax.device_put(np.asarray(idx), sharding("pinned_host"))
+        assert copy_targets(lambda a, h, i: kvx.copy_blocks(a, h, i, i, dma=True), a, h, hi) == {
+            "jax_kvxfer_block_copy_nograph"}
