@@ -12,6 +12,8 @@ device -> pinned_host), `h2d` (onboard, pinned_host -> device), `d2d` (device ->
                memory kind (d2d: a jitted copy). Used as the ceiling when cupy is missing.
   ours         `copy_blocks` inside `jax.jit`, destination pool donated, K chained calls per jit
                call (K large enough that dispatch is amortised), n in {T, T-1, T/2, 1} tokens.
+               Also timed by the GPU time of jax_kvxfer's kernels in a profiler trace of two
+               more calls (`gpu_gbps`, `gpu_ratio`; GPU only): the wall time less the gaps.
   ours_dma     `ours` with `dma=True` (the copy engines), host directions, n in {T, T/2, 1}: the
                index vectors and token counts are jit arguments in pinned_host memory.
   manager      `KVCacheTransferManager.offload_blocks` / `onboard_blocks` of the whole batch, one
