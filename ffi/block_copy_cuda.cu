@@ -366,12 +366,20 @@ bool TryDma(cudaStream_t stream, const Batch& b, bool whole_blocks, ffi::Error* 
   return true;
 }
 
+// kInGraph: the handler of a command-buffer compatible target, which XLA may record into a
+// CUDA graph and replay without running this code, so it must not take the copy engines' path
+// (that reads the indices on the host as it enqueues); Python sends dma=True elsewhere.
+template <bool kInGraph>
 ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
                          ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                          ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                          ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
                          bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
+  if (kInGraph && dma) {
+    return ffi::Error::InvalidArgument(
+        "jax_kvxfer block copy: dma=true goes through the target jax_kvxfer_block_copy_nograph");
+  }
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
@@ -430,46 +438,18 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
 
 // Copies within one pool. One operand rather than the same array passed twice: XLA would copy
 // a donated operand that another operand of the same call also reads.
+template <bool kInGraph>
 ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                                ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                                ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                                ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
                                bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
-  return BlockCopyCuda(stream, pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                       hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+  return BlockCopyCuda<kInGraph>(stream, pool, pool, src_idx, dst_idx, num_tokens, out,
+                                 superseded, staging, hazard_free, unique_dst, max_ctas, dma,
+                                 whole_blocks);
 }
 
-// The command-buffer compatible targets: the kernel only (a replayed graph would not read the
-// indices on the host again, as the copy engines' path does).
-ffi::Error RejectDma() {
-  return ffi::Error::InvalidArgument(
-      "jax_kvxfer block copy: dma=true goes through the target jax_kvxfer_block_copy_nograph");
-}
-
-ffi::Error BlockCopyKernelCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
-                               ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
-                               ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                               ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                               bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
-  if (dma) return RejectDma();
-  return BlockCopyCuda(stream, dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                       hazard_free, unique_dst, max_ctas, false, whole_blocks);
-}
-
-ffi::Error BlockCopyWithinKernelCuda(cudaStream_t stream, ffi::AnyBuffer pool,
-                                     ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
-                                     ffi::Buffer<ffi::S32> num_tokens,
-                                     ffi::Result<ffi::AnyBuffer> out,
-                                     ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                                     ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                                     bool unique_dst, int64_t max_ctas, bool dma,
-                                     bool whole_blocks) {
-  if (dma) return RejectDma();
-  return BlockCopyWithinCuda(stream, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                             hazard_free, unique_dst, max_ctas, false, whole_blocks);
-}
 
 // -- both ways at once: a fork/join pair of custom calls ------------------------------------
 //
@@ -553,8 +533,9 @@ ffi::Error BlockCopyForkCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
   if (err == cudaSuccess) err = cudaStreamWaitEvent(side, fork, 0);
   (void)cudaEventDestroy(fork);  // released once recorded work completes
   if (err != cudaSuccess) return CudaError(err, "fork onto the side stream");
-  if (auto copy = BlockCopyCuda(side, dst, src, src_idx, dst_idx, num_tokens, out, superseded,
-                                staging, hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+  if (auto copy = BlockCopyCuda<false>(side, dst, src, src_idx, dst_idx, num_tokens, out,
+                                       superseded, staging, hazard_free, unique_dst, max_ctas,
+                                       dma, whole_blocks);
       copy.failure()) {
     return copy;
   }
@@ -583,9 +564,9 @@ ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
                              ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
                              bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks,
                              bool wait) {
-  ffi::Error copy = BlockCopyCuda(stream, dst, src, src_idx, dst_idx, num_tokens, out,
-                                  superseded, staging, hazard_free, unique_dst, max_ctas, dma,
-                                  whole_blocks);
+  ffi::Error copy = BlockCopyCuda<false>(stream, dst, src, src_idx, dst_idx, num_tokens, out,
+                                         superseded, staging, hazard_free, unique_dst, max_ctas,
+                                         dma, whole_blocks);
   if (!wait) return copy;  // ordered by its operands only
   cudaEvent_t join = nullptr;
   {
@@ -615,7 +596,7 @@ ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
 // The "nograph" targets run the same handlers without the trait, for what a graph must not
 // hold: dma=true copies (they read the indices on the host as they enqueue) and copies on a
 // stream of their own (a graph on the compute stream would serialize them).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinKernelCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithinCuda<true>,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()),  // pool
                               {ffi::Traits::kCmdBufferCompatible});
@@ -632,18 +613,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCuda, BlockCopyJoinCuda,
                                                .Arg<ffi::AnyBuffer>()    // dst pool
                                                .Arg<ffi::AnyBuffer>()));  // src pool
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyKernelCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopyCuda<true>,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()     // dst pool
                                                              .Arg<ffi::AnyBuffer>()),   // src pool
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyNoGraphCuda, BlockCopyCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyNoGraphCuda, BlockCopyCuda<false>,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()    // dst pool
                                                              .Arg<ffi::AnyBuffer>()));  // src pool
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinNoGraphCuda, BlockCopyWithinCuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinNoGraphCuda, BlockCopyWithinCuda<false>,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()));  // pool
 
