@@ -450,7 +450,6 @@ ffi::Error BlockCopyWithinCuda(cudaStream_t stream, ffi::AnyBuffer pool,
                                  whole_blocks);
 }
 
-
 // -- both ways at once: a fork/join pair of custom calls ------------------------------------
 //
 // copy_blocks_both_ways runs an offload and an onboard between the same two pools as two calls,

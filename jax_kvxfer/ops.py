@@ -269,6 +269,13 @@ def check_launch_options(max_ctas: int | None, stream: int | None) -> None:
             raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
 
+class _SideStreamDepth(threading.local):
+    depth = 0  # > 0 while on_stream traces a function: its copies then take a nograph target
+
+
+_ON_SIDE_STREAM = _SideStreamDepth()
+
+
 def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts,
                     max_ctas: int | None = None, dma: bool = False, whole_blocks: bool = False):
     """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool.
@@ -311,7 +318,9 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
 def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
     """`fn` (traced inside jit) annotated to run on XLA GPU stream `stream`: XLA wraps it in an
     async start/done pair on a stream of its own, and the compute stream waits for it only
-    where its result is used. `out_space`: the memory space of fn's result. Ignored on CPU."""
+    where its result is used. `out_space`: the memory space of fn's result. Ignored on CPU.
+    Copies traced inside take targets that XLA never records into a CUDA graph (a graph would
+    replay them on the compute stream)."""
     from jax.experimental import compute_on as mod
 
     # jax 0.10 calls the function form compute_on2; jax 0.11 renamed it compute_on.
@@ -331,13 +340,6 @@ def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
 
     return annotate(traced_on_stream, compute_type=f"gpu_stream:{stream}",
                     out_memory_spaces=out_space)
-
-
-class _SideStreamDepth(threading.local):
-    depth = 0  # > 0 while on_stream traces a function: its copies then take a nograph target
-
-
-_ON_SIDE_STREAM = _SideStreamDepth()
 
 
 @functools.lru_cache(maxsize=64)
