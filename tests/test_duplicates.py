@@ -325,3 +325,26 @@ def test_manager_batch_reading_a_slot_it_wrote_twice():
         assert np.array_equal(as_bytes(got_s[4]), as_bytes(slot4))
         assert np.array_equal(as_bytes(got_p[6]), as_bytes(p6))
         assert np.array_equal(as_bytes(got_p[7]), as_bytes(p7))
+
+
+@pytest.mark.parametrize("dst_kind, src_kind", KINDS, ids=lambda k: k if isinstance(k, str) else "")
+def test_unique_dst_indices_promise_with_traced_indices(dst_kind, src_kind):
+    """unique_dst_indices=True tells the op that destinations do not repeat, so with traced
+    indices the GPU skips its duplicate scan: the copy is still exact (padding may repeat)."""
+    rng = np.random.default_rng(seed("unique-promise", dst_kind, src_kind))
+    dst, src = random_pool(rng, 16, jnp.bfloat16), random_pool(rng, 12, jnp.bfloat16)
+    si = rng.integers(0, 12, 10).astype(np.int32)
+    di = rng.permutation(16)[:10].astype(np.int32)
+    si[[2, 7]] = -1  # padding: its destinations may repeat others
+    di[7] = di[1]
+    nt = rng.integers(-1, T + 2, 10).astype(np.int32)
+    fn = jax.jit(lambda d, s, a, b, n: kvx.copy_blocks(d, s, a, b, n, unique_dst_indices=True),
+                 donate_argnums=0)
+    out = fn(jax.device_put(dst, sharding(dst_kind)), jax.device_put(src, sharding(src_kind)),
+             si, di, nt)
+    np.testing.assert_array_equal(as_bytes(read_back(out)), as_bytes(reference(dst, src, si, di, nt)))
+    # the promise reaches the handler: no duplicate scan for traced indices
+    text = jax.jit(lambda d, s, a, b: kvx.copy_blocks(d, s, a, b, unique_dst_indices=True)).lower(
+        dst, src, si, di).as_text()
+    plain = jax.jit(lambda d, s, a, b: kvx.copy_blocks(d, s, a, b)).lower(dst, src, si, di).as_text()
+    assert "unique_dst = true" in text and "unique_dst = false" in plain
