@@ -31,7 +31,7 @@ for r in $(seq 1 "$rounds"); do
     echo "ab $v$r: exit $?"
   done
 done
-# One line per case and version: the percent of the ceiling in each round.
+# One line per case (every ours* path) and version: the percent of the ceiling in each round.
 python3 - "$OUT" "$rounds" <<'PY'
 import re, sys
 from collections import defaultdict
@@ -40,7 +40,7 @@ rows = defaultdict(dict)
 for v in ("new", "old"):
     for r in range(1, rounds + 1):
         for line in open(f"{out}/ab-{v}{r}.log"):
-            m = re.search(r"\] (\w+ \S+ ours n=\S+):.*\(\s*([\d.]+)% of", line)
+            m = re.search(r"\] (\w+ \S+ ours\w* n=\S+):.*\(\s*([\d.]+)% of", line)
             if m:
                 rows[m.group(1)].setdefault(v, []).append(m.group(2))
 for case, by in rows.items():
