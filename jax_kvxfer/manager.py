@@ -127,6 +127,11 @@ def _warn_not_in_place(which: str, stacklevel: int) -> None:
         "instead. Read pools with jax_kvxfer.to_numpy.", DonationWarning, stacklevel=stacklevel)
 
 
+def _facts_across(batch: PairBatch) -> IndexFacts:
+    """Source and destination are different arrays: only duplicate writes matter."""
+    return IndexFacts(hazard_free=True, unique_dst=len(set(batch.dst.tolist())) == len(batch))
+
+
 def _bucket(n: int) -> int:
     """Batch sizes are padded to powers of two so a new batch size rarely recompiles."""
     return 1 << max(0, n - 1).bit_length()
@@ -376,8 +381,7 @@ class KVCacheTransferManager:
         """One jitted call per manager: each pool offloads and onboards in one custom call."""
         (off_plan, off_slot), (on_plan, on_slot) = self._plan_arrays(off), self._plan_arrays(on)
         first = self._pools[0]
-        facts = (IndexFacts(hazard_free=True, unique_dst=len(set(off.dst.tolist())) == len(off)),
-                 IndexFacts(hazard_free=True, unique_dst=len(set(on.dst.tolist())) == len(on)))
+        facts = (_facts_across(off), _facts_across(on))
         plan: BothWaysPlan = both_ways_plan(off.src, off.dst, on.src, on.dst,
                                             first.num_primary_blocks, first.num_secondary_blocks)
         gpus = tuple(p.current(True, "transfer") for p in self._pools)
@@ -399,7 +403,6 @@ class KVCacheTransferManager:
 
     def _dispatch(self, run: PairBatch) -> None:
         """One jitted copy per pool for a run of one direction."""
-        n = len(run)
         plan_arg, slot = self._plan_arrays(run)
         src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
@@ -409,8 +412,7 @@ class KVCacheTransferManager:
             donated, undonated = _copy_within, _copy_within_undonated
         else:
             srcs = tuple(p.current(src_primary, "transfer") for p in self._pools)
-            # Source and destination are different arrays: only duplicate writes matter.
-            facts = IndexFacts(hazard_free=True, unique_dst=len(set(run.dst.tolist())) == n)
+            facts = _facts_across(run)
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
         static = dict(self._static, facts=facts)

@@ -26,6 +26,7 @@ import numpy as np
 
 import jax_kvxfer as kvx
 from jax_kvxfer import manager as mgr
+from jax_kvxfer.bench.helpers import time_calls
 from jax_kvxfer.ops import IndexFacts
 
 BLOCKS, BATCH = 256, 64
@@ -35,15 +36,7 @@ def median_us(call: Callable[[int], Any], sync: Callable[[], Any], calls: int) -
     for i in range(32):
         call(i)
     sync()
-    ts = []
-    for i in range(calls):
-        t = time.perf_counter()
-        call(i)
-        ts.append(time.perf_counter() - t)
-        if i % 8 == 7:
-            sync()
-    sync()
-    return statistics.median(ts) * 1e6
+    return statistics.median(time_calls(call, sync, calls)) * 1e6
 
 
 def make_pool(rng: np.random.Generator) -> kvx.KVCacheBlockPool:

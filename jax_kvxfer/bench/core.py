@@ -170,7 +170,6 @@ class BenchCore:
 
         from jax.profiler import ProfileData
 
-        _block(call())
         with tempfile.TemporaryDirectory() as d:
             jax.profiler.start_trace(d)
             try:

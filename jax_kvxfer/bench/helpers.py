@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,21 @@ def _block(tree: Any) -> None:
     leaves = [x for x in jax.tree.leaves(tree)
               if isinstance(x, jax.Array) and not x.is_deleted()]
     jax.block_until_ready(leaves)
+
+
+def time_calls(call: Callable[[int], Any], sync: Callable[[], Any], calls: int) -> list[float]:
+    """Seconds each of `calls` calls of call(i) takes to return, none waiting for the device
+    inside the timed call; sync() every 8 calls (so the queue stays short) and at the end.
+    (The bench's host section and scripts/profile_manager.py.)"""
+    times = []
+    for i in range(calls):
+        t = time.perf_counter()
+        call(i)
+        times.append(time.perf_counter() - t)
+        if i % 8 == 7:
+            sync()
+    sync()
+    return times
 
 
 def _err_text(e: BaseException) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 
 from ..ops import copy_blocks
 from .config import DTYPE, fmt_size, geometry_for
-from .helpers import _block, _cache_size, _err_text, _median
+from .helpers import _block, _cache_size, _err_text, _median, time_calls
 
 
 class HostOverheadMixin:
@@ -113,14 +112,7 @@ class HostOverheadMixin:
                     sync()
                     cache0 = _cache_size(fn)
                     compiles0 = self.compiles.count
-                    times = []
-                    for i in range(cfg.host_calls):
-                        t0 = time.perf_counter()
-                        call(i)
-                        times.append(time.perf_counter() - t0)
-                        if i % 8 == 7:
-                            sync()
-                    sync()
+                    times = time_calls(call, sync, cfg.host_calls)
                     cache1 = _cache_size(fn)
                     compiles = (self.compiles.count - compiles0
                                 if self.compiles.registered else None)
