@@ -59,6 +59,7 @@ struct Batch {
   const int32_t* first;       // [num_pairs] tokens a later pair overwrites anyway, or null
   int64_t num_pairs, src_blocks, dst_blocks;
   PoolGeometry g;
+  bool scan_in_copy = false;  // each CTA finds its pair's `first` itself (FusedScanFits)
 };
 
 // Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
@@ -145,17 +146,17 @@ __device__ void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, i
 }
 
 // Work unit u in [0, num_pairs * units_per_pair) copies a strided share of pair
-// u / units_per_pair: tokens [first, n) of every run of the block, or the whole block as one
-// run, with vectors of type V (every address and length of the batch is aligned to V). kThreads
-// threads per unit.
+// u / units_per_pair: tokens [start, n) of every run of the block (start: the tokens a later
+// pair writes anyway), or the whole block as one run, with vectors of type V (every address and
+// length of the batch is aligned to V). kThreads threads per unit.
 template <typename V>
-__device__ void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread) {
+__device__ void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
+                         int64_t start) {
   const int64_t pair = unit / units_per_pair;
   const int64_t cta = unit % units_per_pair;
   if (pair >= b.num_pairs || !PairValid(b, pair)) return;
   const PoolGeometry& g = b.g;
   const int64_t n = TokensToCopy(b.num_tokens[pair], g);
-  const int64_t start = b.first ? b.first[pair] : 0;
   if (start >= n) return;
 
   int64_t runs = 1, run_bytes = g.block_bytes, pitch = 0, offset = 0;
@@ -171,27 +172,13 @@ __device__ void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, i
               units_per_pair * kThreads);
 }
 
-// Block: kCtaThreads threads (a multiple of kThreads), one work unit per kThreads. Grid: any
-// size; the CTAs walk the units, so a capped grid copies the same bytes as a full one. One
-// vector type per kernel keeps the registers of the widest path only.
-template <typename V, int kCtaThreads>
-__global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t units_per_pair) {
-  constexpr int per_cta = kCtaThreads / kThreads;
-  const int64_t units = b.num_pairs * units_per_pair;
-  for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kThreads; u < units;
-       u += int64_t{gridDim.x} * per_cta) {
-    CopyUnit<V>(b, u, units_per_pair, threadIdx.x % kThreads);
-  }
-}
-
-// Grid: (num_pairs). For each pair, the most tokens that a later pair with the same destination
-// writes: this pair then only copies the tokens above that, so the last pair wins without any
-// two CTAs writing the same bytes.
-__global__ void SupersededTokensKernel(Batch b, int32_t* first) {
+// The most tokens that a pair after `i` with the same destination writes (0: none): pair i then
+// copies only the tokens above that, so the last pair wins without two CTAs writing the same
+// bytes. Every thread of a kThreads-thread CTA calls it, and every one gets the answer.
+__device__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
   __shared__ int32_t best[kThreads];
-  const int64_t i = blockIdx.x;
   int32_t m = 0;
-  if (PairValid(b, i)) {
+  if (i < b.num_pairs && PairValid(b, i)) {
     const int32_t d = b.dst_idx[i];
     for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
       if (PairValid(b, j) && b.dst_idx[j] == d) {
@@ -205,7 +192,49 @@ __global__ void SupersededTokensKernel(Batch b, int32_t* first) {
     if (threadIdx.x < s) best[threadIdx.x] = max(best[threadIdx.x], best[threadIdx.x + s]);
     __syncthreads();
   }
-  if (threadIdx.x == 0) first[i] = best[0];
+  return best[0];
+}
+
+// Block: kCtaThreads threads (a multiple of kThreads), one work unit per kThreads. Grid: any
+// size; the CTAs walk the units, so a capped grid copies the same bytes as a full one. One
+// vector type per kernel keeps the registers of the widest path only. kScanInCopy: one unit per
+// CTA (kCtaThreads == kThreads, a grid of exactly num_pairs * units_per_pair), which scans for
+// later writers of its pair's block itself, instead of a scan kernel launched before.
+template <typename V, int kCtaThreads, bool kScanInCopy>
+__global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t units_per_pair) {
+  if constexpr (kScanInCopy) {
+    static_assert(kCtaThreads == kThreads);
+    const int64_t u = blockIdx.x;
+    CopyUnit<V>(b, u, units_per_pair, threadIdx.x, LaterWriterTokens(b, u / units_per_pair));
+  } else {
+    constexpr int per_cta = kCtaThreads / kThreads;
+    const int64_t units = b.num_pairs * units_per_pair;
+    for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kThreads; u < units;
+         u += int64_t{gridDim.x} * per_cta) {
+      CopyUnit<V>(b, u, units_per_pair, threadIdx.x % kThreads,
+                  b.first ? b.first[u / units_per_pair] : 0);
+    }
+  }
+}
+
+// Grid: (num_pairs). first[i] = LaterWriterTokens(i), for a capped grid or a large batch.
+__global__ void SupersededTokensKernel(Batch b, int32_t* first) {
+  const int32_t m = LaterWriterTokens(b, blockIdx.x);
+  if (threadIdx.x == 0) first[blockIdx.x] = m;
+}
+
+// Work units of kThreads threads per pair: about 16 KiB of the block each.
+int64_t UnitsPerPair(const PoolGeometry& g) {
+  const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
+  return std::clamp<int64_t>((g.block_bytes + per_unit - 1) / per_unit, 1, kMaxCtasPerPair);
+}
+
+// Whether the copy kernel can scan for later writers itself (kScanInCopy): a full grid, and a
+// batch small enough that every CTA reading the later pairs' indices (num_pairs^2 *
+// units_per_pair entries in all, from L2) costs less than the launch of a scan kernel.
+constexpr int64_t kScanInCopyMaxReads = int64_t{1} << 22;
+bool FusedScanFits(const Batch& b, int64_t max_ctas) {
+  return max_ctas <= 0 && b.num_pairs <= kScanInCopyMaxReads / b.num_pairs / UnitsPerPair(b.g);
 }
 
 ffi::Error CudaError(cudaError_t err, const char* what) {
@@ -215,18 +244,19 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 template <typename V>
 void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
-  const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
-  const int64_t units_per_pair =
-      std::clamp<int64_t>((b.g.block_bytes + per_unit - 1) / per_unit, 1, kMaxCtasPerPair);
+  const int64_t units_per_pair = UnitsPerPair(b.g);
   const int64_t units = b.num_pairs * units_per_pair;
-  if (max_ctas > 0) {
+  if (b.scan_in_copy) {  // FusedScanFits: units <= 2^22, one CTA each
+    CopyPairsKernel<V, kThreads, true><<<static_cast<unsigned>(units), kThreads, 0, stream>>>(
+        b, units_per_pair);
+  } else if (max_ctas > 0) {
     constexpr int64_t per_cta = kCappedCtaThreads / kThreads;
     const int64_t ctas = std::min((units + per_cta - 1) / per_cta, max_ctas);
-    CopyPairsKernel<V, kCappedCtaThreads>
+    CopyPairsKernel<V, kCappedCtaThreads, false>
         <<<static_cast<unsigned>(ctas), kCappedCtaThreads, 0, stream>>>(b, units_per_pair);
   } else {
     const int64_t ctas = std::min<int64_t>(units, int64_t{1} << 30);
-    CopyPairsKernel<V, kThreads><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
+    CopyPairsKernel<V, kThreads, false><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
         b, units_per_pair);
   }
 }
@@ -417,7 +447,9 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     ffi::Error error = ffi::Error::Success();
     if (TryDma(stream, b, whole_blocks, &error)) return error;
   }
-  if (num_pairs > 1 && !unique_dst) {
+  if (num_pairs > 1 && !unique_dst && FusedScanFits(b, max_ctas)) {
+    b.scan_in_copy = true;
+  } else if (num_pairs > 1 && !unique_dst) {
     int32_t* first = superseded->typed_data();
     SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
     cudaError_t err = cudaGetLastError();
@@ -430,6 +462,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     Batch gather = b;
     gather.dst = {reinterpret_cast<char*>(staging->typed_data()), true};
     gather.first = nullptr;
+    gather.scan_in_copy = false;  // every pair reads its whole source block out
     if (auto err = Launch(stream, gather, max_ctas); err.failure()) return err;
     b.src = {reinterpret_cast<char*>(staging->typed_data()), true};
   }

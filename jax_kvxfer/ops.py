@@ -405,6 +405,7 @@ def copy_blocks(
     max_ctas: int | None = None,
     stream: int | None = None,
     dma: bool = False,
+    unique_dst_indices: bool = False,
 ) -> jax.Array:
     """Copies block `src_indices[i]` of `src_pool` into block `dst_indices[i]` of `dst_pool`.
 
@@ -449,25 +450,33 @@ def copy_blocks(
         64 KiB or more move as fast as with the kernel or faster (98 % of the memcpy at
         4 MiB), but 16 KiB blocks at a third of it, and partial blocks below 1 MiB slower
         than with the kernel. Ignored on CPU.
+      unique_dst_indices: the caller's promise that no destination block is written by two
+        pairs (negative padding may repeat), as `unique_indices` of JAX's scatter. With traced
+        indices the GPU then skips the scan for later pairs writing the same block, one
+        kernel launch per call (known indices are scanned on the host anyway). Checked where
+        the indices are known; with traced indices a broken promise leaves the blocks written
+        twice undefined (never memory outside the pools).
 
     Returns:
       The new destination pool (same shape, dtype and, outside jit, sharding as `dst_pool`).
 
     Raises:
       TypeError: non-array pools, mismatched dtypes, non-integer indices, token counts,
-        max_ctas or stream, a non-bool dma.
+        max_ctas or stream, a non-bool dma or unique_dst_indices.
       ValueError: wrong ranks or block shapes, other memory kinds, deleted pools, index vectors
         of different lengths, partial copies of sub-byte rows that are not whole bytes,
         max_ctas or stream below 1; with dma=True, two pools in one memory kind, pools split
-        over devices, or (inside jit) indices that are not in pinned_host memory.
+        over devices, or (inside jit) indices that are not in pinned_host memory; with
+        unique_dst_indices=True, known destination indices that repeat.
       IndexError: known (non-traced) indices >= the pool's number of blocks.
     """
     _check_pool("dst_pool", dst_pool, POOL_RANK)
     _check_pool("src_pool", src_pool, POOL_RANK)
     _check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
     check_launch_options(max_ctas, stream)
-    if not isinstance(dma, (bool, np.bool_)):
-        raise TypeError(f"dma must be True or False, got {dma!r}")
+    for name, flag in (("dma", dma), ("unique_dst_indices", unique_dst_indices)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     si = _as_index_array("src_indices", src_indices)
     di = _as_index_array("dst_indices", dst_indices)
     if si.shape[0] != di.shape[0]:
@@ -483,6 +492,11 @@ def copy_blocks(
     _check_platform(dst_pool, src_pool)
     _check_split(dst_pool, src_pool, "dst_pool", "src_pool")
     facts = index_facts(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
+    if unique_dst_indices:
+        if si_host is not None and di_host is not None and not facts.unique_dst:
+            raise ValueError("unique_dst_indices=True, but dst_indices writes one block in two "
+                             "pairs (negative padding may repeat)")
+        facts = facts._replace(unique_dst=True)
     if max_ctas is None and stream is not None and _touches_host(dst_pool, src_pool):
         max_ctas = HOST_COPY_CTAS
     max_ctas = None if max_ctas is None else int(max_ctas)

@@ -200,6 +200,26 @@ def test_duplicates_with_padding_and_traced_out_of_range_indices():
     assert_rule(out, dst, src, si, di, nt, "padding and out-of-range among duplicates")
 
 
+@pytest.mark.parametrize("num_pairs, block", [(40, (1, 2, 2, 16, 64)), (300, (2, 2, 2, 64, 128)),
+                                               (3000, (1, 1, 2, 16, 32))])
+@pytest.mark.parametrize("kinds", [("device", "device"), ("pinned_host", "device")])
+def test_duplicates_traced_small_and_large_batches(num_pairs, block, kinds):
+    """Traced indices, so the GPU finds later writers on the device: inside the copy kernel for
+    a batch of few pairs and small blocks, in a scan kernel launched first for a large one
+    (ffi/block_copy_cuda.cu, FusedScanFits). Either way the later pair wins."""
+    rng = np.random.default_rng(seed("traced-batches", num_pairs, kinds))
+    t = block[3]
+    dst = random_pool(rng, 24, jnp.bfloat16, block)
+    src = random_pool(rng, num_pairs, jnp.bfloat16, block)
+    si = rng.permutation(num_pairs).astype(np.int32)
+    di = rng.integers(0, 24, num_pairs).astype(np.int32)  # each block written many times
+    si[rng.integers(0, num_pairs, num_pairs // 10)] = -1  # padding
+    nt = rng.choice([0, -1, t, 1, 2, t // 2, t - 1], num_pairs).astype(np.int32)
+    out = _jit(jax.device_put(dst, sharding(kinds[0])), jax.device_put(src, sharding(kinds[1])),
+               si, di, nt)
+    assert_rule(read_back(out), dst, src, si, di, nt, f"{num_pairs} pairs {kinds}")
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_duplicates_within_one_pool_with_hazards(donate):
     """Source and destination one array (the staged path): duplicates onto blocks that other
@@ -305,3 +325,26 @@ def test_manager_batch_reading_a_slot_it_wrote_twice():
         assert np.array_equal(as_bytes(got_s[4]), as_bytes(slot4))
         assert np.array_equal(as_bytes(got_p[6]), as_bytes(p6))
         assert np.array_equal(as_bytes(got_p[7]), as_bytes(p7))
+
+
+@pytest.mark.parametrize("dst_kind, src_kind", KINDS, ids=lambda k: k if isinstance(k, str) else "")
+def test_unique_dst_indices_promise_with_traced_indices(dst_kind, src_kind):
+    """unique_dst_indices=True tells the op that destinations do not repeat, so with traced
+    indices the GPU skips its duplicate scan: the copy is still exact (padding may repeat)."""
+    rng = np.random.default_rng(seed("unique-promise", dst_kind, src_kind))
+    dst, src = random_pool(rng, 16, jnp.bfloat16), random_pool(rng, 12, jnp.bfloat16)
+    si = rng.integers(0, 12, 10).astype(np.int32)
+    di = rng.permutation(16)[:10].astype(np.int32)
+    si[[2, 7]] = -1  # padding: its destinations may repeat others
+    di[7] = di[1]
+    nt = rng.integers(-1, T + 2, 10).astype(np.int32)
+    fn = jax.jit(lambda d, s, a, b, n: kvx.copy_blocks(d, s, a, b, n, unique_dst_indices=True),
+                 donate_argnums=0)
+    out = fn(jax.device_put(dst, sharding(dst_kind)), jax.device_put(src, sharding(src_kind)),
+             si, di, nt)
+    np.testing.assert_array_equal(as_bytes(read_back(out)), as_bytes(reference(dst, src, si, di, nt)))
+    # the promise reaches the handler: no duplicate scan for traced indices
+    text = jax.jit(lambda d, s, a, b: kvx.copy_blocks(d, s, a, b, unique_dst_indices=True)).lower(
+        dst, src, si, di).as_text()
+    plain = jax.jit(lambda d, s, a, b: kvx.copy_blocks(d, s, a, b)).lower(dst, src, si, di).as_text()
+    assert "unique_dst = true" in text and "unique_dst = false" in plain

@@ -14,6 +14,8 @@ device -> pinned_host), `h2d` (onboard, pinned_host -> device), `d2d` (device ->
                call (K large enough that dispatch is amortised), n in {T, T-1, T/2, 1} tokens.
                Also timed by the GPU time of jax_kvxfer's kernels in a profiler trace of two
                more calls (`gpu_gbps`, `gpu_ratio`; GPU only): the wall time less the gaps.
+  ours_unique  `ours` with `unique_dst_indices=True` (the destinations are permutations), n in
+               {T, T/2}: with traced indices the GPU skips its duplicate-destination scan.
   ours_dma     `ours` with `dma=True` (the copy engines), host directions, n in {T, T/2, 1}: the
                index vectors and token counts are jit arguments in pinned_host memory.
   manager      `KVCacheTransferManager.offload_blocks` / `onboard_blocks` of the whole batch, one

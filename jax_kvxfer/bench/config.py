@@ -14,7 +14,7 @@ GiB = 1024 * MiB
 DTYPE = jnp.bfloat16
 ITEMSIZE = 2
 DIRECTIONS = ("d2h", "h2d", "d2d")
-SWEEP_PATHS = ("ceiling", "ours", "dma", "manager", "xla", "naive", "trtllm")
+SWEEP_PATHS = ("ceiling", "ours", "unique", "dma", "manager", "xla", "naive", "trtllm")
 SECTIONS = ("host", "overlap", "bidir", "sharded")
 ALL_ONLY = SWEEP_PATHS + SECTIONS
 
@@ -164,7 +164,7 @@ def parse_args(argv: list[str]) -> Config:
     p.add_argument("--warmup", type=int, default=1, help="untimed samples after compiling")
     p.add_argument("--only", default=None,
                    help="comma-separated subset of: " + ",".join(ALL_ONLY)
-                        + " (also 'sweep' = the first seven). Ceilings always run with the sweep.")
+                        + " (also 'sweep' = the first eight). Ceilings always run with the sweep.")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"),
                    help="directory for the JSON and PNG (default benchmarks/results/)")
     p.add_argument("--deadline-s", type=float, default=None,
@@ -197,7 +197,7 @@ def parse_args(argv: list[str]) -> Config:
                 p.error(f"--only: unknown path {item!r}; choose from {', '.join(ALL_ONLY)}, sweep")
     else:
         only = set(ALL_ONLY)
-    if only & {"ours", "dma", "manager", "xla", "naive", "trtllm"}:
+    if only & {"ours", "unique", "dma", "manager", "xla", "naive", "trtllm"}:
         only.add("ceiling")
     deadline = a.deadline_s if a.deadline_s is not None else (0.0 if q else 230.0)
     blocks = a.blocks if a.blocks is not None else (16 if q else 256)

@@ -71,6 +71,9 @@ class SweepMixin:
                 self.ceiling_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d])
             if "ours" in cfg.only:
                 self.ours_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d], ns)
+            if "unique" in cfg.only:
+                self.ours_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d],
+                                [c for c in ns if c[0] in ("T", "T/2")], unique=True)
             if "dma" in cfg.only and not d2d:
                 self.ours_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d],
                                 [c for c in ns if c[0] in ("T", "T/2", "1")], dma=True)
@@ -130,9 +133,11 @@ class SweepMixin:
 
     def ours_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any],
                    pool: Callable[[str], jax.Array], src: str, dst: str,
-                   ns: list[tuple[str, int]], dma: bool = False) -> None:
+                   ns: list[tuple[str, int]], dma: bool = False, unique: bool = False) -> None:
         """`copy_blocks` in a jitted chain of k calls; dma: `dma=True` ("ours_dma"), the index
-        vectors and token counts then jit arguments in pinned_host memory."""
+        vectors and token counts then jit arguments in pinned_host memory; unique:
+        `unique_dst_indices=True` ("ours_unique": the destinations, permutations, promised
+        distinct, so the GPU skips its duplicate scan)."""
         d2d = d == "d2d"
         k, pipe = self.plan(B * geom.block_bytes, d2d)
         si_all, di_all = self.perms(k, B, B), self.perms(k, B, B)
@@ -140,7 +145,8 @@ class SweepMixin:
 
         def chain(dst_pool, src_pool, si, di, nt):
             for j in range(k):
-                dst_pool = copy_blocks(dst_pool, src_pool, si[j], di[j], nt, dma=dma)
+                dst_pool = copy_blocks(dst_pool, src_pool, si[j], di[j], nt, dma=dma,
+                                       unique_dst_indices=unique)
             return dst_pool
 
         fn = jax.jit(chain, donate_argnums=0, out_shardings=out_sh)
@@ -174,8 +180,8 @@ class SweepMixin:
                                    k_per_call=k, pipe=pipe, first_call_s=first,
                                    verified=bool(np.array_equal(got, want)), n=n, **extra)
 
-            self.case({**dbase, "path": "ours_dma" if dma else "ours", "kind": "path",
-                       "n_label": label}, run)
+            path = "ours_dma" if dma else "ours_unique" if unique else "ours"
+            self.case({**dbase, "path": path, "kind": "path", "n_label": label}, run)
 
     def manager_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any]) -> None:
         """The transfer manager's `offload_blocks` / `onboard_blocks` of B whole blocks, one
