@@ -71,12 +71,14 @@ def _on_shards(fn, mesh, spec, num_pools: int):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
-def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=False):
-    def copy(d, s, p):
-        return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=dma)
-    pools = tuple(_on_shards(copy, mesh, spec, 2)(d, s, plan)
-                  for d, s, spec in zip(dsts, srcs, specs))
-    return pools, jnp.zeros((1,), jnp.int32)
+def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=None):
+    """dma: per pool, whether its copy goes to the copy engines (None: none does)."""
+    pools = []
+    for d, s, spec, use_dma in zip(dsts, srcs, specs, dma or (False,) * len(dsts)):
+        def copy(d, s, p, use_dma=use_dma):
+            return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=use_dma)
+        pools.append(_on_shards(copy, mesh, spec, 2)(d, s, plan))
+    return tuple(pools), jnp.zeros((1,), jnp.int32)
 
 
 def _copy_within_impl(pools, plan, facts, mesh, specs):
@@ -87,18 +89,18 @@ def _copy_within_impl(pools, plan, facts, mesh, specs):
 
 
 def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, specs,
-                    dma=False):
-    """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) at once."""
-    def copy(g, h, off, on):
-        return both_ways_call(g, h, off, on, facts, plan, HOST_COPY_CTAS, dma=dma)
+                    dma=None):
+    """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) at once; dma: per pool,
+    whether both go to the copy engines (None: none does)."""
     results = []
-    for g, h, spec in zip(gpus, hosts, specs):
-        fn = copy
+    for g, h, spec, use_dma in zip(gpus, hosts, specs, dma or (False,) * len(gpus)):
+        def copy(g, h, off, on, use_dma=use_dma):
+            return both_ways_call(g, h, off, on, facts, plan, HOST_COPY_CTAS, dma=use_dma)
         if spec is not None:
             replicated = jax.sharding.PartitionSpec()
-            fn = jax.shard_map(copy, mesh=mesh, in_specs=(spec, spec, replicated, replicated),
-                               out_specs=(spec, spec))
-        results.append(fn(g, h, offload_plan, onboard_plan))
+            copy = jax.shard_map(copy, mesh=mesh, in_specs=(spec, spec, replicated, replicated),
+                                 out_specs=(spec, spec))
+        results.append(copy(g, h, offload_plan, onboard_plan))
     return tuple(r[0] for r in results), tuple(r[1] for r in results), jnp.zeros((1,), jnp.int32)
 
 
@@ -132,6 +134,15 @@ def _facts_across(batch: PairBatch) -> IndexFacts:
     return IndexFacts(hazard_free=True, unique_dst=len(set(batch.dst.tolist())) == len(batch))
 
 
+# dma="auto" puts a run between the two memories on the copy engines when it copies whole
+# blocks of at least this many bytes (per pool). Measured through the manager on the H200
+# (benchmarks/NOTES.md, v8): the copy engines are ahead from 256 KiB (offload/onboard 84/81 %
+# of the memcpy ceiling against the kernel's 82/77 %; at 4 MiB 97/95 % against 92/86 %) and
+# behind at 16-64 KiB, where one copy per block costs more than it moves; a partial block is
+# one strided copy each, far slower than the kernel at every size measured.
+DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
+
+
 def _bucket(n: int) -> int:
     """Batch sizes are padded to powers of two so a new batch size rarely recompiles."""
     return 1 << max(0, n - 1).bit_length()
@@ -154,7 +165,7 @@ class KVCacheTransferManager:
     """
 
     def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True,
-                 dma: bool = False) -> None:
+                 dma: bool | str = "auto") -> None:
         """Args:
           pools: one or more pools with equal block counts and tokens per block.
           plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
@@ -162,15 +173,16 @@ class KVCacheTransferManager:
             False: send them as NumPy arrays, which JAX moves to the device with each call.
             Both copy the same; the ring relies on JAX handing a pinned_host array's own
             buffer to the custom call, so False is the way out should a JAX version not.
-          dma: on GPUs, offload and onboard with the copy engines instead of the copy kernel
+          dma: how offloads and onboards move the blocks on a GPU. True: with the copy engines
             (`copy_blocks(..., dma=True)`; the handler reads the plan from the ring as it
-            enqueues the copies). Faster for whole blocks of 64 KiB or more, slower for
-            16 KiB blocks and for partial blocks below 1 MiB (benchmarks/NOTES.md, v7).
-            Copies within the GPU pool always use the kernel. Needs plan_ring=True and pools
-            on one device.
+            enqueues the copies); needs plan_ring=True and pools on one device. False: with
+            the copy kernel. "auto" (default): the copy engines for a run that copies whole
+            blocks of at least DMA_AUTO_MIN_BLOCK_BYTES in a pool whose copy they can take
+            (GPU, plan ring, one device), the kernel otherwise (benchmarks/NOTES.md, v8 and
+            v10). Copies within the GPU pool always use the kernel.
         """
-        if not isinstance(dma, (bool, np.bool_)):
-            raise TypeError(f"dma must be True or False, got {dma!r}")
+        if not (isinstance(dma, (bool, np.bool_)) or (isinstance(dma, str) and dma == "auto")):
+            raise TypeError(f'dma must be True, False or "auto", got {dma!r}')
         if isinstance(pools, KVCacheBlockPool):
             pools = [pools]
         self._pools = tuple(pools)
@@ -198,16 +210,20 @@ class KVCacheTransferManager:
         # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
         self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
-        if dma and not plan_ring:
+        self._dma = dma if isinstance(dma, str) else bool(dma)
+        if self._dma is True and not plan_ring:
             raise ValueError("dma=True needs plan_ring=True: the copy engines are handed the "
                              "block indices from the plan ring's pinned_host arrays")
-        if dma and first.mesh is not None:
+        if self._dma is True and first.mesh is not None:
             raise ValueError("dma=True takes pools on one device; these are sharded over "
                              f"{first.mesh.size} devices")
-        self._dma = bool(dma)
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
         ring_sharding = PlanRing.sharding_for(first.sharding("device")) if plan_ring else None
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
+        # "auto" chooses the copy engines only where they can read the plan: on a GPU, from
+        # the ring, for pools on one device.
+        self._dma_possible = (self._plans is not None and first.mesh is None
+                              and first.device.platform == "gpu")
 
     @property
     def pools(self) -> tuple[KVCacheBlockPool, ...]:
@@ -387,7 +403,8 @@ class KVCacheTransferManager:
         gpus = tuple(p.current(True, "transfer") for p in self._pools)
         hosts = tuple(p.current(False, "transfer") for p in self._pools)
         args = (gpus, hosts, tuple(off_plan), tuple(on_plan))
-        kw = {"facts": facts, "plan": plan, "dma": self._dma, **self._static}
+        whole = bool(self._whole_blocks(off) and self._whole_blocks(on))
+        kw = {"facts": facts, "plan": plan, "dma": self._dma_per_pool(whole), **self._static}
         try:
             new_gpus, new_hosts, done = _both_ways(*args, **kw)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
@@ -417,7 +434,7 @@ class KVCacheTransferManager:
             donated, undonated = _copy_across, _copy_across_undonated
         static = dict(self._static, facts=facts)
         if src_primary != dst_primary:
-            static["dma"] = self._dma
+            static["dma"] = self._dma_per_pool(self._whole_blocks(run))
         try:
             results, done = donated(*args, **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
@@ -433,6 +450,18 @@ class KVCacheTransferManager:
                 pool._primary = result
             else:
                 pool._secondary = result
+
+    def _whole_blocks(self, run: PairBatch) -> bool:
+        t = self._pools[0].tokens_per_block
+        return bool(((run.tokens <= 0) | (run.tokens >= t)).all())
+
+    def _dma_per_pool(self, whole_blocks: bool) -> tuple[bool, ...]:
+        """For a run between the two memories: whether each pool's copy takes the copy
+        engines (the `dma` argument of the constructor)."""
+        if self._dma != "auto":
+            return (self._dma,) * len(self._pools)
+        return tuple(self._dma_possible and whole_blocks
+                     and p.block_nbytes >= DMA_AUTO_MIN_BLOCK_BYTES for p in self._pools)
 
     def _count(self, run: PairBatch) -> None:
         """Adds a run of one direction to the statistics."""

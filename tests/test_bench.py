@@ -14,6 +14,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 
 from jax_kvxfer import bench
 
@@ -219,8 +220,9 @@ class _PinnedArray(np.ndarray):
 
 def test_cupy_paths_with_stand_in(tmp_path):
     out = str(tmp_path / "res")
-    assert bench.main(["--quick", "--out", out, "--only", "ceiling,trtllm,overlap,bidir,sharded",
-                       "--no-plot"], _cupy_module=_fake_cupy()) == 0
+    assert bench.main(["--quick", "--out", out, "--only",
+                       "ceiling,ours,trtllm,overlap,bidir,sharded", "--no-plot"],
+                      _cupy_module=_fake_cupy()) == 0
     doc = _load(out)
     _check_common(doc, sections=("overlap", "bidirectional", "sharded"))
     recs = [r for r in doc["results"] if "gbps" in r]
@@ -232,6 +234,15 @@ def test_cupy_paths_with_stand_in(tmp_path):
     # the stand-in copies for real: every TensorRT-LLM-style case verified its data
     assert all(r["verified"] is True for r in recs if r["path"].startswith("trt"))
     assert all(c["path"] == "memcpy" for c in doc["ceilings"])
+    # device to device, a partial copy is also held against a memcpy of the bytes it moves
+    partial_d2d = [r for r in recs if r["path"] == "ours" and r["direction"] == "d2d"
+                   and r["n_label"] != "T"]
+    assert partial_d2d
+    for r in partial_d2d:
+        same = next(c for c in recs if (c["path"], c["direction"], c["n_label"], c["block_bytes"])
+                    == ("memcpy", "d2d", r["n_label"], r["block_bytes"]))
+        assert same["bytes_moved"] == r["bytes_moved"] < r["blocks"] * r["block_bytes"]
+        assert r["same_bytes_ratio"] == pytest.approx(r["gbps"] / same["gbps"])
     assert "memcpy_side_stream" in doc["overlap"]["paths"]
     assert "memcpy_two_streams" in doc["bidirectional"]["paths"]
     for case in doc["sharded"]["cases"]:  # the concurrent-memcpy ceiling of the sharded section

@@ -576,8 +576,52 @@ def test_dma_manager_matches_the_kernel_manager(rng):
         assert _native._kvxfer_cuda.dma_batches() > before
 
 
+def test_auto_dma_takes_the_copy_engines_for_large_whole_blocks_only(rng):
+    """dma="auto" (the default): on a GPU, a pool whose blocks reach DMA_AUTO_MIN_BLOCK_BYTES
+    offloads and onboards whole blocks with the copy engines, and everything else (its partial
+    blocks, a pool of small blocks) with the kernel; the pools end bitwise equal to a
+    dma=False manager's. Elsewhere "auto" is always the kernel."""
+    def pools_of(seed):
+        r = np.random.default_rng(seed)
+        big = kvx.KVCacheBlockPool.create(  # 2 * 2 * 8 * 16 * 128 * 4 bytes = 256 KiB
+            num_layers=2, num_kv_heads=8, size_per_head=128, tokens_per_block=16,
+            dtype=jnp.float32, kv_factor=2, num_primary_blocks=4, num_secondary_blocks=4)
+        small = kvx.KVCacheBlockPool.create(
+            num_layers=1, num_kv_heads=2, size_per_head=8, tokens_per_block=16,
+            dtype=jnp.float32, num_primary_blocks=4, num_secondary_blocks=4)
+        for p in (big, small):
+            p.primary = jax.device_put(random_like(r, p.primary), p.primary.sharding)
+            p.secondary = jax.device_put(random_like(r, p.secondary), p.secondary.sharding)
+        return [big, small]
+
+    seed = int(rng.integers(1 << 30))
+    auto_pools, ref_pools = pools_of(seed), pools_of(seed)
+    assert auto_pools[0].block_nbytes == manager_module.DMA_AUTO_MIN_BLOCK_BYTES
+    auto = kvx.KVCacheTransferManager(auto_pools)
+    ref = kvx.KVCacheTransferManager(ref_pools, dma=False)
+    gpu = jax.default_backend() == "gpu"
+    counter = _native._kvxfer_cuda.dma_batches if gpu else (lambda: 0)
+    src, dst = rng.permutation(4)[:3], rng.permutation(4)[:3]
+    steps = [  # (verb, pairs, num_tokens, host batches the copy engines should take)
+        ("offload_blocks", [(P(int(s)), S(int(d))) for s, d in zip(src, dst)], None, 1),
+        ("onboard_blocks", [(S(int(d)), P(int(s))) for s, d in zip(src, dst)], 5, 0),
+        ("onboard_blocks", [(S(int(s)), P(int(d))) for s, d in zip(dst, src)], [16, 0, -1], 1),
+    ]
+    for verb, pairs, tokens, engine_batches in steps:
+        before = counter()
+        for m in (auto, ref):
+            getattr(m, verb)(pairs, tokens)
+        auto.sync_transfers()
+        assert counter() - before == (engine_batches if gpu else 0), verb
+    ref.sync_transfers()
+    assert_same(snapshot(auto_pools), snapshot(ref_pools))
+    assert not np.array_equal(kvx.to_numpy(auto_pools[0].secondary),
+                              kvx.to_numpy(pools_of(seed)[0].secondary)), "nothing was offloaded"
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"dma": 1}, TypeError, "dma must be True or False, got 1"),
+    ({"dma": 1}, TypeError, 'dma must be True, False or "auto", got 1'),
+    ({"dma": "fast"}, TypeError, 'dma must be True, False or "auto", got \'fast\''),
     ({"dma": True, "plan_ring": False}, ValueError, "dma=True needs plan_ring=True"),
 ])
 def test_dma_manager_arguments(rng, kwargs, error, match):

@@ -60,6 +60,8 @@ class BenchCore:
         self.sections: dict[str, Any] = {}
         self.notes: list[str] = []
         self.ceilings: dict[tuple[str, int], dict[str, float]] = {}
+        # (direction, block bytes, n_label) -> GB/s of a memcpy of the bytes that case moves
+        self.same_bytes: dict[tuple[str, int, str], float] = {}
         self.cupy: CupyTools | None = None
         self.cupy_note: str | None = None
         if self.hsh is None:

@@ -67,6 +67,13 @@ class ReportMixin:
             rec["ratio"] = rec["gbps"] / ceil["gbps"]
             if rec.get("gpu_gbps"):
                 rec["gpu_ratio"] = rec["gpu_gbps"] / ceil["gbps"]
+            same = self.same_bytes.get((rec["direction"], rec["block_bytes"], rec.get("n_label")),
+                                       ceil["gbps"] if rec.get("n_label") == "T" else None)
+            if same and rec.get("direction") == "d2d":
+                rec["same_bytes_ceiling_gbps"] = same
+                rec["same_bytes_ratio"] = rec["gbps"] / same
+                if rec.get("gpu_gbps"):
+                    rec["same_bytes_gpu_ratio"] = rec["gpu_gbps"] / same
 
     # --- targets, table, plot -----------------------------------------------------------------
 
@@ -101,7 +108,11 @@ class ReportMixin:
                                "min_gpu_ratio_n1": min_ratio(one, "gpu_ratio")}
         d2d = [r for lab in ("T", "T-1", "T/2") for r in self._find("ours", "d2d", lab)]
         t["3_d2d_n_ge_half"] = {"min_ratio": min_ratio(d2d), "goal": 0.80,
-                                "min_gpu_ratio": min_ratio(d2d, "gpu_ratio")}
+                                "min_gpu_ratio": min_ratio(d2d, "gpu_ratio"),
+                                # against a memcpy of the bytes each case moves
+                                "min_same_bytes_ratio": min_ratio(d2d, "same_bytes_ratio"),
+                                "min_same_bytes_gpu_ratio": min_ratio(d2d,
+                                                                      "same_bytes_gpu_ratio")}
         vs: dict[str, Any] = {}
         for d in ("d2h", "h2d"):
             o, nv = self._find("ours", d, "T", 64 * KiB), self._find("naive", d, "T", 64 * KiB)
@@ -166,6 +177,7 @@ class ReportMixin:
                     cells.append(f"{_fmt_gbps(r['gbps'])} {ratio:>5}")
                 lines.append(f"{d:4} {fmt_size(size):>6} " + " ".join(cells))
         lines += self._gpu_time_table()
+        lines += self._same_bytes_table()
         errs = [r for r in self.results if r.get("error")]
         if errs:
             lines.append(f"{len(errs)} case(s) failed: " + "; ".join(
@@ -190,6 +202,26 @@ class ReportMixin:
             return []
         head = f"{'dir':4} {'block':>6} " + " ".join(f"{'ours:' + n:>12}" for n in labels)
         return ["", "ours by its kernels' GPU time (profiler trace), % of the same ceiling", head,
+                "-" * len(head), *rows]
+
+    def _same_bytes_table(self) -> list[str]:
+        """Device to device `ours` against a memcpy of the bytes each case moves: wall / GPU."""
+        labels = ("T", "T-1", "T/2", "1")
+        rows = []
+        for size in self.cfg.sizes:
+            cells = []
+            for n in labels:
+                r = next((r for r in self._find("ours", "d2d", n, size)
+                          if r.get("same_bytes_ratio")), None)
+                gpu = f"{r['same_bytes_gpu_ratio']:4.0%}" if r and r.get("same_bytes_gpu_ratio") \
+                    else "  - "
+                cells.append(f"{r['same_bytes_ratio']:4.0%} / {gpu}" if r else f"{'-':>11}")
+            if any(c.strip() != "-" for c in cells):
+                rows.append(f"d2d  {fmt_size(size):>6} " + " ".join(cells))
+        if not rows:
+            return []
+        head = f"{'dir':4} {'block':>6} " + " ".join(f"{'ours:' + n:>11}" for n in labels)
+        return ["", "d2d ours against a memcpy of the bytes it moves (wall / GPU time)", head,
                 "-" * len(head), *rows]
 
     def summary(self) -> str:

@@ -111,6 +111,8 @@ class SweepMixin:
                             memcpy_case)
             if rec.get("gbps"):
                 self.ceilings[(d, geom.block_bytes)] = {"gbps": rec["gbps"], "path": "memcpy"}
+            if d2d and "ours" in self.cfg.only:
+                self.same_bytes_ceilings(geom, B, dbase)
 
         def contig_case() -> dict[str, Any]:
             x = pool(src)
@@ -130,6 +132,29 @@ class SweepMixin:
                         contig_case)
         if rec.get("gbps") and (d, geom.block_bytes) not in self.ceilings:
             self.ceilings[(d, geom.block_bytes)] = {"gbps": rec["gbps"], "path": "jax_contig"}
+
+    def same_bytes_ceilings(self, geom: Geometry, B: int, dbase: dict[str, Any]) -> None:
+        """Device to device, one contiguous memcpy of as many bytes as a partial copy of B
+        blocks moves (path "memcpy", n_label T/2, ...): HBM reaches less on a shorter copy, so
+        this is the ceiling a partial copy can reach (`same_bytes_ratio`), beside the whole
+        batch's memcpy (`ratio`)."""
+        cu = self.cupy
+        for label, n in n_cases(geom.tokens):
+            if n >= geom.tokens:
+                continue
+            nbytes = B * geom.moved(n)
+
+            def memcpy_case(nbytes: int = nbytes) -> dict[str, Any]:
+                reps = _clamp(math.ceil(self.cfg.sample_target_d2d / nbytes), 1, 32)
+                times, info = cu.time_ops(
+                    lambda s: cu.memcpy(cu.ptr("dev_b"), cu.ptr("dev_a"), nbytes, s), reps=reps,
+                    samples=self.cfg.repeats, warmup=self.cfg.warmup, gpu_only=True)
+                return self.timing(times, nbytes, timing="cuda events", **info)
+
+            rec = self.case({**dbase, "path": "memcpy", "kind": "ceiling", "n_label": label},
+                            memcpy_case)
+            if rec.get("gbps"):
+                self.same_bytes[("d2d", geom.block_bytes, label)] = rec["gbps"]
 
     def ours_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any],
                    pool: Callable[[str], jax.Array], src: str, dst: str,
