@@ -37,7 +37,9 @@ device -> pinned_host), `h2d` (onboard, pinned_host -> device), `d2d` (device ->
 
 Bandwidth counts the bytes actually moved: n * row_bytes * outer per block (whole: block bytes).
 Each ratio divides by the same-direction, same-size ceiling of this run (`memcpy` when cupy ran,
-else `jax_contig`). Partial copies are compared with the whole-batch contiguous ceiling.
+else `jax_contig`). Partial copies are compared with the whole-batch contiguous ceiling; device to
+device they also get `same_bytes_ratio`, against a `memcpy` of just the bytes they move (records
+with path `memcpy` and their n_label).
 
 Other sections:
   host_overhead  time for a jitted, donated `copy_blocks` of 64 blocks (manager-like) to return
