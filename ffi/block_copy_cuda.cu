@@ -224,18 +224,19 @@ __global__ void SupersededTokensKernel(Batch b, int32_t* first) {
 }
 
 // Work units of kThreads threads per pair: about 16 KiB of the block each, but no more units
-// than a partial block has runs for (one per warp: a partial copy of a block of many runs
-// would otherwise leave most of its warps idle; partial probe, 4 MiB T/2: 94 % with one run
-// per warp against 84 % with four warps per run), unless the batch then falls short of about
-// one wave of CTAs on a large GPU.
-constexpr int64_t kOneWaveCtas = 1056;  // H200: 132 SMs x 8 CTAs of kThreads
+// than a partial block has runs for, one per warp (a partial copy hands each warp whole runs,
+// so further warps would idle: at 4 MiB T/2 the partial probe's one run per warp reached 94 %
+// of a memcpy of the same bytes, v10's four warps per run 84 %), as long as the batch still
+// fills about one wave of CTAs.
+constexpr int64_t kOneWaveCtas = 1056;  // H200: 132 SMs x 8 CTAs of kThreads threads
 int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs) {
-  const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
   constexpr int64_t kWarps = kThreads / 32;
+  const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
   const int64_t by_bytes = (g.block_bytes + per_unit - 1) / per_unit;
-  const int64_t by_runs = std::max((g.outer + kWarps - 1) / kWarps,
-                                   (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1));
-  return std::clamp<int64_t>(std::min(by_bytes, by_runs), 1, kMaxCtasPerPair);
+  const int64_t by_runs = (g.outer + kWarps - 1) / kWarps;
+  const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
+  return std::clamp<int64_t>(std::min(by_bytes, std::max(by_runs, one_wave)), 1,
+                             kMaxCtasPerPair);
 }
 
 // Whether the copy kernel can scan for later writers itself (kScanInCopy): a full grid, and a
@@ -243,7 +244,8 @@ int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs) {
 // units_per_pair entries in all, from L2) costs less than the launch of a scan kernel.
 constexpr int64_t kScanInCopyMaxReads = int64_t{1} << 22;
 bool FusedScanFits(const Batch& b, int64_t max_ctas) {
-  return max_ctas <= 0 && b.num_pairs <= kScanInCopyMaxReads / b.num_pairs / UnitsPerPair(b.g, b.num_pairs);
+  return max_ctas <= 0 &&
+         b.num_pairs <= kScanInCopyMaxReads / b.num_pairs / UnitsPerPair(b.g, b.num_pairs);
 }
 
 ffi::Error CudaError(cudaError_t err, const char* what) {

@@ -136,10 +136,11 @@ def _facts_across(batch: PairBatch) -> IndexFacts:
 
 # dma="auto" puts a run between the two memories on the copy engines when it copies whole
 # blocks of at least this many bytes (per pool). Measured through the manager on the H200
-# (benchmarks/NOTES.md, v8): the copy engines are ahead from 256 KiB (offload/onboard 84/81 %
-# of the memcpy ceiling against the kernel's 82/77 %; at 4 MiB 97/95 % against 92/86 %) and
-# behind at 16-64 KiB, where one copy per block costs more than it moves; a partial block is
-# one strided copy each, far slower than the kernel at every size measured.
+# (benchmarks/NOTES.md, v8 and the run of 21:29): the copy engines are ahead from 256 KiB
+# (offload/onboard 90/90 % of the memcpy ceiling against the kernel's 87/83 %; at 4 MiB 96/96 %
+# against 92/88 %) and behind at 16-64 KiB (64/45 % against 78/75 % at 64 KiB), where a copy
+# per block costs more than it moves; a partial block is one strided copy each, far slower than
+# the kernel at every size measured.
 DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
 
 
