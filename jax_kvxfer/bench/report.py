@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -185,44 +186,40 @@ class ReportMixin:
                 f"n={r.get('n_label', '')}" for r in errs[:8]))
         return "\n".join(lines)
 
-    def _gpu_time_table(self) -> list[str]:
-        """`ours` again, timed by its kernels' GPU time (profiler) instead of the wall clock."""
+    def _ours_table(self, title: str, directions: tuple[str, ...], width: int,
+                    cell: Callable[[dict[str, Any]], str | None]) -> list[str]:
+        """One row per direction and size, one column per n of `ours`: cell(record), or "-"
+        where it gives None or the case did not run. No rows: no table."""
         labels = ("T", "T-1", "T/2", "1")
         rows = []
-        for d in DIRECTIONS:
+        for d in directions:
             for size in self.cfg.sizes:
-                cells = []
-                for n in labels:
-                    r = next((r for r in self._find("ours", d, n, size) if r.get("gpu_gbps")), None)
-                    cells.append(f"{_fmt_gbps(r['gpu_gbps'])} {r.get('gpu_ratio', 0):4.0%}" if r
-                                 else f"{'-':>12}")
+                cells = [next((c for r in self._find("ours", d, n, size)
+                               if (c := cell(r)) is not None), f"{'-':>{width}}")
+                         for n in labels]
                 if any(c.strip() != "-" for c in cells):
                     rows.append(f"{d:4} {fmt_size(size):>6} " + " ".join(cells))
         if not rows:
             return []
-        head = f"{'dir':4} {'block':>6} " + " ".join(f"{'ours:' + n:>12}" for n in labels)
-        return ["", "ours by its kernels' GPU time (profiler trace), % of the same ceiling", head,
-                "-" * len(head), *rows]
+        head = f"{'dir':4} {'block':>6} " + " ".join(f"{'ours:' + n:>{width}}" for n in labels)
+        return ["", title, head, "-" * len(head), *rows]
+
+    def _gpu_time_table(self) -> list[str]:
+        """`ours` again, timed by its kernels' GPU time (profiler) instead of the wall clock."""
+        return self._ours_table(
+            "ours by its kernels' GPU time (profiler trace), % of the same ceiling", DIRECTIONS,
+            12, lambda r: f"{_fmt_gbps(r['gpu_gbps'])} {r.get('gpu_ratio', 0):4.0%}"
+            if r.get("gpu_gbps") else None)
 
     def _same_bytes_table(self) -> list[str]:
         """Device to device `ours` against a memcpy of the bytes each case moves: wall / GPU."""
-        labels = ("T", "T-1", "T/2", "1")
-        rows = []
-        for size in self.cfg.sizes:
-            cells = []
-            for n in labels:
-                r = next((r for r in self._find("ours", "d2d", n, size)
-                          if r.get("same_bytes_ratio")), None)
-                gpu = f"{r['same_bytes_gpu_ratio']:4.0%}" if r and r.get("same_bytes_gpu_ratio") \
-                    else "  - "
-                cells.append(f"{r['same_bytes_ratio']:4.0%} / {gpu}" if r else f"{'-':>11}")
-            if any(c.strip() != "-" for c in cells):
-                rows.append(f"d2d  {fmt_size(size):>6} " + " ".join(cells))
-        if not rows:
-            return []
-        head = f"{'dir':4} {'block':>6} " + " ".join(f"{'ours:' + n:>11}" for n in labels)
-        return ["", "d2d ours against a memcpy of the bytes it moves (wall / GPU time)", head,
-                "-" * len(head), *rows]
+        def cell(r: dict[str, Any]) -> str | None:
+            if not r.get("same_bytes_ratio"):
+                return None
+            gpu = r.get("same_bytes_gpu_ratio")
+            return f"{r['same_bytes_ratio']:4.0%} / " + (f"{gpu:4.0%}" if gpu else "  - ")
+        return self._ours_table("d2d ours against a memcpy of the bytes it moves (wall / GPU time)",
+                                ("d2d",), 11, cell)
 
     def summary(self) -> str:
         out = []
