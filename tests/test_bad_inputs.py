@@ -607,6 +607,13 @@ CASES: list[Case] = [
     Case("manager-not-a-pool", "KVCacheTransferManager", "a string among the pools",
          TypeError, "pools[1] must be a KVCacheBlockPool, got str",
          lambda c, mp: lambda: kvx.KVCacheTransferManager([c.pair[0], "pool"])),
+    Case("manager-dma-not-a-choice", "KVCacheTransferManager", "dma='fast'", TypeError,
+         'dma must be True, False or "auto", got \'fast\'',
+         lambda c, mp: lambda: kvx.KVCacheTransferManager(c.pair, dma="fast")),
+    Case("manager-dma-without-ring", "KVCacheTransferManager", "dma=True, plan_ring=False",
+         ValueError, "dma=True needs plan_ring=True: the copy engines are handed the block "
+         "indices from the plan ring's pinned_host arrays",
+         lambda c, mp: lambda: kvx.KVCacheTransferManager(c.pair, dma=True, plan_ring=False)),
 ]
 
 
