@@ -613,6 +613,12 @@ def test_auto_dma_takes_the_copy_engines_for_large_whole_blocks_only(rng):
             getattr(m, verb)(pairs, tokens)
         auto.sync_transfers()
         assert counter() - before == (engine_batches if gpu else 0), verb
+    # both directions at once, whole blocks: the large pool's fork and join on the engines
+    before = counter()
+    for m in (auto, ref):
+        m.offload_and_onboard([(P(0), S(3))], [(S(1), P(2))])
+    auto.sync_transfers()
+    assert (counter() > before) == gpu
     ref.sync_transfers()
     assert_same(snapshot(auto_pools), snapshot(ref_pools))
     assert not np.array_equal(kvx.to_numpy(auto_pools[0].secondary),
