@@ -139,6 +139,7 @@ class Config:
     bidir_block: int
     bidir_blocks: int
     host_block: int
+    host_block_dma: int  # the manager's variant that dma="auto" sends to the copy engines
     host_pool_blocks: int
     host_batch: int
     host_calls: int
@@ -225,6 +226,7 @@ def parse_args(argv: list[str]) -> Config:
         bidir_block=(16 * KiB if q else 1 * MiB),
         bidir_blocks=(16 if q else 256),
         host_block=(4 * KiB if q else 64 * KiB),
+        host_block_dma=(16 * KiB if q else 1 * MiB),
         host_pool_blocks=(128 if q else 256),
         host_batch=64,
         host_calls=(30 if q else 200),

@@ -21,7 +21,8 @@ class HostOverheadMixin:
     def run_host_overhead(self) -> None:
         """Time for a 64-block transfer call to return to Python (no blocking), and whether any
         call of the timed loop compiled. Variants: the transfer manager's `offload_blocks` /
-        `onboard_blocks` (target 6's API, when `jax_kvxfer.manager` imports), a jitted donated
+        `onboard_blocks` (target 6's API), with the section's blocks and with blocks of
+        `host_block_dma` bytes (which dma="auto" copies with the copy engines), a jitted donated
         `copy_blocks` with numpy or device indices, and `copy_blocks` called outside jit."""
         cfg = self.cfg
         geom = geometry_for(cfg.host_block)
@@ -47,21 +48,27 @@ class HostOverheadMixin:
             jit_fn = jax.jit(lambda dst, src, si, di: copy_blocks(dst, src, si, di),
                              donate_argnums=0, out_shardings=dst_sh)
 
-            for variant in (f"manager {name}_blocks", "jit, numpy indices",
+            # the manager twice: with blocks that it copies with the kernel, and with blocks
+            # large enough that dma="auto" takes the copy engines, whose handler enqueues one
+            # copy per block on the host when the program runs
+            big = geometry_for(cfg.host_block_dma)
+            big_label = f"manager {name}_blocks {fmt_size(big.block_bytes)}"
+            for variant in (f"manager {name}_blocks", big_label, "jit, numpy indices",
                             "jit, pinned_host indices", "jit, device indices",
                             "eager copy_blocks"):
                 def setup(variant: str = variant, src_sh: Any = src_sh, dst_sh: Any = dst_sh,
-                          jit_fn: Any = jit_fn, batches: list[Any] = batches, d: str = d
+                          jit_fn: Any = jit_fn, batches: list[Any] = batches, d: str = d,
+                          g: Any = big if variant == big_label else geom
                           ) -> tuple[Callable[[int], None], Callable[[], None], Any]:
                     """(call(i), sync(), jitted fn or None) for one variant."""
                     if variant.startswith("manager"):
                         from ..manager import KVCacheTransferManager
                         from ..pool import KVCacheBlock, KVCacheBlockPool
                         kvpool = KVCacheBlockPool.create(
-                            num_layers=geom.layers, num_kv_heads=geom.heads,
-                            size_per_head=geom.head_dim, tokens_per_block=geom.tokens,
+                            num_layers=g.layers, num_kv_heads=g.heads,
+                            size_per_head=g.head_dim, tokens_per_block=g.tokens,
                             dtype=DTYPE, num_primary_blocks=P, num_secondary_blocks=P,
-                            kv_factor=geom.kv)
+                            kv_factor=g.kv)
                         tm = KVCacheTransferManager([kvpool])
                         on_primary = d == "d2h"  # the source side
                         pair_lists = []
