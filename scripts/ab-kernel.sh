@@ -6,7 +6,8 @@
 #   scripts/ab-kernel.sh OLD.cu [ROUNDS] [BENCH ARGS...]
 # (default: 2 rounds of `bench --only ours,ceiling --sizes 64K,256K,1M,4M --repeats 5`).
 # Logs: $OUT/ab-{new,old}{1,2,..}.log (the bench's JSON and plots stay in a scratch folder, so
-# few files come back); the working tree's file is restored at the end.
+# few files come back; the summary reads the JSON there); the working tree's file is restored
+# at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-ab}
@@ -31,18 +32,23 @@ for r in $(seq 1 "$rounds"); do
     echo "ab $v$r: exit $?"
   done
 done
-# One line per case (every ours* path) and version: the percent of the ceiling in each round.
-python3 - "$OUT" "$rounds" <<'PY'
-import re, sys
+# One line per case (every ours* path) and version: the percent of the ceiling in each round,
+# through the wall clock and (in brackets) in the kernels' GPU time, read from the bench's JSON.
+python3 - "$rounds" "$scratch" <<'PY'
+import glob, json, sys
 from collections import defaultdict
-out, rounds = sys.argv[1], int(sys.argv[2])
-rows = defaultdict(dict)
+rounds, scratch = int(sys.argv[1]), sys.argv[2]
+rows = defaultdict(lambda: defaultdict(list))
 for v in ("new", "old"):
     for r in range(1, rounds + 1):
-        for line in open(f"{out}/ab-{v}{r}.log"):
-            m = re.search(r"\] (\w+ \S+ ours\w* n=\S+):.*\(\s*([\d.]+)% of", line)
-            if m:
-                rows[m.group(1)].setdefault(v, []).append(m.group(2))
+        for path in glob.glob(f"{scratch}/{v}{r}/*.json"):
+            for rec in json.load(open(path))["results"]:
+                if not rec.get("path", "").startswith("ours") or not rec.get("ratio"):
+                    continue
+                case = (f"{rec['direction']} {rec['block_bytes'] >> 10}K {rec['path']} "
+                        f"n={rec['n_label']}")
+                gpu = f" ({rec['gpu_ratio']:.1%})" if rec.get("gpu_ratio") else ""
+                rows[case][v].append(f"{rec['ratio']:.1%}{gpu}")
 for case, by in rows.items():
-    print(f"AB {case:28s} new {'/'.join(by.get('new', []))}  old {'/'.join(by.get('old', []))}")
+    print(f"AB {case:28s} new {' / '.join(by['new'])}  old {' / '.join(by['old'])}")
 PY

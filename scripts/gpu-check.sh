@@ -2,10 +2,11 @@
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [sharded] [demo-tp]
-#                        [profile] [sanitize] [stress] [stress-dma] [partial-probe]
+#                        [profile] [sanitize] [stress] [stress-dma] [partial-probe] [pipeline]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
 #   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
-#   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX).
+#   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX);
+#   pipeline: scripts/pipeline_probe.py (wall clock vs calls in flight, gaps between executions).
 #   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
 #   a machine with 2 or more GPUs). stress-dma: 30,000 stress operations with a dma=True manager.
@@ -60,6 +61,12 @@ if has partial-probe; then
     && "$OUT/partial_probe.bin" >> "$OUT/partial-probe.txt" 2>&1
   summary+=("partial probe: exit $? ($(( $(date +%s) - t )) s)")
   rm -f "$OUT/partial_probe.bin"
+fi
+if has pipeline; then
+  t=$(date +%s)
+  python3 scripts/pipeline_probe.py > "$OUT/pipeline-probe.txt" 2> "$OUT/pipeline-probe.log"
+  summary+=("pipeline probe: exit $? ($(( $(date +%s) - t )) s)")
+  cat "$OUT/pipeline-probe.txt"
 fi
 if has demo; then
   t=$(date +%s)
