@@ -1,0 +1,172 @@
+// The per-thread work of the batched copy kernel: which bytes each thread of each work unit
+// copies. Shared by the CUDA handler (block_copy_cuda.cu), where every function runs on the GPU,
+// and by a host emulation (tests/native/copy_units_emulation.cc), which runs every unit and
+// thread of a launch one after another and checks the bytes against a reference, so the index
+// arithmetic is tested on machines without a GPU. Nothing here may use CUDA beyond the
+// qualifiers below and the vector types uint2 / uint4.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "block_copy.h"
+
+#if defined(__CUDACC__)
+#define KVXFER_DEVICE __device__
+#define KVXFER_DEVICE_INLINE __device__ __forceinline__
+#else
+#define KVXFER_DEVICE
+#define KVXFER_DEVICE_INLINE inline
+#endif
+
+namespace kvxfer {
+
+constexpr int kThreads = 256;                // threads of one work unit ("virtual CTA")
+constexpr int kUnroll = 4;                   // vector loads in flight per thread
+constexpr int64_t kMaxCtasPerPair = 4096;
+
+// One side of a batch: a pool addressed by the pair's block index, or a staging buffer laid out
+// one block per pair (by_pair).
+struct Side {
+  char* data;
+  bool by_pair;
+};
+
+struct Batch {
+  Side dst, src;
+  const int32_t* src_idx;     // [num_pairs]
+  const int32_t* dst_idx;     // [num_pairs]
+  const int32_t* num_tokens;  // [num_pairs]
+  const int32_t* first;       // [num_pairs] tokens a later pair overwrites anyway, or null
+  int64_t num_pairs, src_blocks, dst_blocks;
+  PoolGeometry g;
+  bool scan_in_copy = false;  // each CTA finds its pair's `first` itself (FusedScanFits)
+};
+
+// Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
+KVXFER_DEVICE_INLINE bool PairValid(const Batch& b, int64_t pair) {
+  int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
+  return s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;
+}
+
+KVXFER_DEVICE_INLINE int64_t SlotOf(const Side& side, const int32_t* idx, int64_t pair) {
+  return side.by_pair ? pair : idx[pair];
+}
+
+// Copies `runs` runs of `per_run` vectors, `pitch` bytes apart: each group of kGroup lanes of a
+// warp takes whole runs and its lanes stride along one, so no thread divides to find its run
+// and a run of a few vectors (n = 1) does not leave most of the warp idle. The `stride`
+// threads of this pair take the work from `first`.
+template <typename V, int kGroup>
+KVXFER_DEVICE void CopyShortRuns(char* __restrict__ dst, const char* __restrict__ src, int64_t runs,
+                              int64_t per_run, int64_t pitch, int64_t first, int64_t stride) {
+  constexpr int64_t kGroupsPerWarp = 32 / kGroup;
+  const int lane = static_cast<int>(first % 32);
+  const int64_t run_stride = stride / 32 * kGroupsPerWarp;
+  for (int64_t r = first / 32 * kGroupsPerWarp + lane / kGroup; r < runs; r += run_stride) {
+    const V* __restrict__ s = reinterpret_cast<const V*>(src + r * pitch);
+    V* __restrict__ d = reinterpret_cast<V*>(dst + r * pitch);
+    for (int64_t base = lane % kGroup; base < per_run; base += kGroup * kUnroll) {
+      V v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * kGroup < per_run) v[k] = s[base + k * kGroup];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * kGroup < per_run) d[base + k * kGroup] = v[k];
+      }
+    }
+  }
+}
+
+// Copies `runs` runs of `run_bytes` each, `pitch` bytes apart, using vectors of type V. The
+// `stride` threads of this pair take the work from `first` (the thread's rank among them).
+template <typename V>
+KVXFER_DEVICE void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, int64_t runs,
+                         int64_t run_bytes, int64_t pitch, int64_t first, int64_t stride) {
+  const int64_t per_run = run_bytes / sizeof(V);
+  if (runs == 1) {
+    // A whole block: one contiguous run, in chunks of kThreads * kUnroll vectors, each read and
+    // written by one work unit, so that a unit's loads in flight are neighbours (DRAM pages)
+    // rather than `stride` vectors apart. `first` is unit * kThreads + thread and `stride`
+    // units * kThreads (CopyUnit).
+    constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;
+    const int64_t thread = first % kThreads, unit = first / kThreads, units = stride / kThreads;
+    const V* __restrict__ s = reinterpret_cast<const V*>(src);
+    V* __restrict__ d = reinterpret_cast<V*>(dst);
+    for (int64_t base = unit * kChunk + thread; base < per_run; base += units * kChunk) {
+      V v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * kThreads < per_run) v[k] = s[base + k * kThreads];
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (base + k * kThreads < per_run) d[base + k * kThreads] = v[k];
+      }
+    }
+    return;
+  }
+  // A partial block: `runs` short runs (one per layer, K/V and head), copied by lane groups of
+  // the fewest lanes (a power of two) that cover a run in one step: a constant per loop, so the
+  // index arithmetic of these device-speed loops stays shifts and masks.
+  if (per_run > 16) {
+    CopyShortRuns<V, 32>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 8) {
+    CopyShortRuns<V, 16>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 4) {
+    CopyShortRuns<V, 8>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 2) {
+    CopyShortRuns<V, 4>(dst, src, runs, per_run, pitch, first, stride);
+  } else if (per_run > 1) {
+    CopyShortRuns<V, 2>(dst, src, runs, per_run, pitch, first, stride);
+  } else {
+    CopyShortRuns<V, 1>(dst, src, runs, per_run, pitch, first, stride);
+  }
+}
+
+// Work unit u in [0, num_pairs * units_per_pair) copies a strided share of pair
+// u / units_per_pair: tokens [start, n) of every run of the block (start: the tokens a later
+// pair writes anyway), or the whole block as one run, with vectors of type V (every address and
+// length of the batch is aligned to V). kThreads threads per unit.
+template <typename V>
+KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
+                         int64_t start) {
+  const int64_t pair = unit / units_per_pair;
+  const int64_t cta = unit % units_per_pair;
+  if (pair >= b.num_pairs || !PairValid(b, pair)) return;
+  const PoolGeometry& g = b.g;
+  const int64_t n = TokensToCopy(b.num_tokens[pair], g);
+  if (start >= n) return;
+
+  int64_t runs = 1, run_bytes = g.block_bytes, pitch = 0, offset = 0;
+  if (start > 0 || n < g.tokens) {
+    runs = g.outer;
+    run_bytes = (n - start) * g.row_bytes;
+    pitch = g.tokens * g.row_bytes;
+    offset = start * g.row_bytes;
+  }
+  char* dst = b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * g.block_bytes + offset;
+  const char* src = b.src.data + SlotOf(b.src, b.src_idx, pair) * g.block_bytes + offset;
+  CopyRuns<V>(dst, src, runs, run_bytes, pitch, cta * kThreads + thread,
+              units_per_pair * kThreads);
+}
+
+// Work units of kThreads threads per pair: about 16 KiB of the block each, but no more units
+// than a partial block has runs for, one per warp (a partial copy hands each warp whole runs,
+// so further warps would idle: at 4 MiB T/2 the partial probe's one run per warp reached 94 %
+// of a memcpy of the same bytes, v10's four warps per run 84 %), as long as the batch still
+// fills about one wave of CTAs.
+constexpr int64_t kOneWaveCtas = 1056;  // H200: 132 SMs x 8 CTAs of kThreads threads
+inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs) {
+  constexpr int64_t kWarps = kThreads / 32;
+  const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
+  const int64_t by_bytes = (g.block_bytes + per_unit - 1) / per_unit;
+  const int64_t by_runs = (g.outer + kWarps - 1) / kWarps;
+  const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
+  return std::clamp<int64_t>(std::min(by_bytes, std::max(by_runs, one_wave)), 1,
+                             kMaxCtasPerPair);
+}
+
+}  // namespace kvxfer

@@ -1,0 +1,235 @@
+// Host emulation of the copy kernel's work distribution (ffi/copy_units.cuh), for machines
+// without a GPU: runs CopyUnit for every work unit and thread of a launch, one after another,
+// and checks the result against a reference that applies the pairs in order.
+//
+// Each random case (geometry, vector width, batch with padding, out-of-range and repeated
+// indices, token counts from -1 to T+1) runs twice, units in forward and in reverse order: two
+// units that wrote the same bytes with different data (a race on the GPU) would make the two
+// runs differ. Pools are separate allocations with guard bytes around them, so a write outside
+// them shows here (and under -fsanitize=address as well). Prints "ok N cases" or the first
+// failure, and exits 0 only when every case matched.
+//
+//   g++ -std=c++17 -I ffi -isystem "$(python -c "import jax.ffi; print(jax.ffi.include_dir())")"
+//       tests/native/copy_units_emulation.cc && ./a.out [cases] [seed]
+// (tests/test_native_emulation.py builds and runs it.)
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+struct uint2 {
+  uint32_t x, y;
+};
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+
+#include "copy_units.cuh"
+
+namespace {
+
+using kvxfer::Batch;
+using kvxfer::PoolGeometry;
+
+constexpr int64_t kGuard = 64;       // bytes before and after every buffer
+constexpr uint8_t kCanary = 0xA5;
+
+// A buffer with guard bytes on both sides, 16-byte aligned like XLA's buffers.
+struct Buffer {
+  std::vector<uint8_t> storage;
+  int64_t size;
+  explicit Buffer(int64_t bytes) : storage(bytes + 2 * kGuard + 16, kCanary), size(bytes) {}
+  uint8_t* data() {
+    auto p = reinterpret_cast<uintptr_t>(storage.data()) + kGuard;
+    return reinterpret_cast<uint8_t*>((p + 15) & ~uintptr_t{15});
+  }
+  bool GuardsIntact() {
+    const uint8_t* d = data();
+    for (const uint8_t* p = storage.data(); p < d; ++p) {
+      if (*p != kCanary) return false;
+    }
+    for (const uint8_t* p = d + size; p < storage.data() + storage.size(); ++p) {
+      if (*p != kCanary) return false;
+    }
+    return true;
+  }
+};
+
+struct Case {
+  PoolGeometry g;
+  int64_t num_pairs, src_blocks, dst_blocks;
+  std::vector<int32_t> src_idx, dst_idx, tokens;
+  bool gather;  // the staging path: every valid pair's source into its own slot (by_pair)
+};
+
+bool Valid(const Case& c, int64_t i) {
+  return c.src_idx[i] >= 0 && c.src_idx[i] < c.src_blocks && c.dst_idx[i] >= 0 &&
+         c.dst_idx[i] < c.dst_blocks;
+}
+
+// The pairs applied one after another: tokens [0, n) of every run, the last writer winning.
+void Reference(const Case& c, const uint8_t* src, uint8_t* dst) {
+  const PoolGeometry& g = c.g;
+  for (int64_t i = 0; i < c.num_pairs; ++i) {
+    if (!Valid(c, i)) continue;
+    const int64_t n = kvxfer::TokensToCopy(c.tokens[i], g);
+    const uint8_t* s = src + c.src_idx[i] * g.block_bytes;
+    uint8_t* d = dst + (c.gather ? i : c.dst_idx[i]) * g.block_bytes;
+    if (n == g.tokens) {
+      std::memcpy(d, s, g.block_bytes);
+      continue;
+    }
+    for (int64_t r = 0; r < g.outer; ++r) {
+      std::memcpy(d + r * g.tokens * g.row_bytes, s + r * g.tokens * g.row_bytes,
+                  n * g.row_bytes);
+    }
+  }
+}
+
+// What the duplicate scan gives pair i: the most tokens a later valid pair to its block writes.
+std::vector<int32_t> LaterWriters(const Case& c) {
+  std::vector<int32_t> first(c.num_pairs, 0);
+  for (int64_t i = 0; i < c.num_pairs; ++i) {
+    if (!Valid(c, i)) continue;
+    for (int64_t j = i + 1; j < c.num_pairs; ++j) {
+      if (Valid(c, j) && c.dst_idx[j] == c.dst_idx[i]) {
+        first[i] = std::max<int32_t>(first[i], kvxfer::TokensToCopy(c.tokens[j], c.g));
+      }
+    }
+  }
+  return first;
+}
+
+template <typename V>
+void Emulate(const Batch& b, bool reverse) {
+  const int64_t units_per_pair = kvxfer::UnitsPerPair(b.g, b.num_pairs);
+  const int64_t units = b.num_pairs * units_per_pair;
+  for (int64_t k = 0; k < units; ++k) {
+    const int64_t u = reverse ? units - 1 - k : k;
+    const int64_t start = b.first ? b.first[u / units_per_pair] : 0;
+    for (int t = 0; t < kvxfer::kThreads; ++t) {
+      kvxfer::CopyUnit<V>(b, u, units_per_pair, reverse ? kvxfer::kThreads - 1 - t : t, start);
+    }
+  }
+}
+
+// The handler's choice of vector width: every address and length aligned to it.
+template <typename F>
+void WithVector(const PoolGeometry& g, uintptr_t bases, F&& f) {
+  const uint64_t align = bases | static_cast<uint64_t>(g.block_bytes) |
+                         static_cast<uint64_t>(g.row_bytes);
+  if (align % 16 == 0) {
+    f(uint4{});
+  } else if (align % 8 == 0) {
+    f(uint2{});
+  } else if (align % 4 == 0) {
+    f(uint32_t{});
+  } else {
+    f(uint8_t{});
+  }
+}
+
+Case RandomCase(std::mt19937_64& rng) {
+  auto pick = [&rng](std::initializer_list<int64_t> xs) {
+    return *(xs.begin() + std::uniform_int_distribution<size_t>(0, xs.size() - 1)(rng));
+  };
+  Case c;
+  c.g.outer = pick({1, 2, 3, 8, 17, 64, 128});
+  c.g.tokens = pick({1, 2, 6, 16, 32});
+  if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) {
+    // 4-bit rows of 3 elements: a row is not a whole number of bytes, only whole blocks copy
+    c.g.row_bytes = 0;
+    c.g.block_bytes = c.g.outer * c.g.tokens * 12 / 8;
+    if (c.g.block_bytes == 0 || (c.g.outer * c.g.tokens * 12) % 8) c.g.block_bytes = 3 * c.g.outer;
+  } else {
+    c.g.row_bytes = pick({1, 2, 4, 6, 8, 16, 48, 128, 256});
+    c.g.block_bytes = c.g.outer * c.g.tokens * c.g.row_bytes;
+  }
+  c.num_pairs = pick({1, 2, 3, 7, 40, 300});
+  c.src_blocks = pick({1, 3, 8, 33});
+  c.dst_blocks = pick({1, 3, 8, 33});
+  c.gather = std::uniform_int_distribution<int>(0, 4)(rng) == 0;
+  std::uniform_int_distribution<int32_t> si(-2, static_cast<int32_t>(c.src_blocks));
+  std::uniform_int_distribution<int32_t> di(-2, static_cast<int32_t>(c.dst_blocks));
+  std::uniform_int_distribution<int32_t> nt(-1, static_cast<int32_t>(c.g.tokens) + 1);
+  for (int64_t i = 0; i < c.num_pairs; ++i) {
+    c.src_idx.push_back(si(rng));
+    c.dst_idx.push_back(di(rng));
+    c.tokens.push_back(nt(rng));
+  }
+  return c;
+}
+
+std::string Describe(const Case& c) {
+  char s[256];
+  std::snprintf(s, sizeof s,
+                "outer %lld tokens %lld row_bytes %lld block_bytes %lld pairs %lld src_blocks "
+                "%lld dst_blocks %lld gather %d",
+                static_cast<long long>(c.g.outer), static_cast<long long>(c.g.tokens),
+                static_cast<long long>(c.g.row_bytes), static_cast<long long>(c.g.block_bytes),
+                static_cast<long long>(c.num_pairs), static_cast<long long>(c.src_blocks),
+                static_cast<long long>(c.dst_blocks), c.gather ? 1 : 0);
+  return s;
+}
+
+// Runs one case in both orders; returns an empty string or what went wrong.
+std::string Check(const Case& c, std::mt19937_64& rng) {
+  const int64_t dst_slots = c.gather ? c.num_pairs : c.dst_blocks;
+  Buffer src(c.src_blocks * c.g.block_bytes);
+  std::vector<uint8_t> dst0(dst_slots * c.g.block_bytes);
+  for (int64_t i = 0; i < src.size; ++i) src.data()[i] = static_cast<uint8_t>(rng());
+  for (auto& x : dst0) x = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> want = dst0;
+  Reference(c, src.data(), want.data());
+  const std::vector<int32_t> first = LaterWriters(c);
+
+  for (bool reverse : {false, true}) {
+    Buffer dst(dst_slots * c.g.block_bytes);
+    if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
+    Batch b{{reinterpret_cast<char*>(dst.data()), c.gather},
+            {reinterpret_cast<char*>(src.data()), false},
+            c.src_idx.data(),
+            c.dst_idx.data(),
+            c.tokens.data(),
+            c.gather || c.num_pairs == 1 ? nullptr : first.data(),
+            c.num_pairs,
+            c.src_blocks,
+            c.dst_blocks,
+            c.g};
+    const uintptr_t bases = reinterpret_cast<uintptr_t>(dst.data()) |
+                            reinterpret_cast<uintptr_t>(src.data());
+    WithVector(c.g, bases, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
+    if (!dst.GuardsIntact() || !src.GuardsIntact()) {
+      return "a write outside the pools (" + std::string(reverse ? "reverse" : "forward") + ")";
+    }
+    for (int64_t i = 0; i < dst.size; ++i) {
+      if (dst.data()[i] != want[i]) {
+        return "byte " + std::to_string(i) + " of the destination differs from the reference (" +
+               (reverse ? "reverse" : "forward") + " order)";
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int cases = argc > 1 ? std::atoi(argv[1]) : 400;
+  const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
+  std::mt19937_64 rng(seed);
+  for (int k = 0; k < cases; ++k) {
+    const Case c = RandomCase(rng);
+    const std::string error = Check(c, rng);
+    if (!error.empty()) {
+      std::printf("FAIL case %d (seed %llu): %s; %s\n", k, static_cast<unsigned long long>(seed),
+                  error.c_str(), Describe(c).c_str());
+      return 1;
+    }
+  }
+  std::printf("ok %d cases\n", cases);
+  return 0;
+}
