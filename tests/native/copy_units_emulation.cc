@@ -105,7 +105,7 @@ std::vector<int32_t> LaterWriters(const Case& c) {
 
 template <typename V>
 void Emulate(const Batch& b, bool reverse) {
-  const int64_t units_per_pair = kvxfer::UnitsPerPair(b.g, b.num_pairs);
+  const int64_t units_per_pair = kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks);
   const int64_t units = b.num_pairs * units_per_pair;
   for (int64_t k = 0; k < units; ++k) {
     const int64_t u = reverse ? units - 1 - k : k;
@@ -155,10 +155,12 @@ Case RandomCase(std::mt19937_64& rng) {
   std::uniform_int_distribution<int32_t> si(-2, static_cast<int32_t>(c.src_blocks));
   std::uniform_int_distribution<int32_t> di(-2, static_cast<int32_t>(c.dst_blocks));
   std::uniform_int_distribution<int32_t> nt(-1, static_cast<int32_t>(c.g.tokens) + 1);
+  const bool whole = std::uniform_int_distribution<int>(0, 3)(rng) == 0;  // whole blocks only
   for (int64_t i = 0; i < c.num_pairs; ++i) {
     c.src_idx.push_back(si(rng));
     c.dst_idx.push_back(di(rng));
-    c.tokens.push_back(nt(rng));
+    const int32_t n = nt(rng);
+    c.tokens.push_back(whole && n > 0 && n < c.g.tokens ? 0 : n);
   }
   return c;
 }
@@ -185,6 +187,11 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   std::vector<uint8_t> want = dst0;
   Reference(c, src.data(), want.data());
   const std::vector<int32_t> first = LaterWriters(c);
+  // The host's promise that every pair copies a whole block, made only when true (and not
+  // always then): it changes the work units per pair, never the bytes copied.
+  bool all_whole = true;
+  for (int32_t n : c.tokens) all_whole = all_whole && kvxfer::TokensToCopy(n, c.g) == c.g.tokens;
+  const bool whole_hint = all_whole && (rng() & 1);
 
   for (bool reverse : {false, true}) {
     Buffer dst(dst_slots * c.g.block_bytes);
@@ -199,6 +206,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.src_blocks,
             c.dst_blocks,
             c.g};
+    b.whole_blocks = whole_hint;
     const uintptr_t bases = reinterpret_cast<uintptr_t>(dst.data()) |
                             reinterpret_cast<uintptr_t>(src.data());
     WithVector(c.g, bases, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
