@@ -155,10 +155,12 @@ Case RandomCase(std::mt19937_64& rng) {
   std::uniform_int_distribution<int32_t> si(-2, static_cast<int32_t>(c.src_blocks));
   std::uniform_int_distribution<int32_t> di(-2, static_cast<int32_t>(c.dst_blocks));
   std::uniform_int_distribution<int32_t> nt(-1, static_cast<int32_t>(c.g.tokens) + 1);
+  const bool whole = std::uniform_int_distribution<int>(0, 3)(rng) == 0;  // whole blocks only
   for (int64_t i = 0; i < c.num_pairs; ++i) {
     c.src_idx.push_back(si(rng));
     c.dst_idx.push_back(di(rng));
-    c.tokens.push_back(nt(rng));
+    const int32_t n = nt(rng);
+    c.tokens.push_back(whole && n > 0 && n < c.g.tokens ? 0 : n);
   }
   return c;
 }
