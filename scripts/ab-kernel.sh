@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
 # A/B of two versions of the CUDA handlers on the GPU machine, in one session: builds the
-# working tree's ffi/block_copy_cuda.cu ("new") and another version of that file ("old"),
-# alternately, and runs the same bench on each build, so that both versions see the same
-# machine, clocks and neighbours.
-#   scripts/ab-kernel.sh OLD.cu [ROUNDS] [BENCH ARGS...]
+# working tree's handlers ("new") and another version of them ("old"), alternately, and runs the
+# same bench on each build, so that both versions see the same machine, clocks and neighbours.
+#   scripts/ab-kernel.sh OLD [ROUNDS] [BENCH ARGS...]
+# OLD: a version of ffi/block_copy_cuda.cu, or a folder holding versions of any files of ffi/
+# (e.g. block_copy_cuda.cu and copy_units.cuh: `git show REV:ffi/F > old/F`); only those swap.
 # (default: 2 rounds of `bench --only ours,ceiling --sizes 64K,256K,1M,4M --repeats 5`).
 # Logs: $OUT/ab-{new,old}{1,2,..}.log (the bench's JSON and plots stay in a scratch folder, so
-# few files come back; the summary reads the JSON there); the working tree's file is restored
+# few files come back; the summary reads the JSON there); the working tree's files are restored
 # at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-ab}
-old=${1:?usage: scripts/ab-kernel.sh OLD.cu [ROUNDS] [BENCH ARGS...]}
+old=${1:?usage: scripts/ab-kernel.sh OLD.cu|OLD_DIR [ROUNDS] [BENCH ARGS...]}
 rounds=${2:-2}
 shift $(( $# < 2 ? $# : 2 ))
 args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--only ours,ceiling --sizes 64K,256K,1M,4M --repeats 5)
 mkdir -p "$OUT"
 scratch=$(mktemp -d)
-cp ffi/block_copy_cuda.cu "$scratch/new.cu"
-trap 'cp "$scratch/new.cu" ffi/block_copy_cuda.cu' EXIT
+mkdir -p "$scratch/old" "$scratch/new"
+if [ -d "$old" ]; then cp "$old"/* "$scratch/old/"; else cp "$old" "$scratch/old/block_copy_cuda.cu"; fi
+for f in "$scratch"/old/*; do cp "ffi/$(basename "$f")" "$scratch/new/"; done
+trap 'cp "$scratch"/new/* ffi/' EXIT
 
-build() {
-  cp "$1" ffi/block_copy_cuda.cu
+build() {  # $1: the folder whose files go into ffi/
+  cp "$1"/* ffi/
   python3 -m pip install --no-build-isolation --no-deps -C cmake.define.KVXFER_CUDA=ON -e . \
     >> "$scratch/build.log" 2>&1 || { echo "build of $1 failed"; tail -30 "$scratch/build.log"; exit 1; }
 }
 for r in $(seq 1 "$rounds"); do
   for v in new old; do
-    if [ $v = new ]; then build "$scratch/new.cu"; else build "$old"; fi
+    build "$scratch/$v"
     python3 -m jax_kvxfer bench "${args[@]}" --out "$scratch/$v$r" > /dev/null 2> "$OUT/ab-$v$r.log"
     echo "ab $v$r: exit $?"
   done
