@@ -27,16 +27,18 @@ class PairBatch:
     dst: np.ndarray  # int64 [n]
     dst_primary: np.ndarray  # bool [n]
     tokens: np.ndarray  # int32 [n], clipped to [-1, int32 max]
+    whole: bool  # every pair copies a whole block (a part of a batch: false if the batch's is)
 
     def __len__(self) -> int:
         return len(self.src)
 
     def take(self, rows: slice | np.ndarray) -> PairBatch:
         return PairBatch(self.src[rows], self.src_primary[rows], self.dst[rows],
-                         self.dst_primary[rows], self.tokens[rows])
+                         self.dst_primary[rows], self.tokens[rows], self.whole)
 
 
-def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: int) -> PairBatch:
+def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: int,
+                tokens_per_block: int) -> PairBatch:
     """Checks the pairs' types and indices, then the token counts; returns them as columns."""
     try:
         pairs = list(pairs)
@@ -44,15 +46,23 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
         raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples") from e
     n = len(pairs)
     try:
-        codes = np.fromiter((b._slot_code for s, d in pairs for b in (s, d)), np.int64, 2 * n)
+        codes = np.array([b._slot_code for pair in pairs for b in pair], np.int64)
+        codes = codes.reshape(n, 2)
     except (AttributeError, TypeError, ValueError):  # not pairs of KVCacheBlocks
         _explain_bad_pair(pairs, num_primary, num_secondary)
         raise
-    index, primary = codes.reshape(n, 2) >> 1, (codes.reshape(n, 2) & 1).astype(bool)
-    if np.any((index < 0) | (index >= np.where(primary, num_primary, num_secondary))):
+    index, primary = codes >> 1, (codes & 1).astype(bool)
+    if n and (codes.min() < 0 or (index >= np.where(primary, num_primary, num_secondary)).any()):
         _explain_bad_pair(pairs, num_primary, num_secondary)
+    tokens = _check_tokens(num_tokens, n)
+    if num_tokens is None:
+        whole = True
+    elif isinstance(num_tokens, (int, np.integer)):
+        whole = not 0 < int(num_tokens) < tokens_per_block
+    else:
+        whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
     return PairBatch(src=index[:, 0], src_primary=primary[:, 0], dst=index[:, 1],
-                     dst_primary=primary[:, 1], tokens=_check_tokens(num_tokens, n))
+                     dst_primary=primary[:, 1], tokens=tokens, whole=whole)
 
 
 def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None:

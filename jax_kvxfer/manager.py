@@ -358,10 +358,10 @@ class KVCacheTransferManager:
         """The batch, checked against every pool; raises before anything is dispatched."""
         first = self._pools[0]
         batch = check_batch(pairs, num_tokens, first.num_primary_blocks,
-                            first.num_secondary_blocks)
+                            first.num_secondary_blocks, first.tokens_per_block)
         if not len(batch):
             return batch
-        if np.any((batch.tokens > 0) & (batch.tokens < first.tokens_per_block)):
+        if not batch.whole:
             for pool in self._pools:
                 check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
         memories = set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist())
@@ -406,7 +406,7 @@ class KVCacheTransferManager:
         gpus = tuple(p.current(True, "transfer") for p in self._pools)
         hosts = tuple(p.current(False, "transfer") for p in self._pools)
         args = (gpus, hosts, tuple(off_plan), tuple(on_plan))
-        whole = bool(self._whole_blocks(off) and self._whole_blocks(on))
+        whole = off.whole and on.whole
         kw = {"facts": facts, "plan": plan, "dma": self._dma_per_pool(whole), **self._static}
         try:
             new_gpus, new_hosts, done = _both_ways(*args, **kw)
@@ -435,10 +435,9 @@ class KVCacheTransferManager:
             facts = _facts_across(run)
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
-        whole = self._whole_blocks(run)
-        static = dict(self._static, facts=facts, whole=whole)
+        static = dict(self._static, facts=facts, whole=run.whole)
         if src_primary != dst_primary:
-            static["dma"] = self._dma_per_pool(whole)
+            static["dma"] = self._dma_per_pool(run.whole)
         try:
             results, done = donated(*args, **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
@@ -455,10 +454,6 @@ class KVCacheTransferManager:
             else:
                 pool._secondary = result
 
-    def _whole_blocks(self, run: PairBatch) -> bool:
-        t = self._pools[0].tokens_per_block
-        return bool(((run.tokens <= 0) | (run.tokens >= t)).all())
-
     def _dma_per_pool(self, whole_blocks: bool) -> tuple[bool, ...]:
         """For a run between the two memories: whether each pool's copy takes the copy
         engines (the `dma` argument of the constructor)."""
@@ -469,11 +464,13 @@ class KVCacheTransferManager:
 
     def _count(self, run: PairBatch) -> None:
         """Adds a run of one direction to the statistics."""
-        t = self._pools[0].tokens_per_block
-        whole = (run.tokens <= 0) | (run.tokens >= t)
-        nbytes = len(run) * self._block_nbytes if whole.all() else int(
-            np.where(whole, self._block_nbytes, run.tokens.astype(np.int64) * self._token_nbytes)
-            .sum())
+        if run.whole:
+            nbytes = len(run) * self._block_nbytes
+        else:
+            t = self._pools[0].tokens_per_block
+            whole = (run.tokens <= 0) | (run.tokens >= t)
+            nbytes = int(np.where(whole, self._block_nbytes,
+                                  run.tokens.astype(np.int64) * self._token_nbytes).sum())
         src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
         kind = ("offloaded" if src_primary and not dst_primary else
                 "onboarded" if dst_primary and not src_primary else "copied")
