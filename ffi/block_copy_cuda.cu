@@ -156,16 +156,6 @@ bool IsHostMemory(const void* p) {
   return attr.type == cudaMemoryTypeHost;
 }
 
-// One copy of the DMA path: `height` rows of `width` bytes, `pitch` bytes apart (height 1: a
-// contiguous range, possibly several adjacent blocks).
-struct DmaCopy {
-  char* dst;
-  const char* src;
-  size_t width;
-  size_t pitch;
-  size_t height;
-};
-
 cudaError_t EnqueueOne(cudaStream_t stream, const DmaCopy& c) {
   if (c.height == 1) return cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDefault, stream);
   return cudaMemcpy2DAsync(c.dst, c.pitch, c.src, c.pitch, c.width, c.height, cudaMemcpyDefault,
@@ -197,45 +187,18 @@ cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
 }
 
 // Enqueues the batch on the copy engines and returns true, or returns false having enqueued
-// nothing when the batch does not qualify (see the top of this file). Out-of-range pairs are
-// skipped as by the kernel. Whole blocks adjacent in both pools merge into one copy; a partial
-// block is one strided copy. Pairs apply in order: with distinct destinations the copies may
-// run in any order (one batch); when two pairs write one block, every copy is enqueued on its
-// own, in pair order, so the later pair wins on the tokens it writes, as with the kernel.
+// nothing when the batch does not qualify (see the top of this file). The copies are
+// PlanDmaCopies': with distinct destinations they may run in any order (one batch); when two
+// pairs write one block, every copy is enqueued on its own, in pair order, so the later pair
+// wins on the tokens it writes, as with the kernel.
 bool TryDma(cudaStream_t stream, const Batch& b, bool whole_blocks, ffi::Error* error) {
-  const PoolGeometry& g = b.g;
   if (!IsHostMemory(b.src_idx) || !IsHostMemory(b.dst_idx) ||
       (!whole_blocks && !IsHostMemory(b.num_tokens)) ||
       IsHostMemory(b.dst.data) == IsHostMemory(b.src.data)) {
     return false;
   }
   std::vector<DmaCopy> copies;
-  std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
-  bool duplicates = false;
-  int64_t last_s = -2, last_d = -2;
-  bool last_whole = false;
-  for (int64_t i = 0; i < b.num_pairs; ++i) {
-    const int64_t s = b.src_idx[i], d = b.dst_idx[i];
-    if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) continue;
-    duplicates = duplicates || written[d];
-    written[d] = true;
-    const int64_t n = whole_blocks ? g.tokens : TokensToCopy(b.num_tokens[i], g);
-    const bool whole = n == g.tokens;
-    if (whole && last_whole && s == last_s + 1 && d == last_d + 1) {
-      copies.back().width += static_cast<size_t>(g.block_bytes);
-    } else if (whole) {
-      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
-                        static_cast<size_t>(g.block_bytes), 0, 1});
-    } else {
-      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
-                        static_cast<size_t>(n * g.row_bytes),
-                        static_cast<size_t>(g.tokens * g.row_bytes),
-                        static_cast<size_t>(g.outer)});
-    }
-    last_s = s;
-    last_d = d;
-    last_whole = whole;
-  }
+  const bool duplicates = PlanDmaCopies(b, whole_blocks, &copies);
   cudaError_t err = cudaSuccess;
   if (duplicates) {
     for (size_t k = 0; k < copies.size() && err == cudaSuccess; ++k) {

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "block_copy.h"
 
@@ -170,6 +172,52 @@ inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole
   const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
   return std::clamp<int64_t>(std::min(by_bytes, std::max(by_runs, one_wave)), 1,
                              kMaxCtasPerPair);
+}
+
+// One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart
+// (height 1: a contiguous range, possibly several adjacent blocks).
+struct DmaCopy {
+  char* dst;
+  const char* src;
+  size_t width;
+  size_t pitch;
+  size_t height;
+};
+
+// The copy engines' plan for a batch (dma=true; the handler reads the indices on the host):
+// out-of-range pairs skipped as by the kernel, whole blocks adjacent in both pools merged into
+// one copy, a partial block one strided copy, in pair order. Returns whether two valid pairs
+// write one block (the copies must then run in this order). Host code.
+inline bool PlanDmaCopies(const Batch& b, bool whole_blocks, std::vector<DmaCopy>* out) {
+  const PoolGeometry& g = b.g;
+  std::vector<DmaCopy>& copies = *out;
+  std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
+  bool duplicates = false;
+  int64_t last_s = -2, last_d = -2;
+  bool last_whole = false;
+  for (int64_t i = 0; i < b.num_pairs; ++i) {
+    const int64_t s = b.src_idx[i], d = b.dst_idx[i];
+    if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) continue;
+    duplicates = duplicates || written[d];
+    written[d] = true;
+    const int64_t n = whole_blocks ? g.tokens : TokensToCopy(b.num_tokens[i], g);
+    const bool whole = n == g.tokens;
+    if (whole && last_whole && s == last_s + 1 && d == last_d + 1) {
+      copies.back().width += static_cast<size_t>(g.block_bytes);
+    } else if (whole) {
+      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
+                        static_cast<size_t>(g.block_bytes), 0, 1});
+    } else {
+      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
+                        static_cast<size_t>(n * g.row_bytes),
+                        static_cast<size_t>(g.tokens * g.row_bytes),
+                        static_cast<size_t>(g.outer)});
+    }
+    last_s = s;
+    last_d = d;
+    last_whole = whole;
+  }
+  return duplicates;
 }
 
 }  // namespace kvxfer

@@ -1,6 +1,8 @@
 // Host emulation of the copy kernel's work distribution (ffi/copy_units.cuh), for machines
 // without a GPU: runs CopyUnit for every work unit and thread of a launch, one after another,
-// and checks the result against a reference that applies the pairs in order.
+// and checks the result against a reference that applies the pairs in order. Also runs the copy
+// engines' plan (PlanDmaCopies) with memcpy: in plan order when it reports two pairs writing one
+// block, in reverse order otherwise (it promises that any order gives the same result).
 //
 // Each random case (geometry, vector width, batch with padding, out-of-range and repeated
 // indices, token counts from -1 to T+1) runs twice, units in forward and in reverse order: two
@@ -89,6 +91,16 @@ void Reference(const Case& c, const uint8_t* src, uint8_t* dst) {
   }
 }
 
+bool HasDuplicateDestinations(const Case& c) {
+  std::vector<bool> seen(c.dst_blocks, false);
+  for (int64_t i = 0; i < c.num_pairs; ++i) {
+    if (!Valid(c, i)) continue;
+    if (seen[c.dst_idx[i]]) return true;
+    seen[c.dst_idx[i]] = true;
+  }
+  return false;
+}
+
 // What the duplicate scan gives pair i: the most tokens a later valid pair to its block writes.
 std::vector<int32_t> LaterWriters(const Case& c) {
   std::vector<int32_t> first(c.num_pairs, 0);
@@ -156,9 +168,12 @@ Case RandomCase(std::mt19937_64& rng) {
   std::uniform_int_distribution<int32_t> di(-2, static_cast<int32_t>(c.dst_blocks));
   std::uniform_int_distribution<int32_t> nt(-1, static_cast<int32_t>(c.g.tokens) + 1);
   const bool whole = std::uniform_int_distribution<int>(0, 3)(rng) == 0;  // whole blocks only
+  // runs of neighbouring blocks in both pools (the copy engines merge them), now and then broken
+  const bool runs = std::uniform_int_distribution<int>(0, 3)(rng) == 0;
   for (int64_t i = 0; i < c.num_pairs; ++i) {
-    c.src_idx.push_back(si(rng));
-    c.dst_idx.push_back(di(rng));
+    const bool next = runs && i > 0 && (rng() % 5 != 0);
+    c.src_idx.push_back(next ? c.src_idx.back() + 1 : si(rng));
+    c.dst_idx.push_back(next ? c.dst_idx.back() + 1 : di(rng));
     const int32_t n = nt(rng);
     c.tokens.push_back(whole && n > 0 && n < c.g.tokens ? 0 : n);
   }
@@ -177,7 +192,20 @@ std::string Describe(const Case& c) {
   return s;
 }
 
-// Runs one case in both orders; returns an empty string or what went wrong.
+// Runs the copy engines' plan with memcpy (a strided copy row by row), in `reverse` order or not.
+void RunDmaPlan(const Batch& b, bool whole_blocks, bool* ordered) {
+  std::vector<kvxfer::DmaCopy> copies;
+  *ordered = kvxfer::PlanDmaCopies(b, whole_blocks, &copies);
+  for (size_t k = 0; k < copies.size(); ++k) {
+    const kvxfer::DmaCopy& c = copies[*ordered ? k : copies.size() - 1 - k];
+    for (size_t row = 0; row < c.height; ++row) {
+      std::memcpy(c.dst + row * c.pitch, c.src + row * c.pitch, c.width);
+    }
+  }
+}
+
+// Runs one case in both orders, and through the copy engines' plan where the handler would
+// take it (never the staging gather); returns an empty string or what went wrong.
 std::string Check(const Case& c, std::mt19937_64& rng) {
   const int64_t dst_slots = c.gather ? c.num_pairs : c.dst_blocks;
   Buffer src(c.src_blocks * c.g.block_bytes);
@@ -188,12 +216,16 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   Reference(c, src.data(), want.data());
   const std::vector<int32_t> first = LaterWriters(c);
   // The host's promise that every pair copies a whole block, made only when true (and not
-  // always then): it changes the work units per pair, never the bytes copied.
+  // always then): the kernel then gives each pair a whole block's work units, and the copy
+  // engines do not read the token counts; neither changes the bytes copied.
   bool all_whole = true;
   for (int32_t n : c.tokens) all_whole = all_whole && kvxfer::TokensToCopy(n, c.g) == c.g.tokens;
   const bool whole_hint = all_whole && (rng() & 1);
 
-  for (bool reverse : {false, true}) {
+  for (int mode = 0; mode < 3; ++mode) {  // kernel forward, kernel reverse, copy engines
+    const bool reverse = mode == 1, dma = mode == 2;
+    if (dma && c.gather) break;
+    const char* name = dma ? "copy engines" : reverse ? "reverse" : "forward";
     Buffer dst(dst_slots * c.g.block_bytes);
     if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
     Batch b{{reinterpret_cast<char*>(dst.data()), c.gather},
@@ -209,14 +241,20 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
     b.whole_blocks = whole_hint;
     const uintptr_t bases = reinterpret_cast<uintptr_t>(dst.data()) |
                             reinterpret_cast<uintptr_t>(src.data());
-    WithVector(c.g, bases, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
+    if (dma) {
+      bool ordered = false;
+      RunDmaPlan(b, whole_hint, &ordered);
+      if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
+    } else {
+      WithVector(c.g, bases, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
+    }
     if (!dst.GuardsIntact() || !src.GuardsIntact()) {
-      return "a write outside the pools (" + std::string(reverse ? "reverse" : "forward") + ")";
+      return "a write outside the pools (" + std::string(name) + ")";
     }
     for (int64_t i = 0; i < dst.size; ++i) {
       if (dst.data()[i] != want[i]) {
         return "byte " + std::to_string(i) + " of the destination differs from the reference (" +
-               (reverse ? "reverse" : "forward") + " order)";
+               name + ")";
       }
     }
   }
