@@ -129,19 +129,18 @@ void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
 // max_ctas <= 0: one CTA per work unit (what a device-to-device copy needs to fill HBM);
 // otherwise at most max_ctas CTAs of kCappedCtaThreads threads.
 ffi::Error Launch(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
-  // Every address the kernel forms is a pool base plus multiples of the block and row sizes.
-  const uint64_t align = reinterpret_cast<uint64_t>(b.dst.data) |
-                         reinterpret_cast<uint64_t>(b.src.data) |
-                         static_cast<uint64_t>(b.g.block_bytes) |
-                         static_cast<uint64_t>(b.g.row_bytes);
-  if (align % 16 == 0) {
-    LaunchWith<uint4>(stream, b, max_ctas);
-  } else if (align % 8 == 0) {
-    LaunchWith<uint2>(stream, b, max_ctas);
-  } else if (align % 4 == 0) {
-    LaunchWith<uint32_t>(stream, b, max_ctas);
-  } else {
-    LaunchWith<uint8_t>(stream, b, max_ctas);
+  switch (VectorBytes(b)) {
+    case 16:
+      LaunchWith<uint4>(stream, b, max_ctas);
+      break;
+    case 8:
+      LaunchWith<uint2>(stream, b, max_ctas);
+      break;
+    case 4:
+      LaunchWith<uint32_t>(stream, b, max_ctas);
+      break;
+    default:
+      LaunchWith<uint8_t>(stream, b, max_ctas);
   }
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");

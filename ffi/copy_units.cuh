@@ -156,6 +156,19 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
               units_per_pair * kThreads);
 }
 
+// The widest vector (16, 8, 4 or 1 bytes) every address the kernel forms is aligned to: each is
+// a pool base plus multiples of the block and row sizes. Host code.
+inline int VectorBytes(const Batch& b) {
+  const uint64_t align = reinterpret_cast<uint64_t>(b.dst.data) |
+                         reinterpret_cast<uint64_t>(b.src.data) |
+                         static_cast<uint64_t>(b.g.block_bytes) |
+                         static_cast<uint64_t>(b.g.row_bytes);
+  for (int bytes : {16, 8, 4}) {
+    if (align % bytes == 0) return bytes;
+  }
+  return 1;
+}
+
 // Work units of kThreads threads per pair: about 16 KiB of the block each. Unless every pair is
 // known to copy a whole block, no more units than a partial block has runs for, one per warp (a
 // partial copy hands each warp whole runs, so further warps would idle: at 4 MiB T/2 the

@@ -16,41 +16,24 @@ splits each sample into:
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import statistics
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.profiler import ProfileData
 
 import jax_kvxfer as kvx
 from jax_kvxfer.bench.config import geometry_for, parse_size
+from jax_kvxfer.bench.core import gpu_stream_events, traced_profile
 
 BLOCKS = 256
 
 
-def gpu_events(profile: ProfileData) -> list[tuple[int, int, str]]:
-    """(start_ns, end_ns, name) of every event on the GPU planes' stream lines, by start."""
-    out = [(e.start_ns, e.start_ns + e.duration_ns, e.name)
-           for plane in profile.planes if plane.name.startswith("/device:GPU")
-           for line in plane.lines if line.name.startswith("Stream")
-           for e in line.events]
-    return sorted(out)
-
-
 def traced(call, calls: int) -> list[tuple[int, int, str]]:
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            jax.block_until_ready([call() for _ in range(calls)][-1])  # the rest donated
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        return gpu_events(ProfileData.from_file(files[0])) if files else []
+    """The GPU stream events of `calls` calls (the results of all but the last are donated)."""
+    profile = traced_profile(lambda: jax.block_until_ready([call() for _ in range(calls)][-1]))
+    return gpu_stream_events(profile) if profile is not None else []
 
 
 def probe(direction: str, size: int, k: int, rng: np.random.Generator) -> None:

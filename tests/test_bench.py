@@ -265,7 +265,7 @@ def test_sharded_section_scales_over_devices(tmp_path):
 
 
 def test_kernel_ns_counts_our_kernels_on_gpu_streams_only():
-    ev = lambda name, ns: types.SimpleNamespace(name=name, duration_ns=ns)
+    ev = lambda name, ns: types.SimpleNamespace(name=name, start_ns=1000, duration_ns=ns)
     line = lambda name, *events: types.SimpleNamespace(name=name, events=list(events))
     plane = lambda name, *lines: types.SimpleNamespace(name=name, lines=list(lines))
     rng = np.random.default_rng(7)

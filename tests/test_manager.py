@@ -623,13 +623,3 @@ def test_auto_dma_takes_the_copy_engines_for_large_whole_blocks_only(rng):
     assert_same(snapshot(auto_pools), snapshot(ref_pools))
     assert not np.array_equal(kvx.to_numpy(auto_pools[0].secondary),
                               kvx.to_numpy(pools_of(seed)[0].secondary)), "nothing was offloaded"
-
-
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"dma": 1}, TypeError, 'dma must be True, False or "auto", got 1'),
-    ({"dma": "fast"}, TypeError, 'dma must be True, False or "auto", got \'fast\''),
-    ({"dma": True, "plan_ring": False}, ValueError, "dma=True needs plan_ring=True"),
-])
-def test_dma_manager_arguments(rng, kwargs, error, match):
-    with pytest.raises(error, match=match):
-        kvx.KVCacheTransferManager(make_pools(rng), **kwargs)

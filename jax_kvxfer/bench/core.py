@@ -30,12 +30,36 @@ from .helpers import (
 )
 
 
+def gpu_stream_events(profile: Any) -> list[tuple[int, int, str]]:
+    """(start_ns, end_ns, name) of the events of a jax.profiler.ProfileData's GPU planes,
+    stream lines only (other lines repeat the same work per XLA op), by start."""
+    return sorted((e.start_ns, e.start_ns + e.duration_ns, e.name)
+                  for plane in profile.planes if plane.name.startswith("/device:GPU")
+                  for line in plane.lines if line.name.startswith("Stream")
+                  for e in line.events)
+
+
 def kernel_ns(profile: Any) -> int:
-    """Nanoseconds of jax_kvxfer's kernels (namespace kvxfer) in a jax.profiler.ProfileData:
-    the GPU planes' stream lines only (other lines repeat the same work per XLA op)."""
-    return sum(e.duration_ns for plane in profile.planes if plane.name.startswith("/device:GPU")
-               for line in plane.lines if line.name.startswith("Stream")
-               for e in line.events if "kvxfer" in e.name)
+    """Nanoseconds of jax_kvxfer's kernels (namespace kvxfer) on the GPU streams."""
+    return sum(end - start for start, end, name in gpu_stream_events(profile) if "kvxfer" in name)
+
+
+def traced_profile(run: Callable[[], Any]) -> Any:
+    """run() under the JAX profiler (it must block until its work is done); the trace as a
+    jax.profiler.ProfileData, or None when no trace was written."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        return ProfileData.from_file(files[0]) if files else None
 
 
 class BenchCore:
@@ -167,21 +191,8 @@ class BenchCore:
         copy engines' path, no CUPTI)."""
         if self.backend != "gpu":
             return None
-        import glob
-        import tempfile
-
-        from jax.profiler import ProfileData
-
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d)
-            try:
-                _block([call() for _ in range(calls)])
-            finally:
-                jax.profiler.stop_trace()
-            files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-            if not files:
-                return None
-            ns = kernel_ns(ProfileData.from_file(files[0]))
+        profile = traced_profile(lambda: _block([call() for _ in range(calls)]))
+        ns = kernel_ns(profile) if profile is not None else 0
         return ns * 1e-9 / calls if ns else None
 
     # --- case bookkeeping ---------------------------------------------------------------------

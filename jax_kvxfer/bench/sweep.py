@@ -98,12 +98,7 @@ class SweepMixin:
                               "d2d": ("dev_a", "dev_b")}[d]
 
             def memcpy_case() -> dict[str, Any]:
-                sp, dp = cu.ptr(s_name), cu.ptr(d_name)
-                reps = _clamp(math.ceil((self.cfg.sample_target_d2d if d2d else
-                                         self.cfg.sample_target_host) / total), 1, 32)
-                times, info = cu.time_ops(lambda s: cu.memcpy(dp, sp, total, s), reps=reps,
-                                          samples=self.cfg.repeats, warmup=self.cfg.warmup,
-                                          gpu_only=True)
+                times, info = self.memcpy_times(s_name, d_name, total, d2d)
                 ok = bool(np.array_equal(cu.read(d_name, 0, 4096), cu.read(s_name, 0, 4096)))
                 return self.timing(times, total, timing="cuda events", verified=ok, **info)
 
@@ -133,22 +128,29 @@ class SweepMixin:
         if rec.get("gbps") and (d, geom.block_bytes) not in self.ceilings:
             self.ceilings[(d, geom.block_bytes)] = {"gbps": rec["gbps"], "path": "jax_contig"}
 
+    def memcpy_times(self, s_name: str, d_name: str, nbytes: int, d2d: bool
+                     ) -> tuple[list[float], dict[str, Any]]:
+        """Seconds per contiguous memcpy of `nbytes` between two cupy buffers, GPU time
+        between CUDA events, enough copies per sample to fill the sample target."""
+        cu = self.cupy
+        sp, dp = cu.ptr(s_name), cu.ptr(d_name)
+        target = self.cfg.sample_target_d2d if d2d else self.cfg.sample_target_host
+        return cu.time_ops(lambda s: cu.memcpy(dp, sp, nbytes, s),
+                           reps=_clamp(math.ceil(target / nbytes), 1, 32),
+                           samples=self.cfg.repeats, warmup=self.cfg.warmup, gpu_only=True)
+
     def same_bytes_ceilings(self, geom: Geometry, B: int, dbase: dict[str, Any]) -> None:
         """Device to device, one contiguous memcpy of as many bytes as a partial copy of B
         blocks moves (path "memcpy", n_label T/2, ...): HBM reaches less on a shorter copy, so
         this is the ceiling a partial copy can reach (`same_bytes_ratio`), beside the whole
         batch's memcpy (`ratio`)."""
-        cu = self.cupy
         for label, n in n_cases(geom.tokens):
             if n >= geom.tokens:
                 continue
             nbytes = B * geom.moved(n)
 
             def memcpy_case(nbytes: int = nbytes) -> dict[str, Any]:
-                reps = _clamp(math.ceil(self.cfg.sample_target_d2d / nbytes), 1, 32)
-                times, info = cu.time_ops(
-                    lambda s: cu.memcpy(cu.ptr("dev_b"), cu.ptr("dev_a"), nbytes, s), reps=reps,
-                    samples=self.cfg.repeats, warmup=self.cfg.warmup, gpu_only=True)
+                times, info = self.memcpy_times("dev_a", "dev_b", nbytes, True)
                 return self.timing(times, nbytes, timing="cuda events", **info)
 
             rec = self.case({**dbase, "path": "memcpy", "kind": "ceiling", "n_label": label},

@@ -128,19 +128,18 @@ void Emulate(const Batch& b, bool reverse) {
   }
 }
 
-// The handler's choice of vector width: every address and length aligned to it.
+// The handler's choice of vector width (VectorBytes), as a type.
 template <typename F>
-void WithVector(const PoolGeometry& g, uintptr_t bases, F&& f) {
-  const uint64_t align = bases | static_cast<uint64_t>(g.block_bytes) |
-                         static_cast<uint64_t>(g.row_bytes);
-  if (align % 16 == 0) {
-    f(uint4{});
-  } else if (align % 8 == 0) {
-    f(uint2{});
-  } else if (align % 4 == 0) {
-    f(uint32_t{});
-  } else {
-    f(uint8_t{});
+void WithVector(const Batch& b, F&& f) {
+  switch (kvxfer::VectorBytes(b)) {
+    case 16:
+      return f(uint4{});
+    case 8:
+      return f(uint2{});
+    case 4:
+      return f(uint32_t{});
+    default:
+      return f(uint8_t{});
   }
 }
 
@@ -239,14 +238,12 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.dst_blocks,
             c.g};
     b.whole_blocks = whole_hint;
-    const uintptr_t bases = reinterpret_cast<uintptr_t>(dst.data()) |
-                            reinterpret_cast<uintptr_t>(src.data());
     if (dma) {
       bool ordered = false;
       RunDmaPlan(b, whole_hint, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
     } else {
-      WithVector(c.g, bases, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
+      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
     }
     if (!dst.GuardsIntact() || !src.GuardsIntact()) {
       return "a write outside the pools (" + std::string(name) + ")";
