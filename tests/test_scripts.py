@@ -31,3 +31,53 @@ def test_profile_manager_runs():
     for verb in ("offload", "onboard"):
         assert any(line.startswith(verb) and "stages (median us)" in line
                    for line in out.splitlines()), out
+
+
+def test_ab_kernel_builds_each_version_with_its_files(tmp_path):
+    """scripts/ab-kernel.sh with two old versions: each build sees its own ffi files (and the
+    working tree's for the rest), the summary has a column per version, and the working tree's
+    files are back at the end. pip and the bench are stood in for by a fake python3 that records
+    which ffi files each build saw and writes a bench JSON."""
+    ffi = os.path.join(ROOT, "ffi")
+    originals = {f: open(os.path.join(ffi, f), "rb").read()
+                 for f in ("block_copy_cuda.cu", "copy_units.cuh")}
+    for name, marker in (("va", "A"), ("vb", "B")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "copy_units.cuh").write_text(f"// version {marker}\n")
+    (tmp_path / "vb" / "block_copy_cuda.cu").write_text("// version B\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+if args[:2] == ["-m", "pip"]:
+    seen = [open(os.path.join("ffi", f)).readline().strip()
+            for f in ("block_copy_cuda.cu", "copy_units.cuh")]
+    with open({str(tmp_path / "builds.log")!r}, "a") as log:
+        log.write(" | ".join(seen) + "\\n")
+elif args[:3] == ["-m", "jax_kvxfer", "bench"]:
+    out = args[args.index("--out") + 1]
+    os.makedirs(out, exist_ok=True)
+    rec = dict(path="ours", direction="d2d", block_bytes=1 << 20, n_label="T", ratio=0.5)
+    json.dump({{"results": [rec]}}, open(os.path.join(out, "b.json"), "w"))
+else:
+    os.execv({sys.executable!r}, [{sys.executable!r}, *args])
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ab-kernel.sh"),
+                           f"{tmp_path / 'vb'},{tmp_path / 'va'}", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for f, data in originals.items():
+        assert open(os.path.join(ffi, f), "rb").read() == data, f"{f} not restored"
+    new_cu = originals["block_copy_cuda.cu"].decode().splitlines()[0]
+    new_cuh = originals["copy_units.cuh"].decode().splitlines()[0]
+    builds = (tmp_path / "builds.log").read_text().splitlines()
+    assert builds == [f"{new_cu} | {new_cuh}", "// version B | // version B",
+                      f"{new_cu} | // version A"] * 2, builds
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("AB ")]
+    assert rows == [("AB d2d 1024K ours n=T new 50.0% / 50.0% vb 50.0% / 50.0% "
+                     "va 50.0% / 50.0%").split()], proc.stdout
