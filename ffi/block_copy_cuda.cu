@@ -98,8 +98,8 @@ __global__ void SupersededTokensKernel(Batch b, int32_t* first) {
 // units_per_pair entries in all, from L2) costs less than the launch of a scan kernel.
 constexpr int64_t kScanInCopyMaxReads = int64_t{1} << 22;
 bool FusedScanFits(const Batch& b, int64_t max_ctas) {
-  return max_ctas <= 0 &&
-         b.num_pairs <= kScanInCopyMaxReads / b.num_pairs / UnitsPerPair(b.g, b.num_pairs);
+  return max_ctas <= 0 && b.num_pairs <= kScanInCopyMaxReads / b.num_pairs /
+                                             UnitsPerPair(b.g, b.num_pairs, b.whole_blocks);
 }
 
 ffi::Error CudaError(cudaError_t err, const char* what) {
@@ -109,7 +109,7 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 template <typename V>
 void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
-  const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs);
+  const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs, b.whole_blocks);
   const int64_t units = b.num_pairs * units_per_pair;
   if (b.scan_in_copy) {  // FusedScanFits: units <= 2^22, one CTA each
     CopyPairsKernel<V, kThreads, true><<<static_cast<unsigned>(units), kThreads, 0, stream>>>(
@@ -270,6 +270,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
           src_blocks,
           dst_blocks,
           g};
+  b.whole_blocks = whole_blocks;
   if (dma && !stage) {
     ffi::Error error = ffi::Error::Success();
     if (TryDma(stream, b, whole_blocks, &error)) return error;

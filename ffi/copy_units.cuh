@@ -43,6 +43,7 @@ struct Batch {
   int64_t num_pairs, src_blocks, dst_blocks;
   PoolGeometry g;
   bool scan_in_copy = false;  // each CTA finds its pair's `first` itself (FusedScanFits)
+  bool whole_blocks = false;  // known on the host: every pair copies a whole block
 };
 
 // Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
@@ -168,16 +169,18 @@ inline int VectorBytes(const Batch& b) {
   return 1;
 }
 
-// Work units of kThreads threads per pair: about 16 KiB of the block each, but no more units
-// than a partial block has runs for, one per warp (a partial copy hands each warp whole runs,
-// so further warps would idle: at 4 MiB T/2 the partial probe's one run per warp reached 94 %
-// of a memcpy of the same bytes, v10's four warps per run 84 %), as long as the batch still
-// fills about one wave of CTAs.
+// Work units of kThreads threads per pair: about 16 KiB of the block each. Unless every pair is
+// known to copy a whole block, no more units than a partial block has runs for, one per warp (a
+// partial copy hands each warp whole runs, so further warps would idle: at 4 MiB T/2 the
+// partial probe's one run per warp reached 94 % of a memcpy of the same bytes, v10's four warps
+// per run 84 %), as long as the batch still fills about one wave of CTAs. (Fewer units cost
+// whole blocks of 1 MiB 4 points in v11; any count copies the same bytes.)
 constexpr int64_t kOneWaveCtas = 1056;  // H200: 132 SMs x 8 CTAs of kThreads threads
-inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs) {
+inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole_blocks) {
   constexpr int64_t kWarps = kThreads / 32;
   const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
   const int64_t by_bytes = (g.block_bytes + per_unit - 1) / per_unit;
+  if (whole_blocks) return std::clamp<int64_t>(by_bytes, 1, kMaxCtasPerPair);
   const int64_t by_runs = (g.outer + kWarps - 1) / kWarps;
   const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
   return std::clamp<int64_t>(std::min(by_bytes, std::max(by_runs, one_wave)), 1,

@@ -71,19 +71,20 @@ def _on_shards(fn, mesh, spec, num_pools: int):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
-def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=None):
-    """dma: per pool, whether its copy goes to the copy engines (None: none does)."""
+def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=None, whole=False):
+    """dma: per pool, whether its copy goes to the copy engines (None: none does); whole:
+    every pair copies a whole block."""
     pools = []
     for d, s, spec, use_dma in zip(dsts, srcs, specs, dma or (False,) * len(dsts)):
         def copy(d, s, p, use_dma=use_dma):
-            return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=use_dma)
+            return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=use_dma, whole_blocks=whole)
         pools.append(_on_shards(copy, mesh, spec, 2)(d, s, plan))
     return tuple(pools), jnp.zeros((1,), jnp.int32)
 
 
-def _copy_within_impl(pools, plan, facts, mesh, specs):
+def _copy_within_impl(pools, plan, facts, mesh, specs, whole=False):
     def copy(pool, p):
-        return block_copy_call(pool, pool, p[0], p[1], p[2], facts)
+        return block_copy_call(pool, pool, p[0], p[1], p[2], facts, whole_blocks=whole)
     pools = tuple(_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs))
     return pools, jnp.zeros((1,), jnp.int32)
 
@@ -105,13 +106,14 @@ def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, 
 
 
 _STATIC = ("facts", "mesh", "specs")
-_copy_across = jax.jit(_copy_across_impl, donate_argnums=0, static_argnames=_STATIC + ("dma",))
-_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames=_STATIC)
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=0,
+                       static_argnames=_STATIC + ("dma", "whole"))
+_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames=_STATIC + ("whole",))
 # The same without donation, for a destination that cannot be donated: on GPUs, reading a
 # pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
 # viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
-_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC + ("dma",))
-_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames=_STATIC)
+_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC + ("dma", "whole"))
+_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames=_STATIC + ("whole",))
 _both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1),
                      static_argnames=_STATIC + ("plan", "dma"))
 _both_ways_undonated = jax.jit(_both_ways_impl, static_argnames=_STATIC + ("plan", "dma"))
@@ -433,7 +435,7 @@ class KVCacheTransferManager:
             facts = _facts_across(run)
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
-        static = dict(self._static, facts=facts)
+        static = dict(self._static, facts=facts, whole=run.whole)
         if src_primary != dst_primary:
             static["dma"] = self._dma_per_pool(run.whole)
         try:

@@ -282,7 +282,8 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
 
     max_ctas: the GPU grid cap (None: no cap; above 2**30, which no GPU can run at once, the
     same as 2**30). dma: use the GPU's copy engines where the handler can (see `copy_blocks`).
-    whole_blocks: every pair copies a whole block (the handler then need not read `tokens`)."""
+    whole_blocks: every pair copies a whole block, as known on the host: the copy engines then
+    need not read `tokens`, and the kernel gives each pair the work units of a whole block."""
     max_ctas = min(max_ctas or 0, 1 << 30)
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
@@ -509,7 +510,7 @@ def copy_blocks(
             si, di, tokens = _put_in_pinned_host((si, di, tokens), dst_pool)
         check_dma(dst_pool, src_pool, {"src_indices": si, "dst_indices": di,
                                        "num_tokens": tokens}, whole)
-    options = {"dma": dma, "whole_blocks": dma and whole}
+    options = {"dma": dma, "whole_blocks": whole}
     if traced:
         if stream is None:
             return block_copy_call(dst_pool, src_pool, si, di, tokens, facts, max_ctas,

@@ -184,7 +184,9 @@ class SweepMixin:
             si_dev, di_dev = jnp.asarray(si_all), jnp.asarray(di_all)
         for label, n in ns:
             def run(n: int = n) -> dict[str, Any]:
-                nt = jax.device_put(np.full((B,), n, np.int32), self.hsh if dma else self.dsh)
+                # whole blocks as a user copies them, without num_tokens (so the handler knows)
+                nt = None if n >= geom.tokens else jax.device_put(
+                    np.full((B,), n, np.int32), self.hsh if dma else self.dsh)
                 st = {"dst": pool(dst)}
                 s_pool = pool(src)
 

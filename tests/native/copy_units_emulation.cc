@@ -117,7 +117,7 @@ std::vector<int32_t> LaterWriters(const Case& c) {
 
 template <typename V>
 void Emulate(const Batch& b, bool reverse) {
-  const int64_t units_per_pair = kvxfer::UnitsPerPair(b.g, b.num_pairs);
+  const int64_t units_per_pair = kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks);
   const int64_t units = b.num_pairs * units_per_pair;
   for (int64_t k = 0; k < units; ++k) {
     const int64_t u = reverse ? units - 1 - k : k;
@@ -214,8 +214,9 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   std::vector<uint8_t> want = dst0;
   Reference(c, src.data(), want.data());
   const std::vector<int32_t> first = LaterWriters(c);
-  // The host's promise that every pair copies a whole block (the copy engines then do not read
-  // the token counts), made only when true, and not always then.
+  // The host's promise that every pair copies a whole block, made only when true (and not
+  // always then): the kernel then gives each pair a whole block's work units, and the copy
+  // engines do not read the token counts; neither changes the bytes copied.
   bool all_whole = true;
   for (int32_t n : c.tokens) all_whole = all_whole && kvxfer::TokensToCopy(n, c.g) == c.g.tokens;
   const bool whole_hint = all_whole && (rng() & 1);
@@ -236,6 +237,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.src_blocks,
             c.dst_blocks,
             c.g};
+    b.whole_blocks = whole_hint;
     if (dma) {
       bool ordered = false;
       RunDmaPlan(b, whole_hint, &ordered);
