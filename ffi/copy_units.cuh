@@ -170,21 +170,25 @@ inline int VectorBytes(const Batch& b) {
 }
 
 // Work units of kThreads threads per pair: about 16 KiB of the block each. Unless every pair is
-// known to copy a whole block, no more units than a partial block has runs for, one per warp (a
-// partial copy hands each warp whole runs, so further warps would idle: at 4 MiB T/2 the
-// partial probe's one run per warp reached 94 % of a memcpy of the same bytes, v10's four warps
-// per run 84 %), as long as the batch still fills about one wave of CTAs. (Fewer units cost
-// whole blocks of 1 MiB 4 points in v11; any count copies the same bytes.)
+// known to copy a whole block, fewer, as long as the batch still fills about one wave of CTAs:
+// no more units than a partial block has runs for, one per warp (a partial copy hands each warp
+// whole runs, so further warps would idle: at 4 MiB T/2 the partial probe's one run per warp
+// reached 94 % of a memcpy of the same bytes, v10's four warps per run 84 %), and no more than
+// one per 32 KiB of half the block (each warp about 4 KiB at n = T/2: at 256 KiB T/2, 1 KiB
+// runs, the probe's 16 units per pair reached 86 %, 2-8 units 89-91 %). (Fewer units cost whole
+// blocks of 1 MiB 4 points in v11; any count copies the same bytes.)
 constexpr int64_t kOneWaveCtas = 1056;  // H200: 132 SMs x 8 CTAs of kThreads threads
 inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole_blocks) {
   constexpr int64_t kWarps = kThreads / 32;
+  constexpr int64_t kPartialUnitBytes = int64_t{64} << 10;  // of the block: 32 KiB at T/2
   const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
   const int64_t by_bytes = (g.block_bytes + per_unit - 1) / per_unit;
   if (whole_blocks) return std::clamp<int64_t>(by_bytes, 1, kMaxCtasPerPair);
   const int64_t by_runs = (g.outer + kWarps - 1) / kWarps;
+  const int64_t by_half = (g.block_bytes + kPartialUnitBytes - 1) / kPartialUnitBytes;
   const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
-  return std::clamp<int64_t>(std::min(by_bytes, std::max(by_runs, one_wave)), 1,
-                             kMaxCtasPerPair);
+  return std::clamp<int64_t>(std::min(by_bytes, std::max(std::min(by_runs, by_half), one_wave)),
+                             1, kMaxCtasPerPair);
 }
 
 // One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart
