@@ -187,8 +187,8 @@ inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole
   const int64_t by_runs = (g.outer + kWarps - 1) / kWarps;
   const int64_t by_half = (g.block_bytes + kPartialUnitBytes - 1) / kPartialUnitBytes;
   const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
-  return std::clamp<int64_t>(std::min(by_bytes, std::max(std::min(by_runs, by_half), one_wave)),
-                             1, kMaxCtasPerPair);
+  return std::clamp<int64_t>(std::min({by_bytes, by_runs, std::max(by_half, one_wave)}), 1,
+                             kMaxCtasPerPair);
 }
 
 // One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart
