@@ -45,24 +45,30 @@ std::atomic<int64_t> dma_batches{0};  // batches copied by the copy engines (rea
 // The most tokens that a pair after `i` with the same destination writes (0: none): pair i then
 // copies only the tokens above that, so the last pair wins without two CTAs writing the same
 // bytes. Every thread of a kThreads-thread CTA calls it, and every one gets the answer.
+// In the fused kernel this scan stands before the copy's first load, so it is written for
+// latency: the pair's own indices and the later pairs' are loaded with no branch between them
+// (one memory latency, not two), and the maximum is taken within warps by shuffles, with one
+// barrier (not eight).
 __device__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
-  __shared__ int32_t best[kThreads];
+  __shared__ int32_t warp_best[kThreads / 32];
+  int32_t s = -1, d = -1;
+  if (i < b.num_pairs) {
+    s = b.src_idx[i];
+    d = b.dst_idx[i];
+  }
   int32_t m = 0;
-  if (i < b.num_pairs && PairValid(b, i)) {
-    const int32_t d = b.dst_idx[i];
-    for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
-      if (PairValid(b, j) && b.dst_idx[j] == d) {
-        m = max(m, static_cast<int32_t>(TokensToCopy(b.num_tokens[j], b.g)));
-      }
+  for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
+    const int32_t dj = b.dst_idx[j], sj = b.src_idx[j], nj = b.num_tokens[j];
+    if (dj == d && sj >= 0 && sj < b.src_blocks) {  // dj is in range when d is (checked below)
+      m = max(m, static_cast<int32_t>(TokensToCopy(nj, b.g)));
     }
   }
-  best[threadIdx.x] = m;
+  if (!(s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks)) m = 0;  // PairValid(b, i)
+  for (int lanes = 16; lanes > 0; lanes /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, lanes));
+  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = m;
   __syncthreads();
-  for (int s = kThreads / 2; s > 0; s /= 2) {
-    if (threadIdx.x < s) best[threadIdx.x] = max(best[threadIdx.x], best[threadIdx.x + s]);
-    __syncthreads();
-  }
-  return best[0];
+  for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_best[w]);
+  return m;
 }
 
 // Block: kCtaThreads threads (a multiple of kThreads), one work unit per kThreads. Grid: any
