@@ -80,8 +80,13 @@ template <typename V, int kCtaThreads, bool kScanInCopy>
 __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t units_per_pair) {
   if constexpr (kScanInCopy) {
     static_assert(kCtaThreads == kThreads);
-    const int64_t u = blockIdx.x;
-    CopyUnit<V>(b, u, units_per_pair, threadIdx.x, LaterWriterTokens(b, u / units_per_pair));
+    const int64_t u = blockIdx.x, pair = u / units_per_pair;
+    if (b.whole_blocks) {  // loads first, then the scan (CopyWholeUnit)
+      CopyWholeUnit<V>(b, u, units_per_pair, threadIdx.x,
+                       [&] { return LaterWriterTokens(b, pair) >= b.g.tokens; });
+    } else {
+      CopyUnit<V>(b, u, units_per_pair, threadIdx.x, LaterWriterTokens(b, pair));
+    }
   } else {
     constexpr int per_cta = kCtaThreads / kThreads;
     const int64_t units = b.num_pairs * units_per_pair;

@@ -156,6 +156,48 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
               units_per_pair * kThreads);
 }
 
+// A work unit of a batch known to copy whole blocks, in the kernel that scans for later
+// writers itself: the unit's first chunk is loaded before `superseded()` answers (the scan:
+// whether a later pair writes the same block; every thread of the unit calls it, together), so
+// the scan's latency hides behind the loads, and the chunk is stored unless the block is
+// superseded. The same bytes as CopyUnit with start 0 or T; at 16-64 KiB a unit's whole share
+// is that one chunk. kThreads threads per unit.
+template <typename V, typename Superseded>
+KVXFER_DEVICE void CopyWholeUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
+                              Superseded superseded) {
+  constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;
+  const int64_t pair = unit / units_per_pair;
+  const bool valid = pair < b.num_pairs && PairValid(b, pair);
+  const int64_t per_block = b.g.block_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t step = units_per_pair * kChunk;
+  int64_t base = unit % units_per_pair * kChunk + thread;
+  const V* __restrict__ s = nullptr;
+  V* __restrict__ d = nullptr;
+  V v[kUnroll];
+  if (valid) {
+    s = reinterpret_cast<const V*>(b.src.data +
+                                   SlotOf(b.src, b.src_idx, pair) * b.g.block_bytes);
+    d = reinterpret_cast<V*>(b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * b.g.block_bytes);
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * kThreads < per_block) v[k] = s[base + k * kThreads];
+    }
+  }
+  if (superseded() || !valid) return;
+  while (true) {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * kThreads < per_block) d[base + k * kThreads] = v[k];
+    }
+    base += step;
+    if (base >= per_block) return;
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * kThreads < per_block) v[k] = s[base + k * kThreads];
+    }
+  }
+}
+
 // The widest vector (16, 8, 4 or 1 bytes) every address the kernel forms is aligned to: each is
 // a pool base plus multiples of the block and row sizes. Host code.
 inline int VectorBytes(const Batch& b) {

@@ -123,7 +123,13 @@ void Emulate(const Batch& b, bool reverse) {
     const int64_t u = reverse ? units - 1 - k : k;
     const int64_t start = b.first ? b.first[u / units_per_pair] : 0;
     for (int t = 0; t < kvxfer::kThreads; ++t) {
-      kvxfer::CopyUnit<V>(b, u, units_per_pair, reverse ? kvxfer::kThreads - 1 - t : t, start);
+      const int thread = reverse ? kvxfer::kThreads - 1 - t : t;
+      if (b.whole_blocks) {  // as the kernel that scans itself copies a whole-block batch
+        kvxfer::CopyWholeUnit<V>(b, u, units_per_pair, thread,
+                                 [&] { return start >= b.g.tokens; });
+      } else {
+        kvxfer::CopyUnit<V>(b, u, units_per_pair, thread, start);
+      }
     }
   }
 }
