@@ -79,5 +79,4 @@ else:
     assert builds == [f"{new_cu} | {new_cuh}", "// version B | // version B",
                       f"{new_cu} | // version A"] * 2, builds
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("AB ")]
-    assert rows == [("AB d2d 1024K ours n=T new 50.0% / 50.0% vb 50.0% / 50.0% "
-                     "va 50.0% / 50.0%").split()], proc.stdout
+    assert rows == [["AB", "d2d", "1024K", "ours", "n=T", "new", "50.0%", "/", "50.0%", "vb", "50.0%", "/", "50.0%", "va", "50.0%", "/", "50.0%"]], proc.stdout
