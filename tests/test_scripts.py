@@ -4,6 +4,7 @@ checked here, only that they run to the end and print what their readers look fo
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -38,9 +39,8 @@ def test_ab_kernel_builds_each_version_with_its_files(tmp_path):
     working tree's for the rest), the summary has a column per version, and the working tree's
     files are back at the end. pip and the bench are stood in for by a fake python3 that records
     which ffi files each build saw and writes a bench JSON."""
-    ffi = os.path.join(ROOT, "ffi")
-    originals = {f: open(os.path.join(ffi, f), "rb").read()
-                 for f in ("block_copy_cuda.cu", "copy_units.cuh")}
+    ffi = pathlib.Path(ROOT, "ffi")
+    originals = {f: (ffi / f).read_bytes() for f in ("block_copy_cuda.cu", "copy_units.cuh")}
     for name, marker in (("va", "A"), ("vb", "B")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "copy_units.cuh").write_text(f"// version {marker}\n")
@@ -72,11 +72,12 @@ else:
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for f, data in originals.items():
-        assert open(os.path.join(ffi, f), "rb").read() == data, f"{f} not restored"
+        assert (ffi / f).read_bytes() == data, f"{f} not restored"
     new_cu = originals["block_copy_cuda.cu"].decode().splitlines()[0]
     new_cuh = originals["copy_units.cuh"].decode().splitlines()[0]
     builds = (tmp_path / "builds.log").read_text().splitlines()
     assert builds == [f"{new_cu} | {new_cuh}", "// version B | // version B",
                       f"{new_cu} | // version A"] * 2, builds
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("AB ")]
-    assert rows == [["AB", "d2d", "1024K", "ours", "n=T", "new", "50.0%", "/", "50.0%", "vb", "50.0%", "/", "50.0%", "va", "50.0%", "/", "50.0%"]], proc.stdout
+    rows = [" ".join(line.split()) for line in proc.stdout.splitlines() if line.startswith("AB ")]
+    want = "AB d2d 1024K ours n=T new 50.0% / 50.0% vb 50.0% / 50.0% va 50.0% / 50.0%"
+    assert rows == [want], proc.stdout
