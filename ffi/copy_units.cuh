@@ -169,26 +169,27 @@ inline int VectorBytes(const Batch& b) {
   return 1;
 }
 
-// Work units of kThreads threads per pair: about 16 KiB of the block each. Unless every pair is
-// known to copy a whole block, fewer, as long as the batch still fills about one wave of CTAs:
-// no more units than a partial block has runs for, one per warp (a partial copy hands each warp
-// whole runs, so further warps would idle: at 4 MiB T/2 the partial probe's one run per warp
-// reached 94 % of a memcpy of the same bytes, v10's four warps per run 84 %), and no more than
-// one per 32 KiB of half the block (each warp about 4 KiB at n = T/2: at 256 KiB T/2, 1 KiB
-// runs, the probe's 16 units per pair reached 86 %, 2-8 units 89-91 %). (Fewer units cost whole
-// blocks of 1 MiB 4 points in v11; any count copies the same bytes.)
+// Work units of kThreads threads per pair. A batch known to copy whole blocks: about 16 KiB of
+// the block each. A partial copy hands each warp whole runs, so a batch that may copy partial
+// blocks gets fewer (any count copies the same bytes):
+//  - never more than the block's runs fill, one warp each: further warps would idle (v11, and
+//    v13b: 64 KiB T-1 74 -> 86 % of the memcpy in GPU time);
+//  - about one per 64 KiB of block (a warp copies ~4 KiB at n = T/2), unless the batch would
+//    then fill less than one wave of CTAs: every CTA also scans the batch for later writers
+//    (v13: at 256 KiB T/2, 5 units per pair instead of 16 took 69 -> 88 %).
+// Whole blocks keep more units: 16 instead of 64 per 1 MiB block cost 4 points in v11.
 constexpr int64_t kOneWaveCtas = 1056;  // H200: 132 SMs x 8 CTAs of kThreads threads
 inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole_blocks) {
   constexpr int64_t kWarps = kThreads / 32;
-  constexpr int64_t kPartialUnitBytes = int64_t{64} << 10;  // of the block: 32 KiB at T/2
+  constexpr int64_t kPartialUnitBytes = int64_t{64} << 10;
   const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
   const int64_t by_bytes = (g.block_bytes + per_unit - 1) / per_unit;
   if (whole_blocks) return std::clamp<int64_t>(by_bytes, 1, kMaxCtasPerPair);
   const int64_t by_runs = (g.outer + kWarps - 1) / kWarps;
-  const int64_t by_half = (g.block_bytes + kPartialUnitBytes - 1) / kPartialUnitBytes;
+  const int64_t by_partial_bytes = (g.block_bytes + kPartialUnitBytes - 1) / kPartialUnitBytes;
   const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
-  return std::clamp<int64_t>(std::min({by_bytes, by_runs, std::max(by_half, one_wave)}), 1,
-                             kMaxCtasPerPair);
+  const int64_t units = std::min({by_bytes, by_runs, std::max(by_partial_bytes, one_wave)});
+  return std::clamp<int64_t>(units, 1, kMaxCtasPerPair);
 }
 
 // One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart
