@@ -174,6 +174,9 @@ def duplicate_destinations(rng):
     nt = rng.choice([0, -1, 1, 3, 7, 8, 12], n)
     for src_kind, dst_kind in KINDS[:3]:
         run_copy(rng, BLOCK, jnp.bfloat16, src_kind, dst_kind, si, di, nt, num_dst=4, num_src=48)
+        # without num_tokens: the host tells the kernel every pair copies a whole block
+        run_copy(rng, BLOCK, jnp.bfloat16, src_kind, dst_kind, si, di, None, num_dst=4,
+                 num_src=48, what=f"{src_kind}->{dst_kind} whole blocks")
 
 
 @case

@@ -203,10 +203,13 @@ def test_duplicates_with_padding_and_traced_out_of_range_indices():
 @pytest.mark.parametrize("num_pairs, block", [(40, (1, 2, 2, 16, 64)), (300, (2, 2, 2, 64, 128)),
                                                (3000, (1, 1, 2, 16, 32))])
 @pytest.mark.parametrize("kinds", [("device", "device"), ("pinned_host", "device")])
-def test_duplicates_traced_small_and_large_batches(num_pairs, block, kinds):
+@pytest.mark.parametrize("whole", [False, True], ids=["mixed_tokens", "no_num_tokens"])
+def test_duplicates_traced_small_and_large_batches(num_pairs, block, kinds, whole):
     """Traced indices, so the GPU finds later writers on the device: inside the copy kernel for
     a batch of few pairs and small blocks, in a scan kernel launched first for a large one
-    (ffi/block_copy_cuda.cu, FusedScanFits). Either way the later pair wins."""
+    (ffi/block_copy_cuda.cu, FusedScanFits). Either way the later pair wins. Without num_tokens
+    the host knows every pair copies a whole block, and the kernel takes its whole-block
+    units."""
     rng = np.random.default_rng(seed("traced-batches", num_pairs, kinds))
     t = block[3]
     dst = random_pool(rng, 24, jnp.bfloat16, block)
@@ -215,9 +218,11 @@ def test_duplicates_traced_small_and_large_batches(num_pairs, block, kinds):
     di = rng.integers(0, 24, num_pairs).astype(np.int32)  # each block written many times
     si[rng.integers(0, num_pairs, num_pairs // 10)] = -1  # padding
     nt = rng.choice([0, -1, t, 1, 2, t // 2, t - 1], num_pairs).astype(np.int32)
+    if whole:
+        nt[:] = 0
     out = _jit(jax.device_put(dst, sharding(kinds[0])), jax.device_put(src, sharding(kinds[1])),
-               si, di, nt)
-    assert_rule(read_back(out), dst, src, si, di, nt, f"{num_pairs} pairs {kinds}")
+               si, di, None if whole else nt)
+    assert_rule(read_back(out), dst, src, si, di, nt, f"{num_pairs} pairs {kinds} whole={whole}")
 
 
 @pytest.mark.parametrize("donate", [False, True])
