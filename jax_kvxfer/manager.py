@@ -180,7 +180,8 @@ class KVCacheTransferManager:
             enqueues the copies); needs plan_ring=True and pools on one device. False: with
             the copy kernel. "auto" (default): the copy engines for a run that copies whole
             blocks of at least DMA_AUTO_MIN_BLOCK_BYTES (ops.py: why) in a pool whose copy
-            they can take (GPU, plan ring, one device), the kernel otherwise. Copies within the GPU pool always use the kernel.
+            they can take (GPU, plan ring, one device), the kernel otherwise. Copies within
+            the GPU pool always use the kernel.
         """
         if not (isinstance(dma, (bool, np.bool_)) or (isinstance(dma, str) and dma == "auto")):
             raise TypeError(f'dma must be True, False or "auto", got {dma!r}')
