@@ -46,6 +46,10 @@ def _check_common(doc: dict, sections=("host_overhead", "overlap", "bidirectiona
         assert r.get("verified") in (None, True), r
         if r.get("kind") != "ceiling":
             assert r["ratio"] > 0, r
+    vs = doc["targets"]["4_vs_baselines"]
+    for trt in ("trt_gpu", "trt_loop"):  # the faster of kernel and copy engines, per case
+        if f"min_ours_over_{trt}" in vs:
+            assert vs[f"min_best_over_{trt}"] >= vs[f"min_ours_over_{trt}"], vs
     for case in doc.get("host_overhead", {}).get("cases", []):
         assert "error" not in case, case
         assert case["median_us"] > 0
