@@ -51,6 +51,8 @@ Other sections:
                  transfer alone, both (one jit for the JAX paths; a side cupy stream for memcpy),
                  and the no-overlap sum. `ours_stream`: our custom call annotated to a GPU
                  stream of its own (JAX's `compute_on2(compute_type="gpu_stream:1")`).
+                 `ours_dma_stream_step_writes_src`: the step also writes a token row of every
+                 block of the pool being offloaded, in place, as a decode step does.
   bidirectional  offload and onboard at the same time (one jit for the JAX paths, two streams for
                  memcpy) vs each direction alone. `ours_streams`: the offload and the onboard
                  annotated to two GPU streams of their own.

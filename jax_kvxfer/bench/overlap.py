@@ -66,13 +66,19 @@ class OverlapMixin:
                                                               "max_ctas": 1 << 20},
                             "ours_dma_stream": {"stream": 1, "dma": True},
                             "ours_dma_stream_step_stream": {"stream": 1, "step_stream": 2,
-                                                            "dma": True}}
+                                                            "dma": True},
+                            # as a decode step does, the step also writes one token row of
+                            # every block of the pool being offloaded, in place: XLA must
+                            # order the offload's read before that write (or copy the pool)
+                            "ours_dma_stream_step_writes_src": {"stream": 1, "step_stream": 2,
+                                                                "dma": True, "writes_src": True}}
+            step_only = ("step_stream", "writes_src")  # options of the step, not of the copy
 
             def indices(name: str) -> tuple[jax.Array, jax.Array]:
                 return (si_pin, di_pin) if "dma" in name else (si_dev, di_dev)
 
             def offload_fn(options: dict[str, int]) -> Callable[..., jax.Array]:
-                kw = {k: v for k, v in options.items() if k != "step_stream"}
+                kw = {k: v for k, v in options.items() if k not in step_only}
                 return lambda dst, s, a, b: copy_blocks(dst, s, a, b, **kw)
 
             offloads = {name: offload_fn(o) for name, o in ours_options.items()}
@@ -125,18 +131,42 @@ class OverlapMixin:
                 def run(a: jax.Array, b: jax.Array) -> jax.Array:
                     return matmuls(a, b, iters)
 
+                def run_and_write(a: jax.Array, b: jax.Array, s: jax.Array) -> Any:
+                    y = matmuls(a, b, iters)  # the new token row comes from the step's output
+                    row = y[:1, :1].astype(s.dtype).reshape((1,) * s.ndim)
+                    return y, s.at[:, :, :, :, 0:1, :].set(jnp.broadcast_to(
+                        row, s.shape[:4] + (1,) + s.shape[5:]))
+
                 options, offload = ours_options[name], offloads[name]
+                if options.get("writes_src"):
+                    step_w = on_stream(run_and_write, options["step_stream"],
+                                       jax.memory.Space.Device)
+
+                    def both(a, b, dst, s, i, j):
+                        dst = offload(dst, s, i, j)  # called first: it reads s before the write
+                        y, s = step_w(a, b, s)
+                        return y, dst, s
+                    return both
                 step_part = run if "step_stream" not in options else on_stream(
                     run, options["step_stream"], jax.memory.Space.Device)
                 return lambda a, b, dst, s, i, j: (step_part(a, b), offload(dst, s, i, j))
 
-            ours_both = {name: jax.jit(both_fn(name), donate_argnums=2,
-                                       out_shardings=(self.dsh, self.hsh))
+            ours_both = {name: jax.jit(both_fn(name), donate_argnums=(2, 3),
+                                       out_shardings=(self.dsh, self.hsh, self.dsh))
+                         if ours_options[name].get("writes_src") else
+                         jax.jit(both_fn(name), donate_argnums=2,
+                                 out_shardings=(self.dsh, self.hsh))
                          for name in ours_options}
+            # the pool that the writing step updates in place (a copy: `src` stays as it is)
+            st["src_w"] = jnp.copy(src)
             xla_both = jax.jit(lambda a, b, s, i: (matmuls(a, b, iters), s[i]),
                                out_shardings=(self.dsh, self.hsh))
 
             def ours_both_call(name: str) -> Any:
+                if ours_options[name].get("writes_src"):
+                    y, st["dst"], st["src_w"] = ours_both[name](x, w, st["dst"], st["src_w"],
+                                                                *indices(name))
+                    return y, st["dst"], st["src_w"]
                 y, st["dst"] = ours_both[name](x, w, st["dst"], src, *indices(name))
                 return y, st["dst"]
 
@@ -172,13 +202,18 @@ class OverlapMixin:
                                "transfer_hidden": (t + step_s - both_s) / t}
                         if "dma" in name and used is not None:
                             res["dma_used"] = used
+                        writes = ours_options.get(name, {}).get("writes_src", False)
+                        source = st["src_w"] if writes else src
                         if name in ours_both:
                             res["schedule"] = schedule_summary(ours_both[name], x, w, st["dst"],
-                                                               src, *indices(name))
+                                                               source, *indices(name))
                         if name.startswith("ours"):  # the pool it wrote holds the blocks
                             ends = [0, nb - 1]
+                            # (token row 0 of the written pool changes with every step)
+                            rows = slice(1, None) if writes else slice(None)
                             res["verified"] = bool(np.array_equal(
-                                self.fetch(st["dst"], di[ends]), self.fetch(src, si[ends])))
+                                self.fetch(st["dst"], di[ends])[..., rows, :],
+                                self.fetch(source, si[ends])[..., rows, :]))
                         self.log(f"overlap {name}: transfer {t * 1e3:.2f} ms "
                                  f"({total / t / 1e9:.1f} GB/s), step {step_s * 1e3:.2f} ms, "
                                  f"both {both_s * 1e3:.2f} ms, sum {(t + step_s) * 1e3:.2f} ms "
