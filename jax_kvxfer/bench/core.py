@@ -161,10 +161,15 @@ class BenchCore:
         """(K ops per jit call, calls per sample) so that dispatch is amortised."""
         c = self.cfg
         call_t = c.call_target_d2d if d2d else c.call_target_host
-        sample_t = c.sample_target_d2d if d2d else c.sample_target_host
         k = _clamp(math.ceil(call_t / max(op_bytes, 1)), 1, kmax if kmax is not None else c.kmax)
-        pipe = _clamp(math.ceil(sample_t / max(k * op_bytes, 1)), 2, c.max_pipe)
-        return k, pipe
+        return k, self.pipe_for(k * op_bytes, d2d)
+
+    def pipe_for(self, call_bytes: int, d2d: bool) -> int:
+        """Calls per sample for calls that move `call_bytes` each: one sample pays one dispatch
+        before the GPU starts and one sync at its end, so it moves about the sample target."""
+        c = self.cfg
+        sample_t = c.sample_target_d2d if d2d else c.sample_target_host
+        return _clamp(math.ceil(sample_t / max(call_bytes, 1)), 2, c.max_pipe)
 
     def time_jax(self, call: Callable[[], Any], *, pipe: int, samples: int | None = None
                  ) -> tuple[list[float], float]:

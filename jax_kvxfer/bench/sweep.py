@@ -168,7 +168,7 @@ class SweepMixin:
         `unique_dst_indices=True` ("ours_unique": the destinations, permutations, promised
         distinct, so the GPU skips its duplicate scan)."""
         d2d = d == "d2d"
-        k, pipe = self.plan(B * geom.block_bytes, d2d)
+        k, _ = self.plan(B * geom.block_bytes, d2d)
         si_all, di_all = self.perms(k, B, B), self.perms(k, B, B)
         out_sh = self.hsh if dst.startswith("host") else self.dsh
 
@@ -196,6 +196,9 @@ class SweepMixin:
                     st["dst"] = fn(st["dst"], s_pool, si_dev, di_dev, nt)
                     return st["dst"]
 
+                # calls per sample by the bytes this case moves (a partial copy moves less than
+                # the whole blocks that k was planned for)
+                pipe = self.pipe_for(k * B * geom.moved(n), d2d)
                 before = _dma_batches()
                 times, first = self.time_jax(call, pipe=pipe)
                 extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
