@@ -5,8 +5,8 @@ every 8 calls, none inside the timed call):
   - the manager's verb, with its plans in the pinned-host plan ring (the default) and with
     NumPy plans (the ring switched off): the A/B of jax_kvxfer/plan_ring.py;
   - the verb's stages (batch check, run split, the jitted dispatch, statistics);
-  - the jitted dispatch alone with a NumPy plan and with a device plan, and `jax.device_put`
-    of a plan alone.
+  - the jitted dispatch alone with a NumPy plan, a device plan and a pinned_host plan (as the
+    ring passes it), and `jax.device_put` of a plan alone.
 Both manager variants' results are checked against NumPy.
 
     python scripts/profile_manager.py [--calls 200]
@@ -57,6 +57,12 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
                   for si, di in batches]
     plans = [np.stack([si, di, np.zeros_like(si)]) for si, di in batches]
     dev_plans = [jnp.asarray(p) for p in plans]
+    # as the plan ring passes them: three int32 vectors in pinned_host memory (None where the
+    # backend has no pinned_host memory)
+    ring_sharding = mgr.PlanRing.sharding_for(pool.sharding("device"))
+    pinned_plans = None if ring_sharding is None else [
+        jax.block_until_ready(tuple(jax.device_put(row, ring_sharding) for row in p))
+        for p in plans]
     facts = IndexFacts(hazard_free=True, unique_dst=True)
     results: dict[str, float] = {}
 
@@ -86,6 +92,9 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
                                                       calls)
     results["dispatch alone, device plan"] = median_us(lambda i: direct(dev_plans[i % 16]),
                                                        sync, calls)
+    if pinned_plans is not None:  # what the ring's arguments cost the dispatch itself
+        results["dispatch alone, pinned_host plan"] = median_us(
+            lambda i: direct(pinned_plans[i % 16]), sync, calls)
     results["device_put of a plan alone"] = median_us(
         lambda i: jax.device_put(plans[i % 16], pool.device), lambda: None, calls)
     for name, us in results.items():
