@@ -28,13 +28,22 @@ class PairBatch:
     dst_primary: np.ndarray  # bool [n]
     tokens: np.ndarray  # int32 [n], clipped to [-1, int32 max]
     whole: bool  # every pair copies a whole block (a part of a batch: false if the batch's is)
+    # (source, destination) memory (True: primary) shared by every pair; None: mixed or empty
+    direction: tuple[bool, bool] | None
 
     def __len__(self) -> int:
         return len(self.src)
 
     def take(self, rows: slice | np.ndarray) -> PairBatch:
-        return PairBatch(self.src[rows], self.src_primary[rows], self.dst[rows],
-                         self.dst_primary[rows], self.tokens[rows], self.whole)
+        src_primary, dst_primary = self.src_primary[rows], self.dst_primary[rows]
+        return PairBatch(self.src[rows], src_primary, self.dst[rows], dst_primary,
+                         self.tokens[rows], self.whole, _direction(src_primary, dst_primary))
+
+
+def _direction(src_primary: np.ndarray, dst_primary: np.ndarray) -> tuple[bool, bool] | None:
+    n = len(src_primary)
+    s, d = np.count_nonzero(src_primary), np.count_nonzero(dst_primary)
+    return (s == n, d == n) if n and s in (0, n) and d in (0, n) else None
 
 
 def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: int,
@@ -62,7 +71,8 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
     else:
         whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
     return PairBatch(src=index[:, 0], src_primary=primary[:, 0], dst=index[:, 1],
-                     dst_primary=primary[:, 1], tokens=tokens, whole=whole)
+                     dst_primary=primary[:, 1], tokens=tokens, whole=whole,
+                     direction=_direction(primary[:, 0], primary[:, 1]))
 
 
 def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None:
@@ -111,11 +121,9 @@ def split_runs(batch: PairBatch) -> list[np.ndarray]:
     A run has one direction (source and destination memory), and no pair in it reads a slot
     that an earlier pair of the run writes (that read must see the new data).
     """
-    n = len(batch)
-    one_direction = (np.all(batch.src_primary == batch.src_primary[0])
-                     and np.all(batch.dst_primary == batch.dst_primary[0])) if n else True
-    if one_direction and (n == 0 or batch.src_primary[0] != batch.dst_primary[0]
-                          or not np.any(np.isin(batch.src, batch.dst))):
+    n, direction = len(batch), batch.direction
+    if n == 0 or (direction is not None and (direction[0] != direction[1]
+                                             or not np.isin(batch.src, batch.dst).any())):
         return [np.arange(n)]
     runs: list[list[int]] = []
     direction, written = None, set()

@@ -363,7 +363,8 @@ class KVCacheTransferManager:
         if not batch.whole:
             for pool in self._pools:
                 check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
-        memories = set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist())
+        memories = (set(batch.direction) if batch.direction is not None else
+                    set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist()))
         for pool in self._pools:  # every array must be live before anything is dispatched
             for is_primary in memories:
                 pool.current(is_primary, op)
@@ -381,9 +382,8 @@ class KVCacheTransferManager:
     def _one_run_each_way(off: PairBatch, on: PairBatch) -> bool:
         """Offloads all primary -> secondary, onboards all secondary -> primary, and no onboard
         reads a secondary slot that an offload writes."""
-        return bool(off.src_primary.all() and not off.dst_primary.any()
-                    and on.dst_primary.all() and not on.src_primary.any()
-                    and not set(on.src.tolist()) & set(off.dst.tolist()))
+        return (off.direction == (True, False) and on.direction == (False, True)
+                and not set(on.src.tolist()) & set(off.dst.tolist()))
 
     def _plan_arrays(self, run: PairBatch) -> tuple[Any, Any]:
         """(what to pass for the run's [3, bucket] plan, its ring slot or None)."""
@@ -423,7 +423,7 @@ class KVCacheTransferManager:
     def _dispatch(self, run: PairBatch) -> None:
         """One jitted copy per pool for a run of one direction."""
         plan_arg, slot = self._plan_arrays(run)
-        src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
+        src_primary, dst_primary = run.direction  # a run has one (split_runs)
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
             facts = index_facts(run.src, run.dst, dsts[0].shape[0], dsts[0].shape[0])
@@ -470,7 +470,7 @@ class KVCacheTransferManager:
             whole = (run.tokens <= 0) | (run.tokens >= t)
             nbytes = int(np.where(whole, self._block_nbytes,
                                   run.tokens.astype(np.int64) * self._token_nbytes).sum())
-        src_primary, dst_primary = bool(run.src_primary[0]), bool(run.dst_primary[0])
+        src_primary, dst_primary = run.direction
         kind = ("offloaded" if src_primary and not dst_primary else
                 "onboarded" if dst_primary and not src_primary else "copied")
         setattr(self._stats, f"{kind}_blocks", getattr(self._stats, f"{kind}_blocks") + len(run))
