@@ -98,6 +98,18 @@ for tool in "${tools[@]}"; do
   timeout -k 15 "$left" "$CS" "${opts[@]}" "${prog[@]}" > "$log" 2>&1
   rc=$?
   cat "$log"
+  crashed=""
+  # A crash of the process under the tool (a signal, no report at all: synccheck once ended so
+  # on the H200, then ran clean three times) is run once more; an error report never is.
+  left=$(( BUDGET - ($(date +%s) - start) ))
+  if [ "$rc" -gt 128 ] && [ "$rc" -ne 137 ] && [ "$left" -ge 30 ] \
+     && ! grep -aqE '(ERROR|RACECHECK) SUMMARY' "$log"; then
+    crashed=" (after a crash without a report, exit $rc, and one rerun)"
+    echo "===== sanitize: $tool crashed (exit $rc) without a report; running it once more ====="
+    timeout -k 15 "$left" "$CS" "${opts[@]}" "${prog[@]}" > "$log" 2>&1
+    rc=$?
+    cat "$log"
+  fi
   secs=$(( $(date +%s) - t0 ))
   # One summary per tracked process (XLA may start helper processes; they report 0 errors).
   summary=$(grep -aE '(ERROR|RACECHECK) SUMMARY' "$log" | sed 's/^=* *//' | sort | uniq -c \
@@ -120,7 +132,7 @@ for tool in "${tools[@]}"; do
        || { [ -n "$pyt" ] && [ "$pyt" != "pytest exit 0" ]; }; then
     verdict="FAILED (exit $rc)"; status=1
   fi
-  results+=("sanitize $tool: ${summary:-no summary}; ${cases#sanitize_cases: }${pyt:+; $pyt (${counts%% in *})}; exit $rc, ${secs} s: $verdict")
+  results+=("sanitize $tool: ${summary:-no summary}; ${cases#sanitize_cases: }${pyt:+; $pyt (${counts%% in *})}; exit $rc, ${secs} s: $verdict$crashed")
 done
 
 echo
