@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "evicted blocks are dropped, not offloaded); 0: none")
     p.add_argument("--devices", type=_int_at_least(1), default=1,
                    help="tensor-parallel devices: the KV pools are split by KV heads over them")
+    p.add_argument("--dma", choices=("auto", "true", "false"), default="auto",
+                   help="how the transfer manager moves blocks between the memories: the GPU's "
+                        "copy engines (true), the copy kernel (false), or by block size (auto)")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="weights and workload seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -205,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: a wave of "
                      f"{min(cfg['batch'], cfg['conversations'])} conversations of up to "
                      f"{workload.max_len} tokens needs {wave_blocks} blocks")
+    if args.dma == "true" and args.devices > 1:
+        parser.error("--dma true takes one device (the copy engines' path does not take pools "
+                     "split over devices); use --dma auto or false with --devices")
     if model.num_kv_heads % args.devices:
         parser.error(f"--devices {args.devices} must divide the {model.num_kv_heads} KV heads")
     return _run(args, cfg, model, workload)
@@ -228,7 +234,8 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
             if args.devices > 1 else None)
     params = init_params(model, args.seed)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"],
-              "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh}
+              "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
+              "dma": {"auto": "auto", "true": True, "false": False}[args.dma]}
     try:
         res = serving.run(model, params, workload, primary_blocks=cfg["primary_blocks"],
                           secondary_blocks=cfg["secondary_blocks"],

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from .block_manager import BlockManager, BlockManagerStats
-from .manager import TransferStats
+from .manager import KVCacheTransferManager, TransferStats
 from .model import ModelConfig, create_pool, make_step
 from .pool import KVCacheBlock
 
@@ -77,8 +77,9 @@ class RunResult:
 def run(model: ModelConfig, params: dict, workload: Workload, *, batch: int, chunk: int,
         tokens_per_block: int, primary_blocks: int, secondary_blocks: int,
         progress: Callable[[int, int], None] | None = None,
-        mesh: jax.sharding.Mesh | None = None) -> RunResult:
-    """Runs the whole workload once on fresh pools.
+        mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto") -> RunResult:
+    """Runs the whole workload once on fresh pools; `dma`: the transfer manager's (True, False
+    or "auto").
 
     Raises:
       PoolExhaustedError: the primary pool cannot hold one wave of conversations.
@@ -87,7 +88,7 @@ def run(model: ModelConfig, params: dict, workload: Workload, *, batch: int, chu
                        num_secondary_blocks=secondary_blocks, mesh=mesh)
     if mesh is not None:  # tensor parallel: weights on every device, the pool split by heads
         params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    bm = BlockManager(pool)
+    bm = BlockManager(pool, transfer_manager=KVCacheTransferManager([pool], dma=dma))
     max_blocks = math.ceil(workload.max_len / tokens_per_block)
     t0 = time.perf_counter()
     shapes = [jax.ShapeDtypeStruct((batch, chunk), np.int32)] * 2 + [

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from jax_kvxfer import KVCacheTransferManager, demo, serving
 from jax_kvxfer import __main__ as cli
-from jax_kvxfer import demo, serving
 
 TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--d-ff", "64", "--conversations", "8", "--turns", "3", "--batch", "2",
@@ -42,6 +42,23 @@ def test_demo_is_exact_and_exercises_every_path(tiny_json, capsys):
     assert run["dropped_device_blocks"] > 0  # the low-priority conversations
     assert run["generated_tokens"] == ref["generated_tokens"] == 8 * 3 * 4
     assert ref["prefix_hit_rate"] >= run["prefix_hit_rate"] > 0
+
+
+@pytest.mark.parametrize("dma", ["true", "false"])
+def test_demo_with_each_transfer_path_is_exact(tiny_json, dma, capsys, monkeypatch):
+    """--dma: the manager's copy engines or copy kernel for every transfer (on a GPU; on CPU
+    the same copies either way), still exact."""
+    made = []
+
+    def manager(*args, **kwargs):
+        made.append(kwargs.get("dma"))
+        return KVCacheTransferManager(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "KVCacheTransferManager", manager)
+    assert cli.main(["demo", *tiny_json, "--dma", dma]) == 0
+    assert made == [dma == "true"] * 2, made  # the offloading and the reference run
+    out = json.loads(capsys.readouterr().out)
+    assert out["exact"] is True and out["run"]["transfers"]["offloaded_blocks"] > 0
 
 
 def test_table_output(capsys):
@@ -100,6 +117,8 @@ def test_inexact_run_exits_1(monkeypatch, capsys):
     (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a multiple of --kv-heads"),
     (["--primary-blocks", "3"], "--primary-blocks 3 is too small"),
     (["--bogus"], "unrecognized arguments"),
+    (["--dma", "fast"], "invalid choice"),
+    (["--dma", "true", "--devices", "2"], "--dma true takes one device"),
 ])
 def test_bad_options_one_line_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
