@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
-#   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [sharded] [demo-tp]
-#                        [profile] [sanitize] [stress] [stress-dma] [partial-probe] [pipeline]
+#   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [demo-dma] [sharded]
+#                        [demo-tp] [profile] [sanitize] [stress] [stress-dma] [partial-probe]
+#                        [pipeline]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
 #   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
 #   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX);
@@ -10,6 +11,7 @@
 #   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
 #   a machine with 2 or more GPUs). stress-dma: 30,000 stress operations with a dma=True manager.
+#   demo-dma: the demo again with every transfer on the copy engines, then on the copy kernel.
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,11 +70,22 @@ if has pipeline; then
   summary+=("pipeline probe: exit $? ($(( $(date +%s) - t )) s)")
   cat "$OUT/pipeline-probe.txt"
 fi
+# The demos share JAX's compilation cache (outside $OUT: it is large), so that only the first
+# pays the model step's compilation (XLA's GPU autotuning: 75-130 s on the H200).
+demo_cache=${JAX_COMPILATION_CACHE_DIR:-/tmp/kvxfer-jax-cache}
 if has demo; then
   t=$(date +%s)
-  python3 -m jax_kvxfer demo --preset h200 > "$OUT/demo.txt" 2> "$OUT/demo.log"
+  JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 > "$OUT/demo.txt" 2> "$OUT/demo.log"
   summary+=("demo: exit $? ($(( $(date +%s) - t )) s)")
   tail -25 "$OUT/demo.txt"
+fi
+if has demo-dma; then  # the demo with every transfer on the copy engines, then on the kernel
+  for dma in true false; do
+    t=$(date +%s)
+    JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --dma $dma \
+      > "$OUT/demo-dma-$dma.txt" 2> "$OUT/demo-dma-$dma.log"
+    summary+=("demo --dma $dma: exit $? ($(( $(date +%s) - t )) s): $(grep -E 'time in transfers' "$OUT/demo-dma-$dma.txt" | tr -s ' ')")
+  done
 fi
 if has sharded; then
   t=$(date +%s)
