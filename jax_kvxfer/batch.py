@@ -126,12 +126,12 @@ def split_runs(batch: PairBatch) -> list[np.ndarray]:
                                              or not np.isin(batch.src, batch.dst).any())):
         return [np.arange(n)]
     runs: list[list[int]] = []
-    direction, written = None, set()
+    run_direction, written = None, set()
     for i in range(n):
         d = (bool(batch.src_primary[i]), bool(batch.dst_primary[i]))
-        if d != direction or (int(batch.src[i]), d[0]) in written:
+        if d != run_direction or (int(batch.src[i]), d[0]) in written:
             runs.append([])
-            direction, written = d, set()
+            run_direction, written = d, set()
         runs[-1].append(i)
         written.add((int(batch.dst[i]), d[1]))
     return [np.asarray(r) for r in runs]
