@@ -58,7 +58,8 @@ __device__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
   }
   int32_t m = 0;
   for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
-    const int32_t dj = b.dst_idx[j], sj = b.src_idx[j], nj = b.num_tokens[j];
+    const int32_t dj = b.dst_idx[j], sj = b.src_idx[j];
+    const int32_t nj = b.whole_blocks ? 0 : b.num_tokens[j];  // 0: whole (see PairTokens)
     if (dj == d && sj >= 0 && sj < b.src_blocks) {  // dj is in range when d is (checked below)
       m = max(m, static_cast<int32_t>(TokensToCopy(nj, b.g)));
     }
@@ -201,14 +202,14 @@ cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
 // PlanDmaCopies': with distinct destinations they may run in any order (one batch); when two
 // pairs write one block, every copy is enqueued on its own, in pair order, so the later pair
 // wins on the tokens it writes, as with the kernel.
-bool TryDma(cudaStream_t stream, const Batch& b, bool whole_blocks, ffi::Error* error) {
+bool TryDma(cudaStream_t stream, const Batch& b, ffi::Error* error) {
   if (!IsHostMemory(b.src_idx) || !IsHostMemory(b.dst_idx) ||
-      (!whole_blocks && !IsHostMemory(b.num_tokens)) ||
+      (!b.whole_blocks && !IsHostMemory(b.num_tokens)) ||
       IsHostMemory(b.dst.data) == IsHostMemory(b.src.data)) {
     return false;
   }
   std::vector<DmaCopy> copies;
-  const bool duplicates = PlanDmaCopies(b, whole_blocks, &copies);
+  const bool duplicates = PlanDmaCopies(b, &copies);
   cudaError_t err = cudaSuccess;
   if (duplicates) {
     for (size_t k = 0; k < copies.size() && err == cudaSuccess; ++k) {
@@ -284,7 +285,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
   b.whole_blocks = whole_blocks;
   if (dma && !stage) {
     ffi::Error error = ffi::Error::Success();
-    if (TryDma(stream, b, whole_blocks, &error)) return error;
+    if (TryDma(stream, b, &error)) return error;
   }
   if (num_pairs > 1 && !unique_dst && FusedScanFits(b, max_ctas)) {
     b.scan_in_copy = true;
