@@ -140,7 +140,7 @@ def _warn_not_in_place(which: str, stacklevel: int) -> None:
 
 def _facts_across(batch: PairBatch) -> IndexFacts:
     """Source and destination are different arrays: only duplicate writes matter."""
-    return IndexFacts(hazard_free=True, unique_dst=len(set(batch.dst.tolist())) == len(batch))
+    return IndexFacts(hazard_free=True, unique_dst=batch.unique_dst)
 
 
 
