@@ -21,13 +21,13 @@ HOST_ROUNDS = 4  # rounds in which the variants take turns (see _time_interleave
 @dataclasses.dataclass
 class _Timed:
     """One variant of the section, warmed up: its record, call(i), sync(), jitted function
-    (or None) and jit cache size after the warm-up; the times and compiles of its rounds."""
+    (or None) and jit cache size after the warm-ups; the times and compiles of its rounds."""
 
     rec: dict[str, Any]
     call: Callable[[int], None]
     sync: Callable[[], None]
     fn: Any
-    cache0: Any
+    cache0: Any = None
     times: list[float] = dataclasses.field(default_factory=list)
     compiles: int = 0
 
@@ -153,9 +153,11 @@ class HostOverheadMixin:
                 for i in range(2 * n_batches):  # warm-up: every batch, twice
                     call(i)
                 sync()
-                timed.append(_Timed(rec, call, sync, fn, _cache_size(fn)))
+                timed.append(_Timed(rec, call, sync, fn))
             except Exception as e:  # noqa: BLE001
                 self._host_error(rec, name, e)
+        for t in timed:  # after every warm-up: the jit variants share one jitted function
+            t.cache0 = _cache_size(t.fn)
         per_round = -(-self.cfg.host_calls // HOST_ROUNDS)
         for _ in range(HOST_ROUNDS):
             for t in timed:
