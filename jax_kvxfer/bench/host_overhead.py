@@ -16,6 +16,21 @@ from .config import DTYPE, fmt_size, geometry_for
 from .helpers import _block, _cache_size, _err_text, _median, time_calls
 
 HOST_ROUNDS = 4  # rounds in which the variants take turns (see _time_interleaved)
+# No JAX and no GPU: the manager's batch check alone, timed with the other variants, so that
+# runs on hosts of different speeds can be compared (the H200 machines differ by up to 2.5x).
+HOST_SPEED_VARIANT = "host speed: check_batch alone"
+
+
+def host_speed_reference(batches: list[Any], pool_blocks: int) -> Callable[[int], None]:
+    """call(i): `check_batch` of batch i's pairs (pure Python and NumPy)."""
+    from ..batch import check_batch
+    from ..pool import KVCacheBlock
+    pair_lists = [[(KVCacheBlock(k, int(s), True), KVCacheBlock(k, int(t), False))
+                   for k, (s, t) in enumerate(zip(si, di)) if s >= 0] for si, di in batches]
+
+    def call(i: int) -> None:
+        check_batch(pair_lists[i % len(pair_lists)], None, pool_blocks, pool_blocks, 16)
+    return call
 
 
 @dataclasses.dataclass
@@ -73,12 +88,14 @@ class HostOverheadMixin:
             setups = []
             for variant in (f"manager {name}_blocks", big_label, "jit, numpy indices",
                             "jit, pinned_host indices", "jit, device indices",
-                            "eager copy_blocks"):
+                            "eager copy_blocks", HOST_SPEED_VARIANT):
                 def setup(variant: str = variant, src_sh: Any = src_sh, dst_sh: Any = dst_sh,
                           jit_fn: Any = jit_fn, batches: list[Any] = batches, d: str = d,
                           g: Any = big if variant == big_label else geom
                           ) -> tuple[Callable[[int], None], Callable[[], None], Any]:
                     """(call(i), sync(), jitted fn or None) for one variant."""
+                    if variant == HOST_SPEED_VARIANT:
+                        return host_speed_reference(batches, P), lambda: None, None
                     if variant.startswith("manager"):
                         from ..manager import KVCacheTransferManager
                         from ..pool import KVCacheBlock, KVCacheBlockPool
