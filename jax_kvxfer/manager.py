@@ -27,6 +27,7 @@ from .ops import (
     IndexFacts,
     block_copy_call,
     check_byte_rows,
+    check_dma_choice,
     index_facts,
 )
 from .plan_ring import PlanRing
@@ -143,8 +144,6 @@ def _facts_across(batch: PairBatch) -> IndexFacts:
     return IndexFacts(hazard_free=True, unique_dst=batch.unique_dst)
 
 
-
-
 def _bucket(n: int) -> int:
     """Batch sizes are padded to powers of two so a new batch size rarely recompiles."""
     return 1 << max(0, n - 1).bit_length()
@@ -183,8 +182,7 @@ class KVCacheTransferManager:
             they can take (GPU, plan ring, one device), the kernel otherwise. Copies within
             the GPU pool always use the kernel.
         """
-        if not (isinstance(dma, (bool, np.bool_)) or (isinstance(dma, str) and dma == "auto")):
-            raise TypeError(f'dma must be True, False or "auto", got {dma!r}')
+        check_dma_choice(dma)
         if isinstance(pools, KVCacheBlockPool):
             pools = [pools]
         self._pools = tuple(pools)

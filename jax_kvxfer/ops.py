@@ -268,6 +268,12 @@ def check_dma(dst_pool: Any, src_pool: Any, plan: dict[str, Any], whole_blocks: 
                              f"reads it while it enqueues the copies; it is in {space}")
 
 
+def check_dma_choice(dma: Any) -> None:
+    """`dma` of `copy_blocks` and of the manager: True, False or "auto"."""
+    if not (isinstance(dma, (bool, np.bool_)) or (isinstance(dma, str) and dma == "auto")):
+        raise TypeError(f'dma must be True, False or "auto", got {dma!r}')
+
+
 def check_launch_options(max_ctas: int | None, stream: int | None) -> None:
     for name, value in (("max_ctas", max_ctas), ("stream", stream)):
         if value is None:
@@ -490,8 +496,7 @@ def copy_blocks(
     _check_pool("src_pool", src_pool, POOL_RANK)
     _check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
     check_launch_options(max_ctas, stream)
-    if not (isinstance(dma, (bool, np.bool_)) or (isinstance(dma, str) and dma == "auto")):
-        raise TypeError(f'dma must be True, False or "auto", got {dma!r}')
+    check_dma_choice(dma)
     if not isinstance(unique_dst_indices, (bool, np.bool_)):
         raise TypeError(f"unique_dst_indices must be True or False, got {unique_dst_indices!r}")
     si = _as_index_array("src_indices", src_indices)
