@@ -37,11 +37,13 @@ from jax_kvxfer.ops import IndexFacts
 BLOCKS, BATCH = 256, 64
 
 
-def median_us(call: Callable[[int], Any], sync: Callable[[], Any], calls: int) -> float:
+def median_us(call: Callable[[int], Any], sync: Callable[[], Any], calls: int,
+              before: Callable[[], Any] | None = None) -> float:
+    """Median microseconds of call(i) after a warm-up; before(), untimed, ahead of each."""
     for i in range(32):
         call(i)
     sync()
-    return statistics.median(time_calls(call, sync, calls)) * 1e6
+    return statistics.median(time_calls(call, sync, calls, before)) * 1e6
 
 
 def python_work(us: float) -> None:
@@ -51,30 +53,11 @@ def python_work(us: float) -> None:
         {i: (i, str(i)) for i in range(16)}
 
 
-def median_us_after_work(call: Callable[[int], Any], sync: Callable[[], Any], calls: int,
-                         work_us: float, spin: bool = False) -> float:
-    """median_us, with `work_us` of Python (spin: of waiting on the clock, which leaves the
-    caches alone) before each timed call (not timed)."""
-    def timed(i: int) -> float:
-        if spin:
-            end = time.perf_counter() + work_us * 1e-6
-            while time.perf_counter() < end:
-                pass
-        else:
-            python_work(work_us)
-        t = time.perf_counter()
-        call(i)
-        return time.perf_counter() - t
-    for i in range(32):
-        call(i)
-    sync()
-    times = []
-    for i in range(calls):
-        times.append(timed(i))
-        if i % 8 == 7:
-            sync()
-    sync()
-    return statistics.median(times) * 1e6
+def waiting(us: float) -> None:
+    """About `us` microseconds of waiting on the clock, which leaves the caches alone."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
 
 
 def make_pool(rng: np.random.Generator) -> kvx.KVCacheBlockPool:
@@ -145,10 +128,10 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
             direct(slot.write(plans[i % 16]))
         results["  ... with a ring slot written first"] = median_us(
             from_ring, lambda: (sync(), ring.all_done()), calls)
-        results["  ... after 150 us of Python (untimed)"] = median_us_after_work(
-            lambda i: direct(pinned_plans[i % 16]), sync, calls, 150.0)
-        results["  ... after 150 us of waiting (untimed)"] = median_us_after_work(
-            lambda i: direct(pinned_plans[i % 16]), sync, calls, 150.0, spin=True)
+        results["  ... after 150 us of Python (untimed)"] = median_us(
+            lambda i: direct(pinned_plans[i % 16]), sync, calls, lambda: python_work(150.0))
+        results["  ... after 150 us of waiting (untimed)"] = median_us(
+            lambda i: direct(pinned_plans[i % 16]), sync, calls, lambda: waiting(150.0))
         results["150 us of Python work (check)"] = median_us(
             lambda i: python_work(150.0), lambda: None, min(calls, 64))
     results["device_put of a plan alone"] = median_us(

@@ -41,12 +41,16 @@ def _block(tree: Any) -> None:
     jax.block_until_ready(leaves)
 
 
-def time_calls(call: Callable[[int], Any], sync: Callable[[], Any], calls: int) -> list[float]:
+def time_calls(call: Callable[[int], Any], sync: Callable[[], Any], calls: int,
+               before: Callable[[], Any] | None = None) -> list[float]:
     """Seconds each of `calls` calls of call(i) takes to return, none waiting for the device
-    inside the timed call; sync() every 8 calls (so the queue stays short) and at the end.
-    (The bench's host section and scripts/profile_manager.py.)"""
+    inside the timed call; sync() every 8 calls (so the queue stays short) and at the end;
+    before(), untimed, ahead of each call. (The bench's host section and
+    scripts/profile_manager.py.)"""
     times = []
     for i in range(calls):
+        if before is not None:
+            before()
         t = time.perf_counter()
         call(i)
         times.append(time.perf_counter() - t)
