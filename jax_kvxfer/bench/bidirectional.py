@@ -43,7 +43,7 @@ class BidirectionalMixin:
             pinned = jax.device_put((si1, di1, si2, di2), self.hsh)
             _block(pinned)
             _block([dev_a, host_b, st])
-            _, pipe = self.plan(total, False)
+            pipe = self.pipe_for(total, False)
 
             def xla_onboard_body(dst, src, si, di):
                 return xla_onboard_rows(dst, src, si, di, B)

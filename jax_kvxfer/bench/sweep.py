@@ -120,7 +120,7 @@ class SweepMixin:
             else:
                 cp_fn = jax.jit(jnp.copy)
                 call = lambda: cp_fn(x)
-            _, pipe = self.plan(total, d2d)
+            pipe = self.pipe_for(total, d2d)
             times, first = self.time_jax(call, pipe=pipe)
             return self.timing(times, total, timing="wall, block_until_ready", pipe=pipe,
                                first_call_s=first)
@@ -247,7 +247,7 @@ class SweepMixin:
                     calls[0] += 1
                     return kvpool.secondary if offload else kvpool.primary
 
-                _, pipe = self.plan(B * geom.block_bytes, False)
+                pipe = self.pipe_for(B * geom.block_bytes, False)
                 before = _dma_batches()
                 times, first = self.time_jax(call, pipe=pipe)
                 extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
@@ -268,7 +268,7 @@ class SweepMixin:
         """`copy_blocks` called outside jit with NumPy indices, whole blocks, one call per
         batch: with the default `dma="auto"` ("eager", which takes the copy engines for large
         blocks) and with `dma=False` ("eager_kernel")."""
-        _, pipe = self.plan(B * geom.block_bytes, False)
+        pipe = self.pipe_for(B * geom.block_bytes, False)
         batches = [(self.perms(1, B, B)[0], self.perms(1, B, B)[0]) for _ in range(4)]
         for dma in ("auto", False):
             def run(dma: Any = dma) -> dict[str, Any]:
@@ -302,7 +302,7 @@ class SweepMixin:
                 s_pool = pool(src)
                 op_bytes = B * geom.moved(n)
                 if d == "d2h":  # gather, result in pinned_host (a new array)
-                    _, pipe = self.plan(B * geom.block_bytes, False)
+                    pipe = self.pipe_for(B * geom.block_bytes, False)
                     si = self.perms(1, B, B)[0]
                     fn = jax.jit(lambda s, i: s[i, :, :, :, :n, :] if n < T else s[i],
                                  out_shardings=self.hsh)
@@ -319,7 +319,7 @@ class SweepMixin:
                     k = 1
                     variant = "jit gather, out_shardings pinned_host (new array)"
                 elif d == "h2d":  # unrolled dynamic_slice (host) -> device_put -> DUS, donated
-                    _, pipe = self.plan(B * geom.block_bytes, False)
+                    pipe = self.pipe_for(B * geom.block_bytes, False)
                     si, di = self.perms(1, B, B)[0], self.perms(1, B, B)[0]
 
                     fn = jax.jit(lambda d, s, i, j: xla_onboard_rows(d, s, i, j, B), donate_argnums=0,
