@@ -209,7 +209,8 @@ class OverlapMixin:
                                                                source, *indices(name))
                         if name.startswith("ours"):  # the pool it wrote holds the blocks
                             ends = [0, nb - 1]
-                            # (token row 0 of the written pool changes with every step)
+                            # (token row 0 of the written pool: the step rewrites it after
+                            # the offload has read it)
                             rows = slice(1, None) if writes else slice(None)
                             res["verified"] = bool(np.array_equal(
                                 self.fetch(st["dst"], di[ends])[..., rows, :],
