@@ -45,24 +45,31 @@ std::atomic<int64_t> dma_batches{0};  // batches copied by the copy engines (rea
 // The most tokens that a pair after `i` with the same destination writes (0: none): pair i then
 // copies only the tokens above that, so the last pair wins without two CTAs writing the same
 // bytes. Every thread of a kThreads-thread CTA calls it, and every one gets the answer.
+// In the fused kernel this scan stands before the copy's first load, so it is written for
+// latency: the pair's own indices and the later pairs' are loaded with no branch between them
+// (one memory latency, not two), and the maximum is taken within warps by shuffles, with one
+// barrier (not eight).
 __device__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
-  __shared__ int32_t best[kThreads];
+  __shared__ int32_t warp_best[kThreads / 32];
+  int32_t s = -1, d = -1;
+  if (i < b.num_pairs) {
+    s = b.src_idx[i];
+    d = b.dst_idx[i];
+  }
   int32_t m = 0;
-  if (i < b.num_pairs && PairValid(b, i)) {
-    const int32_t d = b.dst_idx[i];
-    for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
-      if (PairValid(b, j) && b.dst_idx[j] == d) {
-        m = max(m, static_cast<int32_t>(TokensToCopy(b.num_tokens[j], b.g)));
-      }
+  for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
+    const int32_t dj = b.dst_idx[j], sj = b.src_idx[j];
+    const int32_t nj = b.whole_blocks ? 0 : b.num_tokens[j];  // 0: whole (see PairTokens)
+    if (dj == d && sj >= 0 && sj < b.src_blocks) {  // dj is in range when d is (checked below)
+      m = max(m, static_cast<int32_t>(TokensToCopy(nj, b.g)));
     }
   }
-  best[threadIdx.x] = m;
+  if (!(s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks)) m = 0;  // PairValid(b, i)
+  for (int lanes = 16; lanes > 0; lanes /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, lanes));
+  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = m;
   __syncthreads();
-  for (int s = kThreads / 2; s > 0; s /= 2) {
-    if (threadIdx.x < s) best[threadIdx.x] = max(best[threadIdx.x], best[threadIdx.x + s]);
-    __syncthreads();
-  }
-  return best[0];
+  for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_best[w]);
+  return m;
 }
 
 // Block: kCtaThreads threads (a multiple of kThreads), one work unit per kThreads. Grid: any
@@ -74,8 +81,13 @@ template <typename V, int kCtaThreads, bool kScanInCopy>
 __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t units_per_pair) {
   if constexpr (kScanInCopy) {
     static_assert(kCtaThreads == kThreads);
-    const int64_t u = blockIdx.x;
-    CopyUnit<V>(b, u, units_per_pair, threadIdx.x, LaterWriterTokens(b, u / units_per_pair));
+    const int64_t u = blockIdx.x, pair = u / units_per_pair;
+    if (b.whole_blocks) {  // loads first, then the scan (CopyWholeUnit)
+      CopyWholeUnit<V>(b, u, units_per_pair, threadIdx.x,
+                       [&] { return LaterWriterTokens(b, pair) >= b.g.tokens; });
+    } else {
+      CopyUnit<V>(b, u, units_per_pair, threadIdx.x, LaterWriterTokens(b, pair));
+    }
   } else {
     constexpr int per_cta = kCtaThreads / kThreads;
     const int64_t units = b.num_pairs * units_per_pair;
@@ -190,14 +202,14 @@ cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
 // PlanDmaCopies': with distinct destinations they may run in any order (one batch); when two
 // pairs write one block, every copy is enqueued on its own, in pair order, so the later pair
 // wins on the tokens it writes, as with the kernel.
-bool TryDma(cudaStream_t stream, const Batch& b, bool whole_blocks, ffi::Error* error) {
+bool TryDma(cudaStream_t stream, const Batch& b, ffi::Error* error) {
   if (!IsHostMemory(b.src_idx) || !IsHostMemory(b.dst_idx) ||
-      (!whole_blocks && !IsHostMemory(b.num_tokens)) ||
+      (!b.whole_blocks && !IsHostMemory(b.num_tokens)) ||
       IsHostMemory(b.dst.data) == IsHostMemory(b.src.data)) {
     return false;
   }
   std::vector<DmaCopy> copies;
-  const bool duplicates = PlanDmaCopies(b, whole_blocks, &copies);
+  const bool duplicates = PlanDmaCopies(b, &copies);
   cudaError_t err = cudaSuccess;
   if (duplicates) {
     for (size_t k = 0; k < copies.size() && err == cudaSuccess; ++k) {
@@ -273,7 +285,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
   b.whole_blocks = whole_blocks;
   if (dma && !stage) {
     ffi::Error error = ffi::Error::Success();
-    if (TryDma(stream, b, whole_blocks, &error)) return error;
+    if (TryDma(stream, b, &error)) return error;
   }
   if (num_pairs > 1 && !unique_dst && FusedScanFits(b, max_ctas)) {
     b.scan_in_copy = true;

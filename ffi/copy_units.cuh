@@ -52,6 +52,13 @@ KVXFER_DEVICE_INLINE bool PairValid(const Batch& b, int64_t pair) {
   return s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;
 }
 
+// The tokens pair `pair` copies. A batch known on the host to copy whole blocks never reads
+// num_tokens: it is then a constant of zeros, which inside jit XLA may leave in memory that
+// compute-sanitizer's initcheck does not see written (it flagged the scan's reads of it).
+KVXFER_HOST_DEVICE inline int64_t PairTokens(const Batch& b, int64_t pair) {
+  return b.whole_blocks ? b.g.tokens : TokensToCopy(b.num_tokens[pair], b.g);
+}
+
 KVXFER_DEVICE_INLINE int64_t SlotOf(const Side& side, const int32_t* idx, int64_t pair) {
   return side.by_pair ? pair : idx[pair];
 }
@@ -140,7 +147,7 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
   const int64_t cta = unit % units_per_pair;
   if (pair >= b.num_pairs || !PairValid(b, pair)) return;
   const PoolGeometry& g = b.g;
-  const int64_t n = TokensToCopy(b.num_tokens[pair], g);
+  const int64_t n = PairTokens(b, pair);
   if (start >= n) return;
 
   int64_t runs = 1, run_bytes = g.block_bytes, pitch = 0, offset = 0;
@@ -154,6 +161,48 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
   const char* src = b.src.data + SlotOf(b.src, b.src_idx, pair) * g.block_bytes + offset;
   CopyRuns<V>(dst, src, runs, run_bytes, pitch, cta * kThreads + thread,
               units_per_pair * kThreads);
+}
+
+// A work unit of a batch known to copy whole blocks, in the kernel that scans for later
+// writers itself: the unit's first chunk is loaded before `superseded()` answers (the scan:
+// whether a later pair writes the same block; every thread of the unit calls it, together), so
+// the scan's latency hides behind the loads, and the chunk is stored unless the block is
+// superseded. The same bytes as CopyUnit with start 0 or T; at 16-64 KiB a unit's whole share
+// is that one chunk. kThreads threads per unit.
+template <typename V, typename Superseded>
+KVXFER_DEVICE void CopyWholeUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
+                              Superseded superseded) {
+  constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;
+  const int64_t pair = unit / units_per_pair;
+  const bool valid = pair < b.num_pairs && PairValid(b, pair);
+  const int64_t per_block = b.g.block_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t step = units_per_pair * kChunk;
+  int64_t base = unit % units_per_pair * kChunk + thread;
+  const V* __restrict__ s = nullptr;
+  V* __restrict__ d = nullptr;
+  V v[kUnroll];
+  if (valid) {
+    s = reinterpret_cast<const V*>(b.src.data +
+                                   SlotOf(b.src, b.src_idx, pair) * b.g.block_bytes);
+    d = reinterpret_cast<V*>(b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * b.g.block_bytes);
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * kThreads < per_block) v[k] = s[base + k * kThreads];
+    }
+  }
+  if (superseded() || !valid) return;
+  while (true) {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * kThreads < per_block) d[base + k * kThreads] = v[k];
+    }
+    base += step;
+    if (base >= per_block) return;
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * kThreads < per_block) v[k] = s[base + k * kThreads];
+    }
+  }
 }
 
 // The widest vector (16, 8, 4 or 1 bytes) every address the kernel forms is aligned to: each is
@@ -206,7 +255,7 @@ struct DmaCopy {
 // out-of-range pairs skipped as by the kernel, whole blocks adjacent in both pools merged into
 // one copy, a partial block one strided copy, in pair order. Returns whether two valid pairs
 // write one block (the copies must then run in this order). Host code.
-inline bool PlanDmaCopies(const Batch& b, bool whole_blocks, std::vector<DmaCopy>* out) {
+inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
   const PoolGeometry& g = b.g;
   std::vector<DmaCopy>& copies = *out;
   std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
@@ -218,7 +267,7 @@ inline bool PlanDmaCopies(const Batch& b, bool whole_blocks, std::vector<DmaCopy
     if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) continue;
     duplicates = duplicates || written[d];
     written[d] = true;
-    const int64_t n = whole_blocks ? g.tokens : TokensToCopy(b.num_tokens[i], g);
+    const int64_t n = PairTokens(b, i);
     const bool whole = n == g.tokens;
     if (whole && last_whole && s == last_s + 1 && d == last_d + 1) {
       copies.back().width += static_cast<size_t>(g.block_bytes);

@@ -12,10 +12,17 @@ from ._native import HAS_CUDA_HANDLERS
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 from .both_ways import copy_blocks_both_ways
 from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
-from .ops import HOST_COPY_CTAS, copy_blocks, on_stream, partial_block_copy
+from .ops import (
+    DMA_AUTO_MIN_BLOCK_BYTES,
+    HOST_COPY_CTAS,
+    copy_blocks,
+    on_stream,
+    partial_block_copy,
+)
 from .pool import KVCacheBlock, KVCacheBlockPool, to_numpy
 
 __all__ = [
+    "DMA_AUTO_MIN_BLOCK_BYTES",
     "HAS_CUDA_HANDLERS",
     "HOST_COPY_CTAS",
     "BlockManager",

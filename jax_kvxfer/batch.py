@@ -30,14 +30,17 @@ class PairBatch:
     whole: bool  # every pair copies a whole block (a part of a batch: false if the batch's is)
     # (source, destination) memory (True: primary) shared by every pair; None: mixed or empty
     direction: tuple[bool, bool] | None
+    unique_dst: bool  # no two pairs write one slot (index and memory)
 
     def __len__(self) -> int:
         return len(self.src)
 
     def take(self, rows: slice | np.ndarray) -> PairBatch:
         src_primary, dst_primary = self.src_primary[rows], self.dst_primary[rows]
-        return PairBatch(self.src[rows], src_primary, self.dst[rows], dst_primary,
-                         self.tokens[rows], self.whole, _direction(src_primary, dst_primary))
+        dst = self.dst[rows]
+        unique = self.unique_dst or len(set(zip(dst.tolist(), dst_primary.tolist()))) == len(dst)
+        return PairBatch(self.src[rows], src_primary, dst, dst_primary, self.tokens[rows],
+                         self.whole, _direction(src_primary, dst_primary), unique)
 
 
 def _direction(src_primary: np.ndarray, dst_primary: np.ndarray) -> tuple[bool, bool] | None:
@@ -55,8 +58,8 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
         raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples") from e
     n = len(pairs)
     try:
-        codes = np.array([b._slot_code for pair in pairs for b in pair], np.int64)
-        codes = codes.reshape(n, 2)
+        code_list = [b._slot_code for pair in pairs for b in pair]
+        codes = np.array(code_list, np.int64).reshape(n, 2)
     except (AttributeError, TypeError, ValueError):  # not pairs of KVCacheBlocks
         _explain_bad_pair(pairs, num_primary, num_secondary)
         raise
@@ -72,7 +75,8 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
         whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
     return PairBatch(src=index[:, 0], src_primary=primary[:, 0], dst=index[:, 1],
                      dst_primary=primary[:, 1], tokens=tokens, whole=whole,
-                     direction=_direction(primary[:, 0], primary[:, 1]))
+                     direction=_direction(primary[:, 0], primary[:, 1]),
+                     unique_dst=len(set(code_list[1::2])) == n)
 
 
 def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None:

@@ -21,7 +21,14 @@ import numpy as np
 
 from .batch import PairBatch, check_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
-from .ops import HOST_COPY_CTAS, IndexFacts, block_copy_call, check_byte_rows, index_facts
+from .ops import (
+    DMA_AUTO_MIN_BLOCK_BYTES,
+    HOST_COPY_CTAS,
+    IndexFacts,
+    block_copy_call,
+    check_byte_rows,
+    index_facts,
+)
 from .plan_ring import PlanRing
 from .pool import KVCacheBlock, KVCacheBlockPool
 
@@ -133,17 +140,9 @@ def _warn_not_in_place(which: str, stacklevel: int) -> None:
 
 def _facts_across(batch: PairBatch) -> IndexFacts:
     """Source and destination are different arrays: only duplicate writes matter."""
-    return IndexFacts(hazard_free=True, unique_dst=len(set(batch.dst.tolist())) == len(batch))
+    return IndexFacts(hazard_free=True, unique_dst=batch.unique_dst)
 
 
-# dma="auto" puts a run between the two memories on the copy engines when it copies whole
-# blocks of at least this many bytes (per pool). Measured through the manager on the H200
-# (benchmarks/NOTES.md, v8 and the run of 21:29): the copy engines are ahead from 256 KiB
-# (offload/onboard 90/90 % of the memcpy ceiling against the kernel's 87/83 %; at 4 MiB 96/96 %
-# against 92/88 %) and behind at 16-64 KiB (64/45 % against 78/75 % at 64 KiB), where a copy
-# per block costs more than it moves; a partial block is one strided copy each, far slower than
-# the kernel at every size measured.
-DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
 
 
 def _bucket(n: int) -> int:
@@ -180,9 +179,9 @@ class KVCacheTransferManager:
             (`copy_blocks(..., dma=True)`; the handler reads the plan from the ring as it
             enqueues the copies); needs plan_ring=True and pools on one device. False: with
             the copy kernel. "auto" (default): the copy engines for a run that copies whole
-            blocks of at least DMA_AUTO_MIN_BLOCK_BYTES in a pool whose copy they can take
-            (GPU, plan ring, one device), the kernel otherwise (benchmarks/NOTES.md, v8 and
-            v10). Copies within the GPU pool always use the kernel.
+            blocks of at least DMA_AUTO_MIN_BLOCK_BYTES (ops.py: why) in a pool whose copy
+            they can take (GPU, plan ring, one device), the kernel otherwise. Copies within
+            the GPU pool always use the kernel.
         """
         if not (isinstance(dma, (bool, np.bool_)) or (isinstance(dma, str) and dma == "auto")):
             raise TypeError(f'dma must be True, False or "auto", got {dma!r}')

@@ -220,6 +220,15 @@ def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
 # partial runs, which need many requests in flight).
 HOST_COPY_CTAS = 8
 
+# dma="auto" (`copy_blocks` outside jit, the manager) takes the copy engines for whole blocks of
+# at least this many bytes between the two memories. Measured through the manager on the H200
+# (benchmarks/NOTES.md, v8 and the runs of 21:29 and 22:58), one call at a time: the copy engines
+# are ahead from 256 KiB (offload/onboard 90/91 % of the memcpy ceiling against the kernel's
+# 86/83 %; at 4 MiB 96/96 % against 92/89 %) and behind at 16-64 KiB (50/40 % against 57/60 % at
+# 64 KiB), where the handler's one copy per block costs more host time than it moves; a partial
+# block is one strided copy each, far slower than the kernel at every size measured.
+DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
+
 
 def _memory_space(x: Any) -> Any:
     """x's memory space (jax.memory.Space) where JAX tells it, else None (NumPy, older JAX)."""
@@ -405,7 +414,7 @@ def copy_blocks(
     donate: bool = False,
     max_ctas: int | None = None,
     stream: int | None = None,
-    dma: bool = False,
+    dma: bool | str = "auto",
     unique_dst_indices: bool = False,
 ) -> jax.Array:
     """Copies block `src_indices[i]` of `src_pool` into block `dst_indices[i]` of `dst_pool`.
@@ -450,7 +459,12 @@ def copy_blocks(
         pools become one copy, a partial block one strided copy. On an H200 whole blocks of
         64 KiB or more move as fast as with the kernel or faster (98 % of the memcpy at
         4 MiB), but 16 KiB blocks at a third of it, and partial blocks below 1 MiB slower
-        than with the kernel. Ignored on CPU.
+        than with the kernel. "auto" (default): the copy engines for a call outside jit that
+        copies whole blocks of at least DMA_AUTO_MIN_BLOCK_BYTES between a `device` and a
+        `pinned_host` pool of one GPU without `max_ctas` (its indices are known, so they can
+        be put where the handler reads them); the copy kernel otherwise, and always inside
+        `jax.jit`, where the index values may not exist yet when the copies are enqueued.
+        Ignored on CPU.
       unique_dst_indices: the caller's promise that no destination block is written by two
         pairs (negative padding may repeat), as `unique_indices` of JAX's scatter. With traced
         indices the GPU then skips the scan for later pairs writing the same block, one
@@ -463,7 +477,8 @@ def copy_blocks(
 
     Raises:
       TypeError: non-array pools, mismatched dtypes, non-integer indices, token counts,
-        max_ctas or stream, a non-bool dma or unique_dst_indices.
+        max_ctas or stream, a dma other than True, False or "auto", a non-bool
+        unique_dst_indices.
       ValueError: wrong ranks or block shapes, other memory kinds, deleted pools, index vectors
         of different lengths, partial copies of sub-byte rows that are not whole bytes,
         max_ctas or stream below 1; with dma=True, two pools in one memory kind, pools split
@@ -475,9 +490,10 @@ def copy_blocks(
     _check_pool("src_pool", src_pool, POOL_RANK)
     _check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
     check_launch_options(max_ctas, stream)
-    for name, flag in (("dma", dma), ("unique_dst_indices", unique_dst_indices)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if not (isinstance(dma, (bool, np.bool_)) or (isinstance(dma, str) and dma == "auto")):
+        raise TypeError(f'dma must be True, False or "auto", got {dma!r}')
+    if not isinstance(unique_dst_indices, (bool, np.bool_)):
+        raise TypeError(f"unique_dst_indices must be True or False, got {unique_dst_indices!r}")
     si = _as_index_array("src_indices", src_indices)
     di = _as_index_array("dst_indices", dst_indices)
     if si.shape[0] != di.shape[0]:
@@ -498,11 +514,14 @@ def copy_blocks(
             raise ValueError("unique_dst_indices=True, but dst_indices writes one block in two "
                              "pairs (negative padding may repeat)")
         facts = facts._replace(unique_dst=True)
+    whole = not may_be_partial
+    traced = any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens))
+    if isinstance(dma, str):  # "auto"
+        dma = not traced and _auto_dma(dst_pool, src_pool, whole, max_ctas)
+    dma = bool(dma)
     if max_ctas is None and stream is not None and _touches_host(dst_pool, src_pool):
         max_ctas = HOST_COPY_CTAS
     max_ctas = None if max_ctas is None else int(max_ctas)
-    dma, whole = bool(dma), not may_be_partial
-    traced = any(_is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens))
     if dma:
         if not traced:
             if _is_split(dst_pool.sharding):
@@ -527,6 +546,18 @@ def copy_blocks(
         raise ValueError("donate=True needs src_pool to be another array than dst_pool")
     fn = _eager_fn("pool", dst_pool.sharding, facts, bool(donate), max_ctas, **options)
     return fn(dst_pool, src_pool, si, di, tokens)
+
+
+def _auto_dma(dst_pool: jax.Array, src_pool: jax.Array, whole: bool, max_ctas: Any) -> bool:
+    """dma="auto" outside jit: whether the copy engines take this copy (see `copy_blocks`)."""
+    if not whole or max_ctas is not None or dst_pool.shape[0] == 0:
+        return False
+    kinds = {dst_pool.sharding.memory_kind, src_pool.sharding.memory_kind}
+    block_bits = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype)
+    return (kinds == {"device", "pinned_host"}
+            and not (_is_split(dst_pool.sharding) or _is_split(src_pool.sharding))
+            and all(d.platform in ("gpu", "cuda") for d in dst_pool.devices())
+            and block_bits >= 8 * DMA_AUTO_MIN_BLOCK_BYTES)
 
 
 def _put_in_pinned_host(arrays: tuple[Any, ...], like: jax.Array) -> tuple[jax.Array, ...]:

@@ -6,7 +6,12 @@ every 8 calls, none inside the timed call):
     NumPy plans (the ring switched off): the A/B of jax_kvxfer/plan_ring.py;
   - the verb's stages (batch check, run split, the jitted dispatch, statistics);
   - the jitted dispatch alone with a NumPy plan, a device plan and a pinned_host plan (as the
-    ring passes it), and `jax.device_put` of a plan alone.
+    ring passes it), and `jax.device_put` of a plan alone;
+  - the same pinned_host dispatch as the verb makes it, one difference at a time, since inside
+    the verb it took twice its time alone: with the verb's static arguments (`whole`, `dma`),
+    with a plan ring's slot written before each call, and after 150 us of Python work between
+    calls (the verb's own share: it leaves the host's caches as a verb does) or of waiting
+    (time for the previous call's work to finish, caches left alone).
 Both manager variants' results are checked against NumPy.
 
     python scripts/profile_manager.py [--calls 200]
@@ -37,6 +42,39 @@ def median_us(call: Callable[[int], Any], sync: Callable[[], Any], calls: int) -
         call(i)
     sync()
     return statistics.median(time_calls(call, sync, calls)) * 1e6
+
+
+def python_work(us: float) -> None:
+    """About `us` microseconds of the kind of Python a verb runs (small objects, dicts)."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        {i: (i, str(i)) for i in range(16)}
+
+
+def median_us_after_work(call: Callable[[int], Any], sync: Callable[[], Any], calls: int,
+                         work_us: float, spin: bool = False) -> float:
+    """median_us, with `work_us` of Python (spin: of waiting on the clock, which leaves the
+    caches alone) before each timed call (not timed)."""
+    def timed(i: int) -> float:
+        if spin:
+            end = time.perf_counter() + work_us * 1e-6
+            while time.perf_counter() < end:
+                pass
+        else:
+            python_work(work_us)
+        t = time.perf_counter()
+        call(i)
+        return time.perf_counter() - t
+    for i in range(32):
+        call(i)
+    sync()
+    times = []
+    for i in range(calls):
+        times.append(timed(i))
+        if i % 8 == 7:
+            sync()
+    sync()
+    return statistics.median(times) * 1e6
 
 
 def make_pool(rng: np.random.Generator) -> kvx.KVCacheBlockPool:
@@ -79,9 +117,10 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
         print(f"{verb:8} plan ring {ring}: copies correctly "
               f"{np.array_equal(got[di].view(np.uint16), src_np[si].view(np.uint16))}")
 
-    def direct(plan: Any) -> None:
+    def direct(plan: Any, **static: Any) -> None:
         dst, src = pool.current(to_primary, "t"), pool.current(not to_primary, "t")
-        out, _ = mgr._copy_across((dst,), (src,), plan, facts=facts, mesh=None, specs=(None,))
+        out, _ = mgr._copy_across((dst,), (src,), plan, facts=facts, mesh=None, specs=(None,),
+                                  **static)
         if to_primary:
             pool._primary = out[0]
         else:
@@ -95,6 +134,23 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
     if pinned_plans is not None:  # what the ring's arguments cost the dispatch itself
         results["dispatch alone, pinned_host plan"] = median_us(
             lambda i: direct(pinned_plans[i % 16]), sync, calls)
+        # as the verb makes it, one difference at a time
+        verb_static = {"whole": True, "dma": (False,)}
+        results["  ... with the verb's static arguments"] = median_us(
+            lambda i: direct(pinned_plans[i % 16], **verb_static), sync, calls)
+        ring = mgr.PlanRing(ring_sharding)
+
+        def from_ring(i: int) -> None:
+            slot = ring.next_slot(plans[0].shape[1])
+            direct(slot.write(plans[i % 16]))
+        results["  ... with a ring slot written first"] = median_us(
+            from_ring, lambda: (sync(), ring.all_done()), calls)
+        results["  ... after 150 us of Python (untimed)"] = median_us_after_work(
+            lambda i: direct(pinned_plans[i % 16]), sync, calls, 150.0)
+        results["  ... after 150 us of waiting (untimed)"] = median_us_after_work(
+            lambda i: direct(pinned_plans[i % 16]), sync, calls, 150.0, spin=True)
+        results["150 us of Python work (check)"] = median_us(
+            lambda i: python_work(150.0), lambda: None, min(calls, 64))
     results["device_put of a plan alone"] = median_us(
         lambda i: jax.device_put(plans[i % 16], pool.device), lambda: None, calls)
     for name, us in results.items():

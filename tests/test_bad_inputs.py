@@ -364,7 +364,7 @@ CASES: list[Case] = [
          lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0, 2], [1, 1],
                                                unique_dst_indices=True)),
     Case("ops-dma-not-bool", "copy_blocks", "dma='yes'", TypeError,
-         "dma must be True or False, got 'yes'",
+         "dma must be True, False or \"auto\", got 'yes'",
          lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], dma="yes")),
     Case("ops-dma-same-kind", "copy_blocks", "dma=True between two device pools", ValueError,
          "dma=True copies between device and pinned_host memory; dst_pool and src_pool are in "

@@ -10,6 +10,8 @@ arguments, and the copies must still be exact.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,7 +102,7 @@ def test_dma_offload_beside_compute_in_one_jit(rng):
 
 
 @pytest.mark.parametrize("what", ["device_indices", "same_kind_pools", "constant_indices",
-                                  "device_tokens", "not_bool"])
+                                  "device_tokens"])
 def test_dma_bad_arguments_raise_and_leave_pools_unchanged(what, rng):
     dst, src = make_pools(rng, SHAPE, jnp.float32)
     d, s = put(dst, "pinned_host"), put(src)
@@ -120,10 +122,40 @@ def test_dma_bad_arguments_raise_and_leave_pools_unchanged(what, rng):
         call = lambda: jax.jit(lambda d, s, a, b, n: kvx.copy_blocks(d, s, a, b, n, dma=True))(
             d, s, pinned(si), pinned(di), jnp.asarray([1, 2], jnp.int32))
         error, match = ValueError, "dma=True needs num_tokens in pinned_host memory"
-    else:
-        call = lambda: kvx.copy_blocks(d, s, si, di, dma="yes")
-        error, match = TypeError, "dma must be True or False, got 'yes'"
     with pytest.raises(error, match=match):
         call()
     assert_unchanged(d, dst, "dst_pool")
     assert_unchanged(s, src, "src_pool")
+
+
+BIG = (8, 2, 2, 4, 16, 512)  # 8 blocks of 256 KiB (float32): DMA_AUTO_MIN_BLOCK_BYTES
+
+
+@pytest.mark.parametrize("case, engines", [
+    ("eager_whole_offload", True), ("eager_whole_onboard", True),
+    ("eager_partial", False), ("eager_small_blocks", False), ("eager_max_ctas", False),
+    ("eager_device_to_device", False), ("jit_whole", False)])
+def test_dma_auto_picks_copy_engines_for_large_whole_blocks_outside_jit(case, engines, rng):
+    """The default dma="auto": the copy engines exactly for eager whole-block copies of
+    >= DMA_AUTO_MIN_BLOCK_BYTES between device and pinned_host memory (on a GPU), the kernel
+    otherwise; exact either way."""
+    shape = SHAPE if case == "eager_small_blocks" else BIG
+    assert (math.prod(shape[1:]) * 4 >= kvx.DMA_AUTO_MIN_BLOCK_BYTES) == (shape == BIG)
+    dst, src = make_pools(rng, shape, jnp.float32)
+    dst_kind, src_kind = {"eager_whole_onboard": ("device", "pinned_host"),
+                          "eager_device_to_device": ("device", "device")}.get(
+                              case, ("pinned_host", "device"))
+    si = rng.permutation(shape[0])[:5].astype(np.int32)
+    di = rng.permutation(shape[0])[:5].astype(np.int32)
+    nt = np.array([3, T, 0, 1, T - 1], np.int32) if case == "eager_partial" else None
+    kwargs = {"max_ctas": 4} if case == "eager_max_ctas" else {}
+    expected = reference_copy_blocks(dst, src, si, di, nt)
+    d, s = put(dst, dst_kind), put(src, src_kind)
+    before = dma_batches()
+    if case == "jit_whole":
+        out = jax.jit(kvx.copy_blocks, donate_argnums=0)(d, s, jnp.asarray(si), jnp.asarray(di))
+    else:
+        out = kvx.copy_blocks(d, s, si, di, nt, **kwargs)
+    assert_bitwise_equal(out, expected, case)
+    if before is not None:
+        assert dma_batches() - before == int(engines), case

@@ -21,6 +21,9 @@ device -> pinned_host), `h2d` (onboard, pinned_host -> device), `d2d` (device ->
   manager      `KVCacheTransferManager.offload_blocks` / `onboard_blocks` of the whole batch, one
                dispatch per call (plans through its pinned-host ring); manager_dma: the same
                manager made with `dma=True`. Host directions, whole blocks.
+  eager        `copy_blocks` outside jit with NumPy indices, donated, one call per batch, with
+               the default `dma="auto"` (the copy engines from DMA_AUTO_MIN_BLOCK_BYTES);
+               eager_kernel: the same with `dma=False`. Host directions, whole blocks.
   xla          XLA-native: d2h = jit gather of the rows with `out_shardings` pinned_host (a new
                array); h2d = jit, per block `dynamic_slice` of the host pool -> `device_put(Device)`
                -> `dynamic_update_slice` into the donated device pool (unrolled); d2d = jit gather +

@@ -14,7 +14,8 @@ GiB = 1024 * MiB
 DTYPE = jnp.bfloat16
 ITEMSIZE = 2
 DIRECTIONS = ("d2h", "h2d", "d2d")
-SWEEP_PATHS = ("ceiling", "ours", "unique", "dma", "manager", "xla", "naive", "trtllm")
+SWEEP_PATHS = ("ceiling", "ours", "unique", "dma", "manager", "eager", "xla", "naive",
+               "trtllm")
 SECTIONS = ("host", "overlap", "bidir", "sharded")
 ALL_ONLY = SWEEP_PATHS + SECTIONS
 
@@ -198,7 +199,7 @@ def parse_args(argv: list[str]) -> Config:
                 p.error(f"--only: unknown path {item!r}; choose from {', '.join(ALL_ONLY)}, sweep")
     else:
         only = set(ALL_ONLY)
-    if only & {"ours", "unique", "dma", "manager", "xla", "naive", "trtllm"}:
+    if only & {"ours", "unique", "dma", "manager", "eager", "xla", "naive", "trtllm"}:
         only.add("ceiling")
     deadline = a.deadline_s if a.deadline_s is not None else (0.0 if q else 230.0)
     blocks = a.blocks if a.blocks is not None else (16 if q else 256)

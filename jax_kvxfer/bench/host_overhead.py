@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,22 @@ import numpy as np
 from ..ops import copy_blocks
 from .config import DTYPE, fmt_size, geometry_for
 from .helpers import _block, _cache_size, _err_text, _median, time_calls
+
+HOST_ROUNDS = 4  # rounds in which the variants take turns (see _time_interleaved)
+
+
+@dataclasses.dataclass
+class _Timed:
+    """One variant of the section, warmed up: its record, call(i), sync(), jitted function
+    (or None) and jit cache size after the warm-up; the times and compiles of its rounds."""
+
+    rec: dict[str, Any]
+    call: Callable[[int], None]
+    sync: Callable[[], None]
+    fn: Any
+    cache0: Any
+    times: list[float] = dataclasses.field(default_factory=list)
+    compiles: int = 0
 
 
 class HostOverheadMixin:
@@ -53,6 +70,7 @@ class HostOverheadMixin:
             # copy per block on the host when the program runs
             big = geometry_for(cfg.host_block_dma)
             big_label = f"manager {name}_blocks {fmt_size(big.block_bytes)}"
+            setups = []
             for variant in (f"manager {name}_blocks", big_label, "jit, numpy indices",
                             "jit, pinned_host indices", "jit, device indices",
                             "eager copy_blocks"):
@@ -111,39 +129,63 @@ class HostOverheadMixin:
                         fn = None
                     return call, lambda: _block(st["dst"]), fn
 
-                def run(setup: Callable[[], Any] = setup, n_batches: int = len(batches)
-                        ) -> dict[str, Any]:
-                    call, sync, fn = setup()
-                    for i in range(2 * n_batches):  # warm-up: every batch, twice
-                        call(i)
-                    sync()
-                    cache0 = _cache_size(fn)
-                    compiles0 = self.compiles.count
-                    times = time_calls(call, sync, cfg.host_calls)
-                    cache1 = _cache_size(fn)
-                    compiles = (self.compiles.count - compiles0
-                                if self.compiles.registered else None)
-                    us = sorted(t * 1e6 for t in times)
-                    recompiled = (compiles > 0 if compiles is not None
-                                  else None if cache0 is None else cache1 != cache0)
-                    return {"median_us": _median(us), "p10_us": us[len(us) // 10],
-                            "p90_us": us[(9 * len(us)) // 10], "min_us": us[0],
-                            "compiles_during_timing": compiles,
-                            "jit_cache_before": cache0, "jit_cache_after": cache1,
-                            "recompiled": recompiled}
+                setups.append((variant, setup))
 
-                rec = {"direction": name, "variant": variant}
-                if self.past_deadline():
-                    rec["skipped"] = "past the deadline"
-                else:
-                    try:
-                        rec.update(run())
-                        self.log(f"host overhead {name} [{variant}]: median "
-                                 f"{rec['median_us']:.1f} us, p90 {rec['p90_us']:.1f} us, "
-                                 f"recompiled={rec['recompiled']}")
-                    except Exception as e:  # noqa: BLE001
-                        rec["error"] = _err_text(e)
-                        rec["traceback"] = traceback.format_exc(limit=6)
-                        self.log(f"host overhead {name} [{variant}]: ERROR {rec['error'][:300]}")
-                sec["cases"].append(rec)
-                self.save()
+            self._time_interleaved(name, setups, len(batches), sec["cases"])
+            self.save()
+
+    def _time_interleaved(self, name: str, setups: list[tuple[str, Callable[[], Any]]],
+                          n_batches: int, cases: list[dict[str, Any]]) -> None:
+        """Times every variant in HOST_ROUNDS rounds that take turns (each round a share of
+        `host_calls` calls per variant), so that a drift of the host's speed during the section
+        reaches every variant alike: on the H200 machines the same manager verb, timed twice in
+        one process a minute apart, took 142 then 236 us in one run and 310 then 179 us in
+        another. Appends one record per variant."""
+        timed: list[_Timed] = []
+        for variant, setup in setups:
+            rec: dict[str, Any] = {"direction": name, "variant": variant}
+            cases.append(rec)
+            if self.past_deadline():
+                rec["skipped"] = "past the deadline"
+                continue
+            try:
+                call, sync, fn = setup()
+                for i in range(2 * n_batches):  # warm-up: every batch, twice
+                    call(i)
+                sync()
+                timed.append(_Timed(rec, call, sync, fn, _cache_size(fn)))
+            except Exception as e:  # noqa: BLE001
+                self._host_error(rec, name, e)
+        per_round = -(-self.cfg.host_calls // HOST_ROUNDS)
+        for _ in range(HOST_ROUNDS):
+            for t in timed:
+                if "error" in t.rec:
+                    continue
+                compiles0 = self.compiles.count
+                try:
+                    t.times += time_calls(t.call, t.sync, per_round)
+                except Exception as e:  # noqa: BLE001
+                    self._host_error(t.rec, name, e)
+                t.compiles += self.compiles.count - compiles0
+        for t in timed:
+            if "error" in t.rec:
+                continue
+            cache1 = _cache_size(t.fn)
+            us = sorted(x * 1e6 for x in t.times)
+            recompiled = (t.compiles > 0 if self.compiles.registered
+                          else None if t.cache0 is None else cache1 != t.cache0)
+            t.rec.update({
+                "median_us": _median(us), "p10_us": us[len(us) // 10],
+                "p90_us": us[(9 * len(us)) // 10], "min_us": us[0], "calls": len(us),
+                "rounds": HOST_ROUNDS,
+                "compiles_during_timing": t.compiles if self.compiles.registered else None,
+                "jit_cache_before": t.cache0, "jit_cache_after": cache1,
+                "recompiled": recompiled})
+            self.log(f"host overhead {name} [{t.rec['variant']}]: median "
+                     f"{t.rec['median_us']:.1f} us, p90 {t.rec['p90_us']:.1f} us, "
+                     f"recompiled={recompiled}")
+
+    def _host_error(self, rec: dict[str, Any], name: str, e: BaseException) -> None:
+        rec["error"] = _err_text(e)
+        rec["traceback"] = traceback.format_exc(limit=6)
+        self.log(f"host overhead {name} [{rec['variant']}]: ERROR {rec['error'][:300]}")

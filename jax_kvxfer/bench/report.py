@@ -160,7 +160,8 @@ class ReportMixin:
     def table(self) -> str:
         cols = [("ours", "T"), ("ours", "T-1"), ("ours", "T/2"), ("ours", "1"),
                 ("ours_unique", "T"), ("ours_unique", "T/2"), ("ours_dma", "T"),
-                ("ours_dma", "T/2"), ("manager", "T"), ("manager_dma", "T"), ("xla", "T"),
+                ("ours_dma", "T/2"), ("manager", "T"), ("manager_dma", "T"), ("eager", "T"),
+                ("eager_kernel", "T"), ("xla", "T"),
                 ("naive", "T"), ("trt_gpu", "T"), ("trt_gpu", "T/2"), ("trt_loop", "T")]
         cols = [c for c in cols if any(r.get("path") == c[0] and r.get("n_label") == c[1]
                                        for r in self.results)]

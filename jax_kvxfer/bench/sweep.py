@@ -79,6 +79,8 @@ class SweepMixin:
                                 [c for c in ns if c[0] in ("T", "T/2", "1")], dma=True)
             if "manager" in cfg.only and not d2d:
                 self.manager_cases(d, geom, B, dbase)
+            if "eager" in cfg.only and not d2d:
+                self.eager_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d])
             if "xla" in cfg.only:
                 self.xla_cases(d, geom, B, dbase, pool, src_of[d], dst_of[d],
                                ns if d2d else ns[:1])
@@ -260,6 +262,36 @@ class SweepMixin:
             self.case({**dbase, "path": "manager_dma" if dma else "manager", "kind": "path",
                        "n_label": "T"}, run)
             gc.collect()
+
+    def eager_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any],
+                    pool: Callable[[str], jax.Array], src: str, dst: str) -> None:
+        """`copy_blocks` called outside jit with NumPy indices, whole blocks, one call per
+        batch: with the default `dma="auto"` ("eager", which takes the copy engines for large
+        blocks) and with `dma=False` ("eager_kernel")."""
+        _, pipe = self.plan(B * geom.block_bytes, False)
+        batches = [(self.perms(1, B, B)[0], self.perms(1, B, B)[0]) for _ in range(4)]
+        for dma in ("auto", False):
+            def run(dma: Any = dma) -> dict[str, Any]:
+                st = {"dst": pool(dst), "calls": 0}
+                s_pool = pool(src)
+
+                def call() -> jax.Array:
+                    si, di = batches[st["calls"] % len(batches)]
+                    st["dst"] = copy_blocks(st["dst"], s_pool, si, di, donate=True, dma=dma)
+                    st["calls"] += 1
+                    return st["dst"]
+
+                before = _dma_batches()
+                times, first = self.time_jax(call, pipe=pipe)
+                extra = {} if before is None else {"dma_used": _dma_batches() > before}
+                si, di = batches[(st["calls"] - 1) % len(batches)]
+                pairs = [0, B - 1]
+                ok = np.array_equal(self.fetch(st["dst"], di[pairs]), self.fetch(s_pool, si[pairs]))
+                return self.timing(times, B * geom.block_bytes, timing="wall, block_until_ready",
+                                   pipe=pipe, first_call_s=first, verified=bool(ok), **extra)
+
+            self.case({**dbase, "path": "eager" if dma == "auto" else "eager_kernel",
+                       "kind": "path", "n_label": "T"}, run)
 
     def xla_cases(self, d: str, geom: Geometry, B: int, dbase: dict[str, Any],
                   pool: Callable[[str], jax.Array], src: str, dst: str,

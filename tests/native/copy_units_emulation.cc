@@ -123,7 +123,13 @@ void Emulate(const Batch& b, bool reverse) {
     const int64_t u = reverse ? units - 1 - k : k;
     const int64_t start = b.first ? b.first[u / units_per_pair] : 0;
     for (int t = 0; t < kvxfer::kThreads; ++t) {
-      kvxfer::CopyUnit<V>(b, u, units_per_pair, reverse ? kvxfer::kThreads - 1 - t : t, start);
+      const int thread = reverse ? kvxfer::kThreads - 1 - t : t;
+      if (b.whole_blocks) {  // as the kernel that scans itself copies a whole-block batch
+        kvxfer::CopyWholeUnit<V>(b, u, units_per_pair, thread,
+                                 [&] { return start >= b.g.tokens; });
+      } else {
+        kvxfer::CopyUnit<V>(b, u, units_per_pair, thread, start);
+      }
     }
   }
 }
@@ -192,9 +198,9 @@ std::string Describe(const Case& c) {
 }
 
 // Runs the copy engines' plan with memcpy (a strided copy row by row), in `reverse` order or not.
-void RunDmaPlan(const Batch& b, bool whole_blocks, bool* ordered) {
+void RunDmaPlan(const Batch& b, bool* ordered) {
   std::vector<kvxfer::DmaCopy> copies;
-  *ordered = kvxfer::PlanDmaCopies(b, whole_blocks, &copies);
+  *ordered = kvxfer::PlanDmaCopies(b, &copies);
   for (size_t k = 0; k < copies.size(); ++k) {
     const kvxfer::DmaCopy& c = copies[*ordered ? k : copies.size() - 1 - k];
     for (size_t row = 0; row < c.height; ++row) {
@@ -215,8 +221,9 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   Reference(c, src.data(), want.data());
   const std::vector<int32_t> first = LaterWriters(c);
   // The host's promise that every pair copies a whole block, made only when true (and not
-  // always then): the kernel then gives each pair a whole block's work units, and the copy
-  // engines do not read the token counts; neither changes the bytes copied.
+  // always then): the kernel then gives each pair a whole block's work units, and neither the
+  // kernel nor the copy engines read the token counts (null here, so a read would crash);
+  // neither changes the bytes copied.
   bool all_whole = true;
   for (int32_t n : c.tokens) all_whole = all_whole && kvxfer::TokensToCopy(n, c.g) == c.g.tokens;
   const bool whole_hint = all_whole && (rng() & 1);
@@ -238,9 +245,10 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.dst_blocks,
             c.g};
     b.whole_blocks = whole_hint;
+    if (whole_hint) b.num_tokens = nullptr;
     if (dma) {
       bool ordered = false;
-      RunDmaPlan(b, whole_hint, &ordered);
+      RunDmaPlan(b, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
     } else {
       WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse); });

@@ -1,0 +1,75 @@
+"""check_batch and PairBatch.take (the manager's per-call batch checks) against plain Python on
+random batches: indices, memories, token counts, direction and duplicate destinations."""
+
+import numpy as np
+import pytest
+
+from jax_kvxfer.batch import check_batch, split_runs
+from jax_kvxfer.pool import KVCacheBlock
+
+NUM_PRIMARY, NUM_SECONDARY, TOKENS = 7, 5, 8
+
+
+def random_pairs(rng, n, mixed):
+    """n pairs over small pools, so that destinations repeat; one direction unless mixed."""
+    src_primary = bool(rng.integers(2))
+    pairs = []
+    for k in range(n):
+        sp = bool(rng.integers(2)) if mixed else src_primary
+        dp = bool(rng.integers(2)) if mixed else not src_primary
+        s = int(rng.integers(NUM_PRIMARY if sp else NUM_SECONDARY))
+        d = int(rng.integers(NUM_PRIMARY if dp else NUM_SECONDARY))
+        pairs.append((KVCacheBlock(k, s, sp), KVCacheBlock(100 + k, d, dp)))
+    return pairs
+
+
+def reference(pairs, rows=None):
+    rows = range(len(pairs)) if rows is None else rows
+    picked = [pairs[i] for i in rows]
+    dst_slots = [(d.memory_pool_block_index, d.is_primary) for _, d in picked]
+    memories = {(s.is_primary, d.is_primary) for s, d in picked}
+    return {"src": [s.memory_pool_block_index for s, _ in picked],
+            "dst": [d.memory_pool_block_index for _, d in picked],
+            "src_primary": [s.is_primary for s, _ in picked],
+            "dst_primary": [d.is_primary for _, d in picked],
+            "unique_dst": len(set(dst_slots)) == len(dst_slots),
+            "direction": memories.pop() if len(memories) == 1 else None}
+
+
+def check_against(batch, want):
+    assert batch.src.tolist() == want["src"]
+    assert batch.dst.tolist() == want["dst"]
+    assert batch.src_primary.tolist() == want["src_primary"]
+    assert batch.dst_primary.tolist() == want["dst_primary"]
+    assert batch.unique_dst == want["unique_dst"]
+    assert batch.direction == want["direction"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_check_batch_and_take_match_plain_python(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    pairs = random_pairs(rng, n, mixed=seed % 2 == 1)
+    tokens = rng.integers(-1, TOKENS + 2, n).tolist()
+    batch = check_batch(pairs, tokens, NUM_PRIMARY, NUM_SECONDARY, TOKENS)
+    check_against(batch, reference(pairs))
+    assert batch.tokens.tolist() == tokens
+    assert batch.whole == all(not 0 < t < TOKENS for t in tokens)
+    # parts of the batch: random subsets, and the runs the manager dispatches
+    rows = np.sort(rng.choice(n, int(rng.integers(1, n + 1)), replace=False))
+    check_against(batch.take(rows), reference(pairs, rows.tolist()))
+    for run in split_runs(batch):
+        part = batch.take(run)
+        check_against(part, reference(pairs, run.tolist()))
+        assert part.direction is not None
+
+
+def test_one_index_in_both_memories_is_two_slots():
+    pairs = [(KVCacheBlock(0, 1, True), KVCacheBlock(1, 2, False)),
+             (KVCacheBlock(2, 3, False), KVCacheBlock(3, 2, True))]
+    assert check_batch(pairs, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS).unique_dst
+    pairs.append((KVCacheBlock(4, 0, True), KVCacheBlock(5, 2, False)))
+    batch = check_batch(pairs, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS)
+    assert not batch.unique_dst
+    assert batch.take(np.array([0, 1])).unique_dst  # the repeat is left out
+    assert not batch.take(np.array([0, 2])).unique_dst
