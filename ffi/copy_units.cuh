@@ -63,6 +63,22 @@ KVXFER_DEVICE_INLINE int64_t SlotOf(const Side& side, const int32_t* idx, int64_
   return side.by_pair ? pair : idx[pair];
 }
 
+// Copies the kUnroll vectors kStep apart from `base` that lie below `end`: all loaded, then all
+// stored, so that the loads are in flight together.
+template <typename V, int kStep>
+KVXFER_DEVICE_INLINE void CopyVectors(V* d, const V* s, int64_t base,
+                                      int64_t end) {
+  V v[kUnroll];
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    if (base + k * kStep < end) v[k] = s[base + k * kStep];
+  }
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    if (base + k * kStep < end) d[base + k * kStep] = v[k];
+  }
+}
+
 // Copies `runs` runs of `per_run` vectors, `pitch` bytes apart: each group of kGroup lanes of a
 // warp takes whole runs and its lanes stride along one, so no thread divides to find its run
 // and a run of a few vectors (n = 1) does not leave most of the warp idle. The `stride`
@@ -77,15 +93,7 @@ KVXFER_DEVICE void CopyShortRuns(char* __restrict__ dst, const char* __restrict_
     const V* __restrict__ s = reinterpret_cast<const V*>(src + r * pitch);
     V* __restrict__ d = reinterpret_cast<V*>(dst + r * pitch);
     for (int64_t base = lane % kGroup; base < per_run; base += kGroup * kUnroll) {
-      V v[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * kGroup < per_run) v[k] = s[base + k * kGroup];
-      }
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * kGroup < per_run) d[base + k * kGroup] = v[k];
-      }
+      CopyVectors<V, kGroup>(d, s, base, per_run);
     }
   }
 }
@@ -106,15 +114,7 @@ KVXFER_DEVICE void CopyRuns(char* __restrict__ dst, const char* __restrict__ src
     const V* __restrict__ s = reinterpret_cast<const V*>(src);
     V* __restrict__ d = reinterpret_cast<V*>(dst);
     for (int64_t base = unit * kChunk + thread; base < per_run; base += units * kChunk) {
-      V v[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * kThreads < per_run) v[k] = s[base + k * kThreads];
-      }
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        if (base + k * kThreads < per_run) d[base + k * kThreads] = v[k];
-      }
+      CopyVectors<V, kThreads>(d, s, base, per_run);
     }
     return;
   }
