@@ -3,12 +3,13 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [demo-dma] [sharded]
 #                        [demo-tp] [profile] [sanitize] [stress] [stress-dma] [partial-probe]
-#                        [pipeline]
+#                        [pipeline] [trace]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
 #   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
 #   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX);
 #   pipeline: scripts/pipeline_probe.py (wall clock vs calls in flight, gaps between executions).
-#   profile: scripts/profile_manager.py (the manager's host time). sharded: the bench's
+#   profile: scripts/profile_manager.py (the manager's host time); trace: the same with --trace
+#   (the verb's host events under the profiler). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
 #   a machine with 2 or more GPUs). stress-dma: 30,000 stress operations with a dma=True manager.
 #   demo-dma: the demo again with every transfer on the copy engines, then on the copy kernel.
@@ -104,6 +105,12 @@ if has profile; then
   python3 scripts/profile_manager.py > "$OUT/profile.txt" 2>&1
   summary+=("profile: exit $? ($(( $(date +%s) - t )) s)")
   grep -E "us$|stages|correctly" "$OUT/profile.txt"
+fi
+if has trace; then
+  t=$(date +%s)
+  python3 scripts/profile_manager.py --trace > "$OUT/profile-trace.txt" 2>&1
+  summary+=("profile --trace: exit $? ($(( $(date +%s) - t )) s)")
+  cat "$OUT/profile-trace.txt"
 fi
 if has sanitize && [ -x scripts/sanitize.sh ]; then
   t=$(date +%s)

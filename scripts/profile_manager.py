@@ -13,13 +13,19 @@ every 8 calls, none inside the timed call):
     calls (the verb's own share: it leaves the host's caches as a verb does) or of waiting
     (time for the previous call's work to finish, caches left alone).
 Both manager variants' results are checked against NumPy.
+With --trace, instead: the verb and the same dispatch alone, each for `--calls` calls under the
+JAX profiler (which records Python functions and XLA's host work, the C++ dispatch included),
+and per call the host events that took the most time on the calling thread, inclusive and
+self (without nested events): where inside the verb the time goes that the dispatch alone
+does not take.
 
-    python scripts/profile_manager.py [--calls 200]
+    python scripts/profile_manager.py [--calls 200] [--trace]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +37,7 @@ import numpy as np
 
 import jax_kvxfer as kvx
 from jax_kvxfer import manager as mgr
+from jax_kvxfer.bench.core import traced_profile
 from jax_kvxfer.bench.helpers import time_calls
 from jax_kvxfer.ops import IndexFacts
 
@@ -166,15 +173,92 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
           + "; ".join(f"{n} {statistics.median(v) * 1e6:.1f}" for n, v in stage_times.items()))
 
 
+def host_events(profile: Any, thread: str = "python") -> tuple[dict[str, int], dict[str, int],
+                                                                 collections.Counter[str]]:
+    """(inclusive ns, self ns, count) per event name on the host thread named `thread`; an
+    event's self time leaves out the events nested in it (same thread, within its span)."""
+    incl: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for plane in profile.planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            if line.name != thread:
+                continue
+            stack: list[tuple[int, str]] = []  # (end_ns, name) of the enclosing events
+            for start, neg_dur, name in sorted((e.start_ns, -e.duration_ns, e.name)
+                                               for e in line.events):
+                dur = -neg_dur
+                while stack and stack[-1][0] <= start:
+                    stack.pop()
+                if stack:  # nested: its time is not its parent's own
+                    own[stack[-1][1]] -= dur
+                incl[name] += dur
+                own[name] += dur
+                count[name] += 1
+                stack.append((start + dur, name))
+    return dict(incl), dict(own), count
+
+
+def trace(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -> None:
+    """The verb and the dispatch alone under the profiler; the top host events per call."""
+    pool = make_pool(rng)
+    batches = [(rng.permutation(BLOCKS)[:BATCH].astype(np.int32),
+                rng.permutation(BLOCKS)[:BATCH].astype(np.int32)) for _ in range(16)]
+    pair_lists = [[(kvx.KVCacheBlock(k, int(s), not to_primary),
+                    kvx.KVCacheBlock(k, int(d), to_primary)) for k, (s, d) in enumerate(zip(si, di))]
+                  for si, di in batches]
+    manager = kvx.KVCacheTransferManager([pool])
+    fn = getattr(manager, f"{verb}_blocks")
+    ring_sharding = mgr.PlanRing.sharding_for(pool.sharding("device"))
+    plans = [np.stack([si, di, np.zeros_like(si)]) for si, di in batches]
+    plan_args = plans if ring_sharding is None else [
+        jax.block_until_ready(tuple(jax.device_put(row, ring_sharding) for row in p))
+        for p in plans]
+    facts = IndexFacts(hazard_free=True, unique_dst=True)
+
+    def direct(i: int) -> None:
+        dst, src = pool.current(to_primary, "t"), pool.current(not to_primary, "t")
+        out, _ = mgr._copy_across((dst,), (src,), plan_args[i % 16], facts=facts, mesh=None,
+                                  specs=(None,), whole=True, dma=(False,))
+        if to_primary:
+            pool._primary = out[0]
+        else:
+            pool._secondary = out[0]
+
+    variants = {"verb": lambda i: fn(pair_lists[i % 16]), "dispatch alone": direct}
+    for name, call in variants.items():
+        for i in range(32):  # warm-up
+            call(i)
+        manager.sync_transfers()
+        wall: list[float] = []
+        profile = traced_profile(lambda call=call, wall=wall: wall.extend(
+            time_calls(call, manager.sync_transfers, calls)))
+        if profile is None:
+            print(f"{verb:8} {name}: no trace written")
+            continue
+        incl, own, count = host_events(profile)
+        print(f"{verb:8} {name}: {statistics.median(wall) * 1e6:.1f} us per call (median, "
+              f"under the profiler); top host events per call, inclusive / self us:")
+        for ev, ns in sorted(incl.items(), key=lambda kv: -kv[1])[:28]:
+            if "start_trace" in ev or "stop_trace" in ev:
+                continue
+            print(f"{verb:8}   {ns / calls / 1e3:8.1f} {own[ev] / calls / 1e3:8.1f} "
+                  f"x{count[ev] / calls:4.1f}  {ev[:100]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--trace", action="store_true",
+                    help="the verb and the dispatch alone under the profiler (host events)")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"jax {jax.__version__} on {dev.device_kind}; {BATCH} blocks of 64 KiB per transfer")
     rng = np.random.default_rng(0)
     for verb, to_primary in (("offload", False), ("onboard", True)):
-        profile(verb, to_primary, args.calls, rng)
+        (trace if args.trace else profile)(verb, to_primary, args.calls, rng)
 
 
 if __name__ == "__main__":

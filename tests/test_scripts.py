@@ -36,6 +36,17 @@ def test_profile_manager_runs():
                    for line in out.splitlines()), out
 
 
+def test_profile_manager_trace_names_the_verbs_stages():
+    """--trace: the verb's own functions and the jitted dispatch appear among its host events,
+    with a time per call, and the dispatch alone shows none of the verb's Python."""
+    out = run_script("profile_manager.py", "--calls", "8", "--trace")
+    for verb in ("offload", "onboard"):
+        verb_part = out.split(f"{verb}  verb:")[1].split(f"{verb}  dispatch alone:")[0]
+        alone = out.split(f"{verb}  dispatch alone:")[1].split("onboard  verb:")[0]
+        assert "check_batch" in verb_part and "PjitFunction(_copy_across_impl)" in verb_part, out
+        assert "check_batch" not in alone and "PjitFunction(_copy_across_impl)" in alone, out
+
+
 def test_ab_kernel_builds_each_version_with_its_files(tmp_path):
     """scripts/ab-kernel.sh with two old versions: each build sees its own ffi files (and the
     working tree's for the rest), the summary has a column per version, and the working tree's
