@@ -173,10 +173,11 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
           + "; ".join(f"{n} {statistics.median(v) * 1e6:.1f}" for n, v in stage_times.items()))
 
 
-def host_events(profile: Any, thread: str = "python") -> tuple[dict[str, int], dict[str, int],
-                                                                 collections.Counter[str]]:
-    """(inclusive ns, self ns, count) per event name on the host thread named `thread`; an
-    event's self time leaves out the events nested in it (same thread, within its span)."""
+def host_events(profile: Any) -> tuple[dict[str, int], dict[str, int],
+                                        collections.Counter[str]]:
+    """(inclusive ns, self ns, count) per event name on the host thread that ran the timed
+    calls (the line holding `time_calls`; its name differs between machines); an event's self
+    time leaves out the events nested in it (same thread, within its span)."""
     incl: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
@@ -184,7 +185,7 @@ def host_events(profile: Any, thread: str = "python") -> tuple[dict[str, int], d
         if plane.name != "/host:CPU":
             continue
         for line in plane.lines:
-            if line.name != thread:
+            if not any("time_calls" in e.name for e in line.events):
                 continue
             stack: list[tuple[int, str]] = []  # (end_ns, name) of the enclosing events
             for start, neg_dur, name in sorted((e.start_ns, -e.duration_ns, e.name)
@@ -239,6 +240,10 @@ def trace(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -> 
             print(f"{verb:8} {name}: no trace written")
             continue
         incl, own, count = host_events(profile)
+        if not incl:
+            lines = [f"{p.name}: {ln.name}" for p in profile.planes for ln in p.lines]
+            print(f"{verb:8} {name}: no host line holds the timed calls; lines: {lines[:20]}")
+            continue
         print(f"{verb:8} {name}: {statistics.median(wall) * 1e6:.1f} us per call (median, "
               f"under the profiler); top host events per call, inclusive / self us:")
         for ev, ns in sorted(incl.items(), key=lambda kv: -kv[1])[:28]:
