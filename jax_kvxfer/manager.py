@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .batch import PairBatch, check_batch, split_runs
@@ -30,7 +29,7 @@ from .ops import (
     check_dma_choice,
     index_facts,
 )
-from .plan_ring import PlanRing
+from .plan_ring import PlanRing, PlanSlot
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
@@ -67,11 +66,9 @@ class PendingTransfer:
 # PartitionSpec over `mesh` (None: unsharded): a sharded pool is copied by every device on its
 # own shard, with no traffic between devices.
 #
-# Besides the pools, a dispatch returns `done`, an int32[1] that is ready when the dispatch has
-# run (all outputs of one execution become ready together) and is never donated: the plan
-# ring waits on it before rewriting a plan. It is zeros, not a value of the copy (XLA rejects
-# returning with a device layout anything it traces back to a host-memory operand), made by
-# an op (a jaxpr literal might be handed back without running anything).
+# Besides the pools, a dispatch takes donated and hands back unchanged the tokens of the plan
+# ring slots it reads (plan_ring.py): XLA aliases them to outputs, so no op runs for them, and
+# each returned token is ready when the dispatch has run. Without the ring, tokens are None.
 def _on_shards(fn, mesh, spec, num_pools: int):
     if spec is None:
         return fn
@@ -79,7 +76,7 @@ def _on_shards(fn, mesh, spec, num_pools: int):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
-def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=None, whole=False):
+def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, specs, dma=None, whole=False):
     """dma: per pool, whether its copy goes to the copy engines (None: none does); whole:
     every pair copies a whole block."""
     pools = []
@@ -87,17 +84,17 @@ def _copy_across_impl(dsts, srcs, plan, facts, mesh, specs, dma=None, whole=Fals
         def copy(d, s, p, use_dma=use_dma):
             return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=use_dma, whole_blocks=whole)
         pools.append(_on_shards(copy, mesh, spec, 2)(d, s, plan))
-    return tuple(pools), jnp.zeros((1,), jnp.int32)
+    return tuple(pools), token
 
 
-def _copy_within_impl(pools, plan, facts, mesh, specs, whole=False):
+def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False):
     def copy(pool, p):
         return block_copy_call(pool, pool, p[0], p[1], p[2], facts, whole_blocks=whole)
     pools = tuple(_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs))
-    return pools, jnp.zeros((1,), jnp.int32)
+    return pools, token
 
 
-def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, specs,
+def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan, mesh, specs,
                     dma=None):
     """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) at once; dma: per pool,
     whether both go to the copy engines (None: none does)."""
@@ -110,25 +107,45 @@ def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, facts, plan, mesh, 
             copy = jax.shard_map(copy, mesh=mesh, in_specs=(spec, spec, replicated, replicated),
                                  out_specs=(spec, spec))
         results.append(copy(g, h, offload_plan, onboard_plan))
-    return tuple(r[0] for r in results), tuple(r[1] for r in results), jnp.zeros((1,), jnp.int32)
+    return tuple(r[0] for r in results), tuple(r[1] for r in results), tokens
 
 
 _STATIC = ("facts", "mesh", "specs")
-_copy_across = jax.jit(_copy_across_impl, donate_argnums=0,
+_copy_across = jax.jit(_copy_across_impl, donate_argnums=(0, 3),
                        static_argnames=_STATIC + ("dma", "whole"))
-_copy_within = jax.jit(_copy_within_impl, donate_argnums=0, static_argnames=_STATIC + ("whole",))
-# The same without donation, for a destination that cannot be donated: on GPUs, reading a
-# pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it, and a
-# viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
-_copy_across_undonated = jax.jit(_copy_across_impl, static_argnames=_STATIC + ("dma", "whole"))
-_copy_within_undonated = jax.jit(_copy_within_impl, static_argnames=_STATIC + ("whole",))
-_both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1),
+_copy_within = jax.jit(_copy_within_impl, donate_argnums=(0, 2),
+                       static_argnames=_STATIC + ("whole",))
+# The same without donating the pools, for a destination that cannot be donated: on GPUs,
+# reading a pinned_host array with NumPy (np.asarray) leaves JAX holding a zero-copy view of it,
+# and a viewed buffer cannot be donated. XLA then copies the pool: correct, but not in place.
+_copy_across_undonated = jax.jit(_copy_across_impl, donate_argnums=3,
+                                 static_argnames=_STATIC + ("dma", "whole"))
+_copy_within_undonated = jax.jit(_copy_within_impl, donate_argnums=2,
+                                 static_argnames=_STATIC + ("whole",))
+_both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1, 4),
                      static_argnames=_STATIC + ("plan", "dma"))
-_both_ways_undonated = jax.jit(_both_ways_impl, static_argnames=_STATIC + ("plan", "dma"))
+_both_ways_undonated = jax.jit(_both_ways_impl, donate_argnums=4,
+                               static_argnames=_STATIC + ("plan", "dma"))
 
 
 class DonationWarning(UserWarning):
     """A pool array could not be donated, so a transfer copied the whole pool."""
+
+
+def _tokens(slots: Sequence[PlanSlot | None], retry: bool = False) -> tuple[Any, ...]:
+    """The tokens a dispatch reading these plan ring slots donates (None for a NumPy plan).
+    retry: after a dispatch that failed, which may have consumed them."""
+    if retry:
+        for slot in slots:
+            if slot is not None:
+                slot.fresh_token()
+    return tuple(None if slot is None else slot.token for slot in slots)
+
+
+def _dispatched(slots: Sequence[PlanSlot | None], tokens: Sequence[Any]) -> None:
+    for slot, token in zip(slots, tokens):
+        if slot is not None:
+            slot.dispatched(token)
 
 
 def _warn_not_in_place(which: str, stacklevel: int) -> None:
@@ -402,19 +419,18 @@ class KVCacheTransferManager:
                                             first.num_primary_blocks, first.num_secondary_blocks)
         gpus = tuple(p.current(True, "transfer") for p in self._pools)
         hosts = tuple(p.current(False, "transfer") for p in self._pools)
+        slots = (off_slot, on_slot)
         args = (gpus, hosts, tuple(off_plan), tuple(on_plan))
         whole = off.whole and on.whole
         kw = {"facts": facts, "plan": plan, "dma": self._dma_per_pool(whole), **self._static}
         try:
-            new_gpus, new_hosts, done = _both_ways(*args, **kw)
+            new_gpus, new_hosts, tokens = _both_ways(*args, _tokens(slots), **kw)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
             if "external reference" not in str(e):
                 raise
             _warn_not_in_place("primary and secondary", stacklevel=4)
-            new_gpus, new_hosts, done = _both_ways_undonated(*args, **kw)
-        for slot in (off_slot, on_slot):
-            if slot is not None:
-                slot.done = done
+            new_gpus, new_hosts, tokens = _both_ways_undonated(*args, _tokens(slots, True), **kw)
+        _dispatched(slots, tokens)
         for pool, g, h in zip(self._pools, new_gpus, new_hosts):
             pool._primary, pool._secondary = g, h
 
@@ -436,15 +452,14 @@ class KVCacheTransferManager:
         if src_primary != dst_primary:
             static["dma"] = self._dma_per_pool(run.whole)
         try:
-            results, done = donated(*args, **static)
+            results, (token,) = donated(*args, _tokens((slot,)), **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
             if "external reference" not in str(e):
                 raise
             # from the user: offload_blocks -> _transfer -> _issue -> _dispatch -> here
             _warn_not_in_place("primary" if dst_primary else "secondary", stacklevel=6)
-            results, done = undonated(*args, **static)
-        if slot is not None:
-            slot.done = done
+            results, (token,) = undonated(*args, _tokens((slot,), True), **static)
+        _dispatched((slot,), (token,))
         for pool, result in zip(self._pools, results):
             if dst_primary:
                 pool._primary = result

@@ -8,7 +8,11 @@ into the next free slot with NumPy (a host memcpy of a few hundred bytes) and pa
 arrays: the kernel reads them through unified addressing, and no transfer is issued.
 
 JAX arrays are immutable to everyone else; these never leave the manager, and a slot is
-rewritten only after the dispatch that read it has finished (`PlanSlot.done`).
+rewritten only after the dispatch that read it has finished. That dispatch tells when: each
+slot owns a token, an int32[1] device array that the dispatch takes donated and hands back
+unchanged (`PlanSlot.token`). XLA aliases it to the output, so no op runs for it (a marker made
+by an op, as before, cost a memcpy on the host and on the GPU stream with every dispatch), and
+the returned array, like every output of an execution, is ready only when the execution is.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import ctypes
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -24,13 +29,25 @@ class PlanSlot:
     (separate, so that each reaches the custom call as it is, with no slicing op in between),
     and writable NumPy views of their host buffers (one per device)."""
 
-    def __init__(self, arrays: tuple[jax.Array, jax.Array, jax.Array]) -> None:
+    def __init__(self, arrays: tuple[jax.Array, jax.Array, jax.Array],
+                 token: jax.Array) -> None:
         self.arrays = jax.block_until_ready(arrays)  # their fill must land before we write
         self._views = [
             [np.ctypeslib.as_array((ctypes.c_int32 * a.size).from_address(
                 shard.data.unsafe_buffer_pointer())) for shard in a.addressable_shards]
             for a in arrays]
-        self.done: jax.Array | None = None  # an output of the last dispatch that read the slot
+        # What the next dispatch that reads the slot donates; it hands back the new token.
+        self.token = token
+        self.busy = False  # a dispatch that read the slot may not have finished
+
+    def dispatched(self, token: jax.Array) -> None:
+        """Records the token that the dispatch reading this slot handed back."""
+        self.token, self.busy = token, True
+
+    def fresh_token(self) -> None:
+        """A new token, where a failed dispatch consumed the slot's (its donation happened)."""
+        if self.token.is_deleted():
+            self.token = jnp.zeros((1,), jnp.int32, device=self.token.sharding)
 
     def write(self, plan: np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Stores plan ([3, B] int32) and returns the arrays to pass for it."""
@@ -45,6 +62,7 @@ class PlanRing:
 
     def __init__(self, sharding: jax.sharding.Sharding, slots: int = 16) -> None:
         self._sharding = sharding
+        self._token_sharding = sharding.with_memory_kind("device")
         self._slots = slots
         self._rings: dict[int, list[PlanSlot]] = {}
         self._next: dict[int, int] = {}
@@ -64,37 +82,39 @@ class PlanRing:
     def next_slot(self, bucket: int) -> PlanSlot:
         """The next slot of this bucket's ring, once the dispatch that last read it has
         finished (it usually has: a slot comes round again after 15 other dispatches of its
-        bucket, and a sync frees them all). The caller sets `done` after its dispatch."""
+        bucket, and a sync frees them all). The caller donates the slot's token to its
+        dispatch and records the one handed back (`PlanSlot.dispatched`)."""
         ring = self._rings.get(bucket)
         if ring is None:
             # A fresh NumPy array for each: on CPU, device_put may keep the NumPy buffer
             # itself as the array's buffer, and arrays sharing one would share their plans.
+            # Tokens are made by an op, so no NumPy buffer stands in the way of donating them.
             ring = self._rings[bucket] = [
                 PlanSlot(tuple(jax.device_put(np.zeros(bucket, np.int32), self._sharding)
-                               for _ in range(3)))
+                               for _ in range(3)),
+                         jnp.zeros((1,), jnp.int32, device=self._token_sharding))
                 for _ in range(self._slots)]
             self._next[bucket] = 0
         i = self._next[bucket]
         self._next[bucket] = (i + 1) % len(ring)
         slot = ring[i]
-        if slot.done is not None:
-            slot.done.block_until_ready()
-            slot.done = None
+        if slot.busy:
+            slot.token.block_until_ready()
+            slot.busy = False
         return slot
 
     def all_done(self) -> None:
         """Every dispatch has finished (the manager synced): no slot needs waiting for."""
         for ring in self._rings.values():
             for slot in ring:
-                slot.done = None
+                slot.busy = False
 
     def arrays(self) -> list[jax.Array]:
-        """The arrays the ring holds, for memory checks: plans (with the per-device arrays of
-        their shards, which JAX keeps as arrays of their own) and pending `done` markers."""
+        """The arrays the ring holds, for memory checks: plans and tokens (with the per-device
+        arrays of their shards, which JAX keeps as arrays of their own)."""
         out = []
         for ring in self._rings.values():
             for slot in ring:
-                for a in slot.arrays:
+                for a in (*slot.arrays, slot.token):
                     out += [a] + [s.data for s in a.addressable_shards]
-                out += [slot.done] if slot.done is not None else []
         return out

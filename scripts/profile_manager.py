@@ -107,10 +107,12 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
         print(f"{verb:8} plan ring {ring}: copies correctly "
               f"{np.array_equal(got[di].view(np.uint16), src_np[si].view(np.uint16))}")
 
+    token = [jnp.zeros((1,), jnp.int32, device=pool.device)]  # donated, as the verb's
+
     def direct(plan: Any, **static: Any) -> None:
         dst, src = pool.current(to_primary, "t"), pool.current(not to_primary, "t")
-        out, _ = mgr._copy_across((dst,), (src,), plan, facts=facts, mesh=None, specs=(None,),
-                                  **static)
+        out, token[:] = mgr._copy_across((dst,), (src,), plan, tuple(token), facts=facts,
+                                         mesh=None, specs=(None,), **static)
         if to_primary:
             pool._primary = out[0]
         else:
@@ -219,10 +221,13 @@ def trace(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -> 
         for p in plans]
     facts = IndexFacts(hazard_free=True, unique_dst=True)
 
+    token = [jnp.zeros((1,), jnp.int32, device=pool.device)]  # donated, as the verb's
+
     def direct(i: int) -> None:
         dst, src = pool.current(to_primary, "t"), pool.current(not to_primary, "t")
-        out, _ = mgr._copy_across((dst,), (src,), plan_args[i % 16], facts=facts, mesh=None,
-                                  specs=(None,), whole=True, dma=(False,))
+        out, token[:] = mgr._copy_across((dst,), (src,), plan_args[i % 16], tuple(token),
+                                         facts=facts, mesh=None, specs=(None,), whole=True,
+                                         dma=(False,))
         if to_primary:
             pool._primary = out[0]
         else:

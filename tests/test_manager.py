@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import jax_kvxfer as kvx
 from jax_kvxfer import _native
@@ -450,6 +451,47 @@ def test_plans_come_round_again_only_after_their_dispatch(rng, plan_ring):
         for s, d in order:
             expected[d] = prim[s]
         np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), expected)
+
+
+def _held_back(array: jax.Array) -> jax.Array:
+    """`array` again, as the output of a computation that keeps the GPU busy for tens of
+    milliseconds first (a chain of matmuls whose result adds 0), so that copies of it queue."""
+    def slow(a):
+        m = jnp.full((2048, 2048), 1e-3, jnp.float32)
+        x = lax.fori_loop(0, 400, lambda _, x: jnp.tanh(m @ x), jnp.ones((2048, 64), jnp.float32))
+        return a + jnp.where(jnp.isnan(x.sum()), 1, 0).astype(a.dtype)  # tanh: never NaN
+    return jax.jit(slow)(array)
+
+
+@pytest.mark.parametrize("verb", ["offload", "offload_and_onboard"])
+def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
+    """The copies queue behind a slow computation on the GPU while the host dispatches more of
+    them than the ring has slots: a slot may be rewritten only once the dispatch that read it
+    has run, which its token (handed back by that dispatch) must tell. A token that were ready
+    too early would let a later plan overwrite one still to be read, and a copy go astray."""
+    pools = make_pools(rng, num_primary=6, num_secondary=6)
+    m = kvx.KVCacheTransferManager(pools)
+    if m._plans is None:
+        pytest.skip("no pinned_host memory: no plan ring")
+    old = snapshot(pools)
+    for pool in pools:
+        pool.primary = _held_back(pool.primary)
+    offloads = [(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(40)]
+    onboards = [(int(rng.integers(3, 6)), int(rng.integers(3, 6))) for _ in range(40)]
+    for (s, d), (os_, od) in zip(offloads, onboards):  # 40 dispatches of bucket 1: 16 slots
+        if verb == "offload":
+            m.offload(P(s), S(d))
+        else:  # disjoint: one dispatch that offloads and onboards (two slots)
+            m.offload_and_onboard([(P(s), S(d))], [(S(os_), P(od))])
+    m.sync_transfers()
+    for pool, (prim, sec) in zip(pools, old):
+        prim, sec = prim.copy(), sec.copy()
+        for (s, d), (os_, od) in zip(offloads, onboards):
+            sec[d] = prim[s]
+            if verb != "offload":
+                prim[od] = sec[os_]
+        np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), sec)
+        np.testing.assert_array_equal(kvx.to_numpy(pool.primary), prim)
 
 
 def test_plan_slots_have_buffers_of_their_own(rng):
