@@ -454,11 +454,11 @@ def test_plans_come_round_again_only_after_their_dispatch(rng, plan_ring):
 
 
 def _held_back(array: jax.Array) -> jax.Array:
-    """`array` again, as the output of a computation that keeps the GPU busy for tens of
-    milliseconds first (a chain of matmuls whose result adds 0), so that copies of it queue."""
+    """`array` again, as the output of a computation that keeps an H200 busy for about 0.1 s
+    first (a chain of 4096-square matmuls whose result adds 0), so that copies of it queue."""
     def slow(a):
-        m = jnp.full((2048, 2048), 1e-3, jnp.float32)
-        x = lax.fori_loop(0, 400, lambda _, x: jnp.tanh(m @ x), jnp.ones((2048, 64), jnp.float32))
+        m = jnp.full((4096, 4096), 1e-4, jnp.float32)
+        x = lax.fori_loop(0, 300, lambda _, x: jnp.tanh(m @ x), m)
         return a + jnp.where(jnp.isnan(x.sum()), 1, 0).astype(a.dtype)  # tanh: never NaN
     return jax.jit(slow)(array)
 
@@ -476,6 +476,7 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
     old = snapshot(pools)
     for pool in pools:
         pool.primary = _held_back(pool.primary)
+    held_back = not pools[0].primary.is_ready()  # else the test would show nothing
     offloads = [(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(40)]
     onboards = [(int(rng.integers(3, 6)), int(rng.integers(3, 6))) for _ in range(40)]
     for (s, d), (os_, od) in zip(offloads, onboards):  # 40 dispatches of bucket 1: 16 slots
@@ -483,6 +484,7 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
             m.offload(P(s), S(d))
         else:  # disjoint: one dispatch that offloads and onboards (two slots)
             m.offload_and_onboard([(P(s), S(d))], [(S(os_), P(od))])
+    assert held_back, "the slow computation ended before the copies were issued"
     m.sync_transfers()
     for pool, (prim, sec) in zip(pools, old):
         prim, sec = prim.copy(), sec.copy()
