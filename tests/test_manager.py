@@ -453,14 +453,15 @@ def test_plans_come_round_again_only_after_their_dispatch(rng, plan_ring):
         np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), expected)
 
 
-def _held_back(array: jax.Array) -> jax.Array:
-    """`array` again, as the output of a computation that keeps an H200 busy for about 0.1 s
-    first (a chain of 4096-square matmuls whose result adds 0), so that copies of it queue."""
-    def slow(a):
+def _held_back(arrays: list[jax.Array]) -> list[jax.Array]:
+    """`arrays` again, as the outputs of one computation that keeps an H200 busy for about
+    0.1 s first (a chain of 4096-square matmuls whose result adds 0), so that copies queue."""
+    def slow(arrays):
         m = jnp.full((4096, 4096), 1e-4, jnp.float32)
         x = lax.fori_loop(0, 300, lambda _, x: jnp.tanh(m @ x), m)
-        return a + jnp.where(jnp.isnan(x.sum()), 1, 0).astype(a.dtype)  # tanh: never NaN
-    return jax.jit(slow)(array)
+        zero = jnp.where(jnp.isnan(x.sum()), 1, 0)  # tanh: never NaN
+        return [a + zero.astype(a.dtype) for a in arrays]
+    return jax.jit(slow)(arrays)
 
 
 @pytest.mark.parametrize("verb", ["offload", "offload_and_onboard"])
@@ -474,8 +475,8 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
     if m._plans is None:
         pytest.skip("no pinned_host memory: no plan ring")
     old = snapshot(pools)
-    for pool in pools:
-        pool.primary = _held_back(pool.primary)
+    for pool, primary in zip(pools, _held_back([p.primary for p in pools])):
+        pool.primary = primary
     held_back = not pools[0].primary.is_ready()  # else the test would show nothing
     offloads = [(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(40)]
     onboards = [(int(rng.integers(3, 6)), int(rng.integers(3, 6))) for _ in range(40)]
