@@ -470,7 +470,7 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
     them than the ring has slots: a slot may be rewritten only once the dispatch that read it
     has run, which its token (handed back by that dispatch) must tell. A token that were ready
     too early would let a later plan overwrite one still to be read, and a copy go astray."""
-    pools = make_pools(rng, num_primary=6, num_secondary=6)
+    pools = make_pools(rng, num_primary=46, num_secondary=46)
     m = kvx.KVCacheTransferManager(pools)
     if m._plans is None:
         pytest.skip("no pinned_host memory: no plan ring")
@@ -478,8 +478,11 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
     for pool, primary in zip(pools, _held_back([p.primary for p in pools])):
         pool.primary = primary
     held_back = not pools[0].primary.is_ready()  # else the test would show nothing
-    offloads = [(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(40)]
-    onboards = [(int(rng.integers(3, 6)), int(rng.integers(3, 6))) for _ in range(40)]
+    # Every dispatch writes slots of its own, so a copy done with another dispatch's plan
+    # leaves a slot unwritten. Offloads read primary 0-5 and write secondary 0-39; onboards
+    # read secondary 40-45 and write primary 6-45.
+    offloads = list(zip(rng.integers(0, 6, 40).tolist(), rng.permutation(40).tolist()))
+    onboards = list(zip(rng.integers(40, 46, 40).tolist(), (6 + rng.permutation(40)).tolist()))
     for (s, d), (os_, od) in zip(offloads, onboards):  # 40 dispatches of bucket 1: 16 slots
         if verb == "offload":
             m.offload(P(s), S(d))
