@@ -453,14 +453,15 @@ def test_plans_come_round_again_only_after_their_dispatch(rng, plan_ring):
         np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), expected)
 
 
-def _held_back(arrays: list[jax.Array]) -> list[jax.Array]:
+def _held_back(arrays: list[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
     """`arrays` again, as the outputs of one computation that keeps an H200 busy for about
-    0.1 s first (a chain of 4096-square matmuls whose result adds 0), so that copies queue."""
+    0.1 s first (a chain of 4096-square matmuls whose result adds 0), so that copies queue;
+    and a probe, another output of it (ready when they are)."""
     def slow(arrays):
         m = jnp.full((4096, 4096), 1e-4, jnp.float32)
         x = lax.fori_loop(0, 300, lambda _, x: jnp.tanh(m @ x), m)
         zero = jnp.where(jnp.isnan(x.sum()), 1, 0)  # tanh: never NaN
-        return [a + zero.astype(a.dtype) for a in arrays]
+        return [a + zero.astype(a.dtype) for a in arrays], zero
     return jax.jit(slow)(arrays)
 
 
@@ -474,21 +475,26 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
     m = kvx.KVCacheTransferManager(pools)
     if m._plans is None:
         pytest.skip("no pinned_host memory: no plan ring")
+    m.offload_and_onboard([(P(0), S(0))], [(S(40), P(6))])  # compiles both verbs' copies
+    m.offload(P(0), S(0))
+    m.sync_transfers()
     old = snapshot(pools)
-    for pool, primary in zip(pools, _held_back([p.primary for p in pools])):
+    primaries, probe = _held_back([p.primary for p in pools])
+    for pool, primary in zip(pools, primaries):
         pool.primary = primary
-    held_back = not pools[0].primary.is_ready()  # else the test would show nothing
     # Every dispatch writes slots of its own, so a copy done with another dispatch's plan
     # leaves a slot unwritten. Offloads read primary 0-5 and write secondary 0-39; onboards
     # read secondary 40-45 and write primary 6-45.
     offloads = list(zip(rng.integers(0, 6, 40).tolist(), rng.permutation(40).tolist()))
     onboards = list(zip(rng.integers(40, 46, 40).tolist(), (6 + rng.permutation(40)).tolist()))
-    for (s, d), (os_, od) in zip(offloads, onboards):  # 40 dispatches of bucket 1: 16 slots
+    wraps_at = 16 if verb == "offload" else 8  # bucket 1 has 16 slots; both ways reads two
+    for k, ((s, d), (os_, od)) in enumerate(zip(offloads, onboards)):
+        if k == wraps_at:  # the ring wraps now: else the test would show nothing
+            assert not probe.is_ready(), "the slow computation ended before the ring wrapped"
         if verb == "offload":
             m.offload(P(s), S(d))
         else:  # disjoint: one dispatch that offloads and onboards (two slots)
             m.offload_and_onboard([(P(s), S(d))], [(S(os_), P(od))])
-    assert held_back, "the slow computation ended before the copies were issued"
     m.sync_transfers()
     for pool, (prim, sec) in zip(pools, old):
         prim, sec = prim.copy(), sec.copy()
