@@ -227,11 +227,11 @@ class KVCacheTransferManager:
         # Bytes one pair moves in all pools: a whole block, or per token of a partial copy.
         self._block_nbytes = sum(p.block_nbytes for p in self._pools)
         self._token_nbytes = sum(p.token_run_nbytes(1) for p in self._pools)
-        self._dma = dma if isinstance(dma, str) else bool(dma)
-        if self._dma is True and not plan_ring:
+        dma = dma if isinstance(dma, str) else bool(dma)
+        if dma is True and not plan_ring:
             raise ValueError("dma=True needs plan_ring=True: the copy engines are handed the "
                              "block indices from the plan ring's pinned_host arrays")
-        if self._dma is True and first.mesh is not None:
+        if dma is True and first.mesh is not None:
             raise ValueError("dma=True takes pools on one device; these are sharded over "
                              f"{first.mesh.size} devices")
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
@@ -239,8 +239,15 @@ class KVCacheTransferManager:
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
         # "auto" chooses the copy engines only where they can read the plan: on a GPU, from
         # the ring, for pools on one device.
-        self._dma_possible = (self._plans is not None and first.mesh is None
-                              and first.device.platform == "gpu")
+        dma_possible = (self._plans is not None and first.mesh is None
+                        and first.device.platform == "gpu")
+        # For a run between the two memories, per pool: whether its copy takes the copy
+        # engines, by whether the run copies whole blocks (fixed here: it is on every call's path).
+        self._dma_per_pool = {
+            whole: ((dma,) * len(self._pools) if dma != "auto" else
+                    tuple(dma_possible and whole and p.block_nbytes >= DMA_AUTO_MIN_BLOCK_BYTES
+                          for p in self._pools))
+            for whole in (False, True)}
 
     @property
     def pools(self) -> tuple[KVCacheBlockPool, ...]:
@@ -422,7 +429,7 @@ class KVCacheTransferManager:
         slots = (off_slot, on_slot)
         args = (gpus, hosts, tuple(off_plan), tuple(on_plan))
         whole = off.whole and on.whole
-        kw = {"facts": facts, "plan": plan, "dma": self._dma_per_pool(whole), **self._static}
+        kw = {"facts": facts, "plan": plan, "dma": self._dma_per_pool[whole], **self._static}
         try:
             new_gpus, new_hosts, tokens = _both_ways(*args, _tokens(slots), **kw)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
@@ -450,7 +457,7 @@ class KVCacheTransferManager:
             donated, undonated = _copy_across, _copy_across_undonated
         static = dict(self._static, facts=facts, whole=run.whole)
         if src_primary != dst_primary:
-            static["dma"] = self._dma_per_pool(run.whole)
+            static["dma"] = self._dma_per_pool[run.whole]
         try:
             results, (token,) = donated(*args, _tokens((slot,)), **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
@@ -465,14 +472,6 @@ class KVCacheTransferManager:
                 pool._primary = result
             else:
                 pool._secondary = result
-
-    def _dma_per_pool(self, whole_blocks: bool) -> tuple[bool, ...]:
-        """For a run between the two memories: whether each pool's copy takes the copy
-        engines (the `dma` argument of the constructor)."""
-        if self._dma != "auto":
-            return (self._dma,) * len(self._pools)
-        return tuple(self._dma_possible and whole_blocks
-                     and p.block_nbytes >= DMA_AUTO_MIN_BLOCK_BYTES for p in self._pools)
 
     def _count(self, run: PairBatch) -> None:
         """Adds a run of one direction to the statistics."""

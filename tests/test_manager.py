@@ -454,12 +454,14 @@ def test_plans_come_round_again_only_after_their_dispatch(rng, plan_ring):
 
 
 def _held_back(arrays: list[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
-    """`arrays` again, as the outputs of one computation that keeps an H200 busy for about
-    0.1 s first (a chain of 4096-square matmuls whose result adds 0), so that copies queue;
-    and a probe, another output of it (ready when they are)."""
+    """`arrays` again, as the outputs of one computation that keeps the device busy for about
+    0.1 s first (a chain of matmuls whose result adds 0: 4096-square on a GPU, 512-square on a
+    CPU), so that copies queue; and a probe, another output of it (ready when they are)."""
+    n, steps = (4096, 300) if next(iter(arrays[0].devices())).platform == "gpu" else (512, 50)
+
     def slow(arrays):
-        m = jnp.full((4096, 4096), 1e-4, jnp.float32)
-        x = lax.fori_loop(0, 300, lambda _, x: jnp.tanh(m @ x), m)
+        m = jnp.full((n, n), 1e-4, jnp.float32)
+        x = lax.fori_loop(0, steps, lambda _, x: jnp.tanh(m @ x), m)
         zero = jnp.where(jnp.isnan(x.sum()), 1, 0)  # tanh: never NaN
         return [a + zero.astype(a.dtype) for a in arrays], zero
     return jax.jit(slow)(arrays)
