@@ -79,8 +79,11 @@ def test_sharded_copy_compiles_without_collectives():
     pool = sharded_pool(mesh_of(MULTI))
     facts = kvx.ops.IndexFacts(hazard_free=True, unique_dst=True)
     plan = np.zeros((3, 4), np.int32)
-    for fn, args in ((manager_module._copy_across, ((pool.secondary,), (pool.primary,), plan)),
-                     (manager_module._copy_within, ((pool.primary,), plan))):
+    # the plan ring slot's token, replicated as the ring makes it
+    token = (jnp.zeros((1,), jnp.int32, device=NamedSharding(pool.mesh, P())),)
+    for fn, args in ((manager_module._copy_across,
+                      ((pool.secondary,), (pool.primary,), plan, token)),
+                     (manager_module._copy_within, ((pool.primary,), plan, token))):
         hlo = fn.lower(*args, facts=facts, mesh=pool.mesh,
                        specs=(pool.partition_spec,)).compile().as_text()
         assert "jax_kvxfer_block_copy" in hlo
