@@ -38,6 +38,7 @@ class PlanSlot:
             for a in arrays]
         # What the next dispatch that reads the slot donates; it hands back the new token.
         self.token = token
+        self._token_sharding = token.sharding
         self.busy = False  # a dispatch that read the slot may not have finished
 
     def dispatched(self, token: jax.Array) -> None:
@@ -47,7 +48,7 @@ class PlanSlot:
     def fresh_token(self) -> None:
         """A new token, where a failed dispatch consumed the slot's (its donation happened)."""
         if self.token.is_deleted():
-            self.token = jnp.zeros((1,), jnp.int32, device=self.token.sharding)
+            self.token = jnp.zeros((1,), jnp.int32, device=self._token_sharding)
 
     def write(self, plan: np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Stores plan ([3, B] int32) and returns the arrays to pass for it."""

@@ -508,6 +508,22 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
         np.testing.assert_array_equal(kvx.to_numpy(pool.primary), prim)
 
 
+def test_plan_slot_gets_a_fresh_token_only_where_a_failed_dispatch_consumed_it(rng):
+    """A dispatch retried after a failed donation (manager._tokens(..., retry=True)) must not
+    pass a deleted token, nor replace one still live (its readiness is what the ring waits on)."""
+    pools = make_pools(rng)
+    m = kvx.KVCacheTransferManager(pools)
+    if m._plans is None:
+        pytest.skip("no pinned_host memory: no plan ring")
+    slot = m._plans.next_slot(2)
+    live = slot.token
+    assert manager_module._tokens((slot, None), retry=True) == (live, None)
+    live.delete()
+    (fresh,) = manager_module._tokens((slot,), retry=True)
+    assert fresh is slot.token and fresh is not live and not fresh.is_deleted()
+    assert fresh.sharding == live.sharding and np.asarray(fresh).tolist() == [0]
+
+
 def test_plan_slots_have_buffers_of_their_own(rng):
     pools = make_pools(rng)
     m = kvx.KVCacheTransferManager(pools)
