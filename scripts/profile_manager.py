@@ -76,7 +76,10 @@ def make_pool(rng: np.random.Generator) -> kvx.KVCacheBlockPool:
     return pool
 
 
-def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -> None:
+def workload(to_primary: bool, rng: np.random.Generator) -> tuple[Any, ...]:
+    """(pool, batches, pair_lists, plans, pinned_plans): 16 batches of BATCH index pairs, the
+    same as KVCacheBlock pairs, as [3, BATCH] NumPy plans, and as the plan ring passes them
+    (three int32 vectors in pinned_host memory; None where the backend has none)."""
     pool = make_pool(rng)
     batches = [(rng.permutation(BLOCKS)[:BATCH].astype(np.int32),
                 rng.permutation(BLOCKS)[:BATCH].astype(np.int32)) for _ in range(16)]
@@ -84,14 +87,33 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
                     kvx.KVCacheBlock(k, int(d), to_primary)) for k, (s, d) in enumerate(zip(si, di))]
                   for si, di in batches]
     plans = [np.stack([si, di, np.zeros_like(si)]) for si, di in batches]
-    dev_plans = [jnp.asarray(p) for p in plans]
-    # as the plan ring passes them: three int32 vectors in pinned_host memory (None where the
-    # backend has no pinned_host memory)
     ring_sharding = mgr.PlanRing.sharding_for(pool.sharding("device"))
     pinned_plans = None if ring_sharding is None else [
         jax.block_until_ready(tuple(jax.device_put(row, ring_sharding) for row in p))
         for p in plans]
+    return pool, batches, pair_lists, plans, pinned_plans
+
+
+def direct_dispatch(pool: kvx.KVCacheBlockPool, to_primary: bool) -> Callable[..., None]:
+    """dispatch(plan, **static): the manager's jitted copy alone, called as the verb calls it
+    (the pool's arrays in and out, a donated token), without the verb's Python around it."""
     facts = IndexFacts(hazard_free=True, unique_dst=True)
+    token = [jnp.zeros((1,), jnp.int32, device=pool.device)]
+
+    def dispatch(plan: Any, **static: Any) -> None:
+        dst, src = pool.current(to_primary, "t"), pool.current(not to_primary, "t")
+        out, token[:] = mgr._copy_across((dst,), (src,), plan, tuple(token), facts=facts,
+                                         mesh=None, specs=(None,), **static)
+        if to_primary:
+            pool._primary = out[0]
+        else:
+            pool._secondary = out[0]
+    return dispatch
+
+
+def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -> None:
+    pool, batches, pair_lists, plans, pinned_plans = workload(to_primary, rng)
+    dev_plans = [jnp.asarray(p) for p in plans]
     results: dict[str, float] = {}
 
     for ring in (True, False):
@@ -107,17 +129,7 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
         print(f"{verb:8} plan ring {ring}: copies correctly "
               f"{np.array_equal(got[di].view(np.uint16), src_np[si].view(np.uint16))}")
 
-    token = [jnp.zeros((1,), jnp.int32, device=pool.device)]  # donated, as the verb's
-
-    def direct(plan: Any, **static: Any) -> None:
-        dst, src = pool.current(to_primary, "t"), pool.current(not to_primary, "t")
-        out, token[:] = mgr._copy_across((dst,), (src,), plan, tuple(token), facts=facts,
-                                         mesh=None, specs=(None,), **static)
-        if to_primary:
-            pool._primary = out[0]
-        else:
-            pool._secondary = out[0]
-
+    direct = direct_dispatch(pool, to_primary)
     sync = kvx.KVCacheTransferManager([pool]).sync_transfers
     results["dispatch alone, NumPy plan"] = median_us(lambda i: direct(plans[i % 16]), sync,
                                                       calls)
@@ -130,7 +142,7 @@ def profile(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -
         verb_static = {"whole": True, "dma": (False,)}
         results["  ... with the verb's static arguments"] = median_us(
             lambda i: direct(pinned_plans[i % 16], **verb_static), sync, calls)
-        ring = mgr.PlanRing(ring_sharding)
+        ring = mgr.PlanRing(pinned_plans[0][0].sharding)
 
         def from_ring(i: int) -> None:
             slot = ring.next_slot(plans[0].shape[1])
@@ -206,32 +218,14 @@ def host_events(profile: Any) -> tuple[dict[str, int], dict[str, int],
 
 def trace(verb: str, to_primary: bool, calls: int, rng: np.random.Generator) -> None:
     """The verb and the dispatch alone under the profiler; the top host events per call."""
-    pool = make_pool(rng)
-    batches = [(rng.permutation(BLOCKS)[:BATCH].astype(np.int32),
-                rng.permutation(BLOCKS)[:BATCH].astype(np.int32)) for _ in range(16)]
-    pair_lists = [[(kvx.KVCacheBlock(k, int(s), not to_primary),
-                    kvx.KVCacheBlock(k, int(d), to_primary)) for k, (s, d) in enumerate(zip(si, di))]
-                  for si, di in batches]
+    pool, _, pair_lists, plans, pinned_plans = workload(to_primary, rng)
     manager = kvx.KVCacheTransferManager([pool])
     fn = getattr(manager, f"{verb}_blocks")
-    ring_sharding = mgr.PlanRing.sharding_for(pool.sharding("device"))
-    plans = [np.stack([si, di, np.zeros_like(si)]) for si, di in batches]
-    plan_args = plans if ring_sharding is None else [
-        jax.block_until_ready(tuple(jax.device_put(row, ring_sharding) for row in p))
-        for p in plans]
-    facts = IndexFacts(hazard_free=True, unique_dst=True)
+    plan_args = plans if pinned_plans is None else pinned_plans
+    dispatch = direct_dispatch(pool, to_primary)
 
-    token = [jnp.zeros((1,), jnp.int32, device=pool.device)]  # donated, as the verb's
-
-    def direct(i: int) -> None:
-        dst, src = pool.current(to_primary, "t"), pool.current(not to_primary, "t")
-        out, token[:] = mgr._copy_across((dst,), (src,), plan_args[i % 16], tuple(token),
-                                         facts=facts, mesh=None, specs=(None,), whole=True,
-                                         dma=(False,))
-        if to_primary:
-            pool._primary = out[0]
-        else:
-            pool._secondary = out[0]
+    def direct(i: int) -> None:  # with the verb's static arguments
+        dispatch(plan_args[i % 16], whole=True, dma=(False,))
 
     variants = {"verb": lambda i: fn(pair_lists[i % 16]), "dispatch alone": direct}
     for name, call in variants.items():
