@@ -64,7 +64,10 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
         _explain_bad_pair(pairs, num_primary, num_secondary)
         raise
     index, primary = codes >> 1, (codes & 1).astype(bool)
-    if n and (codes.min() < 0 or (index >= np.where(primary, num_primary, num_secondary)).any()):
+    # A code below 2 * min(limits) is a valid index in either memory: the per-memory check
+    # runs only when some code is not (the common batch costs two reductions).
+    if n and (codes.min() < 0 or (codes.max() >= 2 * min(num_primary, num_secondary) and (
+            index >= np.where(primary, num_primary, num_secondary)).any())):
         _explain_bad_pair(pairs, num_primary, num_secondary)
     tokens = _check_tokens(num_tokens, n)
     if num_tokens is None:

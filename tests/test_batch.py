@@ -73,3 +73,28 @@ def test_one_index_in_both_memories_is_two_slots():
     assert not batch.unique_dst
     assert batch.take(np.array([0, 1])).unique_dst  # the repeat is left out
     assert not batch.take(np.array([0, 2])).unique_dst
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_out_of_range_indices_are_caught_as_plain_python_finds_them(seed):
+    """Indices from -1 to past the larger pool, with pools of unequal size (7 primary, 5
+    secondary): 5 and 6 are valid in one memory only. check_batch raises IndexError naming the
+    first bad pair exactly when plain Python finds one."""
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 10))
+    pairs = []
+    for k in range(n):
+        sp, dp = bool(rng.integers(2)), bool(rng.integers(2))
+        # mostly valid indices, so that batches with no bad pair come up too
+        s, d = (int(rng.integers(-1, 9)) if rng.random() < 0.15 else
+                int(rng.integers(NUM_PRIMARY if p else NUM_SECONDARY)) for p in (sp, dp))
+        pairs.append((KVCacheBlock(k, s, sp), KVCacheBlock(100 + k, d, dp)))
+    bad = [(i, role) for i, pair in enumerate(pairs) for role, b in zip(("src", "dst"), pair)
+           if not 0 <= b.memory_pool_block_index < (NUM_PRIMARY if b.is_primary else NUM_SECONDARY)]
+    if not bad:
+        check_against(check_batch(pairs, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS),
+                      reference(pairs))
+        return
+    i, role = bad[0]
+    with pytest.raises(IndexError, match=rf"^pairs\[{i}\] {role} has memory_pool_block_index"):
+        check_batch(pairs, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS)
