@@ -410,12 +410,12 @@ class KVCacheTransferManager:
     def _plan_arrays(self, run: PairBatch) -> tuple[Any, Any]:
         """(what to pass for the run's [3, bucket] plan, its ring slot or None)."""
         n = len(run)
-        plan = np.full((3, _bucket(n)), -1, np.int32)  # -1: a padding pair, skipped
-        plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
         if self._plans is None:
+            plan = np.full((3, _bucket(n)), -1, np.int32)  # -1: a padding pair, skipped
+            plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
             return plan, None
-        slot = self._plans.next_slot(plan.shape[1])
-        return slot.write(plan), slot
+        slot = self._plans.next_slot(_bucket(n))
+        return slot.write((run.src, run.dst, run.tokens)), slot
 
     def _dispatch_both_ways(self, off: PairBatch, on: PairBatch) -> None:
         """One jitted call per manager: each pool offloads and onboards in one custom call."""

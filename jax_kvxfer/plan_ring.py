@@ -18,6 +18,7 @@ the returned array, like every output of an execution, is ready only when the ex
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,11 +51,15 @@ class PlanSlot:
         if self.token.is_deleted():
             self.token = jnp.zeros((1,), jnp.int32, device=self._token_sharding)
 
-    def write(self, plan: np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Stores plan ([3, B] int32) and returns the arrays to pass for it."""
-        for row, views in zip(plan, self._views):
+    def write(self, rows: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Stores a plan (source indices, destination indices, token counts: three rows of n
+        <= B integers, or a [3, n] array), pads it with -1 (pairs the kernel skips) and returns
+        the arrays to pass for it."""
+        for row, views in zip(rows, self._views):
+            n = len(row)
             for view in views:
-                view[...] = row
+                view[:n] = row
+                view[n:] = -1
         return self.arrays
 
 
