@@ -469,7 +469,7 @@ def _held_back(arrays: list[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
 
 @pytest.mark.parametrize("verb", ["offload", "offload_and_onboard"])
 def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
-    """The copies queue behind a slow computation on the GPU while the host dispatches more of
+    """The copies queue behind a slow computation on the device while the host dispatches more of
     them than the ring has slots: a slot may be rewritten only once the dispatch that read it
     has run, which its token (handed back by that dispatch) must tell. A token that were ready
     too early would let a later plan overwrite one still to be read, and a copy go astray."""
