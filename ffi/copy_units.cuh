@@ -63,20 +63,28 @@ KVXFER_DEVICE_INLINE int64_t SlotOf(const Side& side, const int32_t* idx, int64_
   return side.by_pair ? pair : idx[pair];
 }
 
-// Copies the kUnroll vectors kStep apart from `base` that lie below `end`: all loaded, then all
-// stored, so that the loads are in flight together.
+// Loads / stores the kUnroll vectors kStep apart from `base` that lie below `end`.
 template <typename V, int kStep>
-KVXFER_DEVICE_INLINE void CopyVectors(V* d, const V* s, int64_t base,
-                                      int64_t end) {
-  V v[kUnroll];
+KVXFER_DEVICE_INLINE void LoadVectors(V (&v)[kUnroll], const V* s, int64_t base, int64_t end) {
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     if (base + k * kStep < end) v[k] = s[base + k * kStep];
   }
+}
+template <typename V, int kStep>
+KVXFER_DEVICE_INLINE void StoreVectors(V* d, const V (&v)[kUnroll], int64_t base, int64_t end) {
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     if (base + k * kStep < end) d[base + k * kStep] = v[k];
   }
+}
+
+// Copies those vectors: all loaded, then all stored, so that the loads are in flight together.
+template <typename V, int kStep>
+KVXFER_DEVICE_INLINE void CopyVectors(V* d, const V* s, int64_t base, int64_t end) {
+  V v[kUnroll];
+  LoadVectors<V, kStep>(v, s, base, end);
+  StoreVectors<V, kStep>(d, v, base, end);
 }
 
 // Copies `runs` runs of `per_run` vectors, `pitch` bytes apart: each group of kGroup lanes of a
@@ -185,23 +193,14 @@ KVXFER_DEVICE void CopyWholeUnit(const Batch& b, int64_t unit, int64_t units_per
     s = reinterpret_cast<const V*>(b.src.data +
                                    SlotOf(b.src, b.src_idx, pair) * b.g.block_bytes);
     d = reinterpret_cast<V*>(b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * b.g.block_bytes);
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      if (base + k * kThreads < per_block) v[k] = s[base + k * kThreads];
-    }
+    LoadVectors<V, kThreads>(v, s, base, per_block);
   }
   if (superseded() || !valid) return;
   while (true) {
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      if (base + k * kThreads < per_block) d[base + k * kThreads] = v[k];
-    }
+    StoreVectors<V, kThreads>(d, v, base, per_block);
     base += step;
     if (base >= per_block) return;
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      if (base + k * kThreads < per_block) v[k] = s[base + k * kThreads];
-    }
+    LoadVectors<V, kThreads>(v, s, base, per_block);
   }
 }
 
