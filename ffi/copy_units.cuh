@@ -63,6 +63,35 @@ KVXFER_DEVICE_INLINE int64_t SlotOf(const Side& side, const int32_t* idx, int64_
   return side.by_pair ? pair : idx[pair];
 }
 
+// The last writer of each destination block, for a batch too large for every pair to scan the
+// later ones (num_pairs^2 index reads): with last[] first set to -1, each valid pair j raises
+// last[dst_idx[j]] to j (`raise_to(address, j)`: atomicMax on the GPU), so that afterwards
+// last[d] is the greatest valid pair writing d, and pair i has a later writer exactly when
+// last[dst_idx[i]] != i.
+template <typename RaiseTo>
+KVXFER_DEVICE_INLINE void ClaimLastWriter(const Batch& b, int64_t j, int32_t* last,
+                                          RaiseTo raise_to) {
+  if (j < b.num_pairs && PairValid(b, j)) raise_to(&last[b.dst_idx[j]], static_cast<int32_t>(j));
+}
+
+// What the duplicate scan gives pair i, from the claims (ClaimLastWriter): the most tokens that
+// a later valid pair writing the same block copies. Those pairs lie between i and the block's
+// last writer, so a pair whose block is not written again reads two entries, and a batch of
+// distinct destinations costs num_pairs reads rather than num_pairs^2 / 2.
+KVXFER_DEVICE_INLINE int32_t LaterWriterTokensFromClaims(const Batch& b, int64_t i,
+                                                         const int32_t* last) {
+  if (!PairValid(b, i)) return 0;
+  const int32_t d = b.dst_idx[i];
+  const int64_t greatest = last[d];
+  int64_t most = 0;
+  for (int64_t j = i + 1; j <= greatest; ++j) {
+    if (b.dst_idx[j] != d || b.src_idx[j] < 0 || b.src_idx[j] >= b.src_blocks) continue;
+    const int64_t n = PairTokens(b, j);
+    most = n > most ? n : most;
+  }
+  return static_cast<int32_t>(most);
+}
+
 // Loads / stores the kUnroll vectors kStep apart from `base` that lie below `end`.
 template <typename V, int kStep>
 KVXFER_DEVICE_INLINE void LoadVectors(V (&v)[kUnroll], const V* s, int64_t base, int64_t end) {

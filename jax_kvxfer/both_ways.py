@@ -44,6 +44,7 @@ from .ops import (
     check_byte_rows,
     check_dma,
     check_launch_options,
+    copy_results,
     index_facts,
 )
 
@@ -97,18 +98,14 @@ def _fork_join(pool_a, pool_b, ab, ba, facts: tuple[IndexFacts, IndexFacts], opt
     attrs = {"hazard_free": np.bool_(True), "max_ctas": np.int64(options["max_ctas"]),
              "dma": np.bool_(options["dma"])}
 
-    def results(pool, batch):  # the pool, the duplicate-scan workspace, no staging
-        return (jax.typeof(pool), jax.ShapeDtypeStruct((batch,), jnp.int32),
-                jax.ShapeDtypeStruct((0,), jnp.uint8))
-
     fork = jax.ffi.ffi_call(
-        FORK_TARGET, results(pool_b, ab[0].shape[0]) + (
+        FORK_TARGET, copy_results(pool_b, ab[0].shape[0]) + (
             jax.ShapeDtypeStruct((TICKET_BYTES,), jnp.uint8),),
         input_output_aliases={0: 0}, vmap_method="sequential")
     new_b, workspace, staging, ticket = fork(
         pool_b, pool_a, *ab, unique_dst=np.bool_(ab_facts.unique_dst),
         whole_blocks=np.bool_(options["dma"] and whole[0]), **attrs)
-    join = jax.ffi.ffi_call(JOIN_TARGET, results(pool_a, ba[0].shape[0]),
+    join = jax.ffi.ffi_call(JOIN_TARGET, copy_results(pool_a, ba[0].shape[0]),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     # after the ticket: what the fork's copy still uses, kept alive until the join has waited
     new_a = join(pool_a, new_b, *ba, ticket, workspace, staging, *ab,
@@ -159,11 +156,8 @@ def _copy_after(dst_pool, src_pool, idx, facts: IndexFacts, after, options: dict
                 whole_blocks: bool):
     """One copy that XLA runs after `after` was made (the join target, with nothing to wait
     for: `after` is only an extra operand)."""
-    call = jax.ffi.ffi_call(
-        JOIN_TARGET,
-        (jax.typeof(dst_pool), jax.ShapeDtypeStruct((idx[0].shape[0],), jnp.int32),
-         jax.ShapeDtypeStruct((0,), jnp.uint8)),
-        input_output_aliases={0: 0}, vmap_method="sequential")
+    call = jax.ffi.ffi_call(JOIN_TARGET, copy_results(dst_pool, idx[0].shape[0]),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
     return call(dst_pool, src_pool, *idx, after, hazard_free=np.bool_(True),
                 unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(options["max_ctas"]),
                 dma=np.bool_(options["dma"]), whole_blocks=np.bool_(whole_blocks),

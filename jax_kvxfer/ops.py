@@ -291,6 +291,16 @@ class _SideStreamDepth(threading.local):
 _ON_SIDE_STREAM = _SideStreamDepth()
 
 
+def copy_results(dst_pool, batch: int, staging_bytes: int = 0) -> tuple:
+    """The result types of a block copy custom call: the destination pool (its memory space
+    included: pinned_host stays there), then the workspaces XLA allocates as extra results
+    (ffi/block_copy.h, CheckWorkspaces): for the GPU's duplicate scan an int32 per pair and per
+    destination block, and `staging_bytes` to stage source blocks in."""
+    return (jax.typeof(dst_pool),
+            jax.ShapeDtypeStruct((batch + dst_pool.shape[0],), jnp.int32),
+            jax.ShapeDtypeStruct((staging_bytes,), jnp.uint8))
+
+
 def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts,
                     max_ctas: int | None = None, dma: bool = False, whole_blocks: bool = False):
     """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool.
@@ -304,9 +314,8 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
     # XLA would copy the whole pool to keep the other operand's read safe.
     within = src_pool is dst_pool
     batch = src_idx.shape[0]
-    # Workspaces, allocated by XLA as extra results: an int32 per pair (the GPU's duplicate
-    # scan), and room to stage every source block when a copy within one pool may read a
-    # block that another pair writes.
+    # Room to stage every source block when a copy within one pool may read a block that
+    # another pair writes.
     block_nbytes = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype) // 8
     staging = batch * block_nbytes if within and not facts.hazard_free else 0
     if dma or _ON_SIDE_STREAM.depth:  # never inside a CUDA graph (_native)
@@ -314,17 +323,8 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
                   else _native.BLOCK_COPY_NOGRAPH_TARGET)
     else:
         target = _native.BLOCK_COPY_WITHIN_TARGET if within else _native.BLOCK_COPY_TARGET
-    call = jax.ffi.ffi_call(
-        target,
-        (
-            # The result has dst_pool's type, memory space included: pinned_host stays there.
-            jax.typeof(dst_pool),
-            jax.ShapeDtypeStruct((batch,), jnp.int32),
-            jax.ShapeDtypeStruct((staging,), jnp.uint8),
-        ),
-        input_output_aliases={0: 0},
-        vmap_method="sequential",
-    )
+    call = jax.ffi.ffi_call(target, copy_results(dst_pool, batch, staging),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
     pools = (dst_pool,) if within else (dst_pool, src_pool)
     return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(facts.hazard_free),
                 unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(max_ctas),

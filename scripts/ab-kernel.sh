@@ -7,6 +7,8 @@
 # files of ffi/ (named after the folder; e.g. block_copy_cuda.cu and copy_units.cuh:
 # `git show REV:ffi/F > v11/F`); only those files swap. Several, comma-separated, run in turn.
 # (default: 2 rounds of `bench --only ours,ceiling --sizes 64K,256K,1M,4M --repeats 5`).
+# BENCH ARGS may hold several benches separated by `--and`, run in turn on each build, e.g.
+# `--only ours,ceiling --sizes 16K --blocks 4096 --and --only ours,ceiling --sizes 4M`.
 # Logs: $OUT/ab-{new,NAME}{1,2,..}.log (the bench's JSON and plots stay in a scratch folder, so
 # few files come back; the summary reads the JSON there); the working tree's files are restored
 # at the end.
@@ -39,8 +41,14 @@ build() {  # $1: the folder whose files go into ffi/ (over the working tree's)
 for r in $(seq 1 "$rounds"); do
   for v in "${versions[@]}"; do
     build "$scratch/$v"
-    python3 -m jax_kvxfer bench "${args[@]}" --out "$scratch/$v$r" > /dev/null 2> "$OUT/ab-$v$r.log"
-    echo "ab $v$r: exit $?"
+    bench=()
+    for a in "${args[@]}" --and; do
+      if [ "$a" != --and ]; then bench+=("$a"); continue; fi
+      python3 -m jax_kvxfer bench "${bench[@]}" --no-plot --out "$scratch/$v$r" > /dev/null \
+        2>> "$OUT/ab-$v$r.log"
+      echo "ab $v$r (${bench[*]}): exit $?"
+      bench=()
+    done
   done
 done
 # One line per case (every ours* path) and version: the percent of the ceiling in each round,
@@ -56,10 +64,10 @@ for v in versions:
             for rec in json.load(open(path))["results"]:
                 if not rec.get("path", "").startswith("ours") or not rec.get("ratio"):
                     continue
-                case = (f"{rec['direction']} {rec['block_bytes'] >> 10}K {rec['path']} "
-                        f"n={rec['n_label']}")
+                case = (f"{rec['direction']} {rec['blocks']}x{rec['block_bytes'] >> 10}K "
+                        f"{rec['path']} n={rec['n_label']}")
                 gpu = f" ({rec['gpu_ratio']:.1%})" if rec.get("gpu_ratio") else ""
                 rows[case][v].append(f"{rec['ratio']:.1%}{gpu}")
 for case, by in rows.items():
-    print(f"AB {case:28s} " + "  ".join(f"{v} {' / '.join(by[v])}" for v in versions))
+    print(f"AB {case:34s} " + "  ".join(f"{v} {' / '.join(by[v])}" for v in versions))
 PY

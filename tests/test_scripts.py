@@ -48,10 +48,11 @@ def test_profile_manager_trace_names_the_verbs_stages():
 
 
 def test_ab_kernel_builds_each_version_with_its_files(tmp_path):
-    """scripts/ab-kernel.sh with two old versions: each build sees its own ffi files (and the
-    working tree's for the rest), the summary has a column per version, and the working tree's
-    files are back at the end. pip and the bench are stood in for by a fake python3 that records
-    which ffi files each build saw and writes a bench JSON."""
+    """scripts/ab-kernel.sh with two old versions and two benches (`--and`): each build sees
+    its own ffi files (and the working tree's for the rest) and runs both benches, the summary
+    has a row per case and batch size and a column per version, and the working tree's files
+    are back at the end. pip and the bench are stood in for by a fake python3 that records which
+    ffi files each build saw and writes a bench JSON."""
     ffi = pathlib.Path(ROOT, "ffi")
     originals = {f: (ffi / f).read_bytes() for f in ("block_copy_cuda.cu", "copy_units.cuh")}
     for name, marker in (("va", "A"), ("vb", "B")):
@@ -72,15 +73,18 @@ if args[:2] == ["-m", "pip"]:
 elif args[:3] == ["-m", "jax_kvxfer", "bench"]:
     out = args[args.index("--out") + 1]
     os.makedirs(out, exist_ok=True)
-    rec = dict(path="ours", direction="d2d", block_bytes=1 << 20, n_label="T", ratio=0.5)
-    json.dump({{"results": [rec]}}, open(os.path.join(out, "b.json"), "w"))
+    blocks = int(args[args.index("--blocks") + 1])
+    rec = dict(path="ours", direction="d2d", block_bytes=1 << 20, n_label="T", ratio=blocks / 1e4,
+               blocks=blocks)
+    json.dump({{"results": [rec]}}, open(os.path.join(out, f"b{{blocks}}.json"), "w"))
 else:
     os.execv({sys.executable!r}, [{sys.executable!r}, *args])
 """)
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ab-kernel.sh"),
-                           f"{tmp_path / 'vb'},{tmp_path / 'va'}", "2"],
+                           f"{tmp_path / 'vb'},{tmp_path / 'va'}", "2", "--blocks", "256",
+                           "--and", "--blocks", "4096"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -92,8 +96,9 @@ else:
     assert builds == [f"{new_cu} | {new_cuh}", "// version B | // version B",
                       f"{new_cu} | // version A"] * 2, builds
     rows = [" ".join(line.split()) for line in proc.stdout.splitlines() if line.startswith("AB ")]
-    want = "AB d2d 1024K ours n=T new 50.0% / 50.0% vb 50.0% / 50.0% va 50.0% / 50.0%"
-    assert rows == [want], proc.stdout
+    want = [f"AB d2d {b}x1024K ours n=T new {r} / {r} vb {r} / {r} va {r} / {r}"
+            for b, r in ((256, "2.6%"), (4096, "41.0%"))]
+    assert sorted(rows) == want, proc.stdout
 
 
 FAKE_SANITIZER = """#!/usr/bin/env bash

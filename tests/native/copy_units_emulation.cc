@@ -14,6 +14,7 @@
 //   g++ -std=c++17 -I ffi -isystem "$(python -c "import jax.ffi; print(jax.ffi.include_dir())")"
 //       tests/native/copy_units_emulation.cc && ./a.out [cases] [seed]
 // (tests/test_native_emulation.py builds and runs it.)
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -113,6 +114,38 @@ std::vector<int32_t> LaterWriters(const Case& c) {
     }
   }
   return first;
+}
+
+// Runs ClaimLastWriter for every pair, in a random order (the GPU's threads race), over a
+// workspace set to -1 as the handler sets it: each written block must end naming its greatest
+// valid writer, and the tokens found from the claims (LaterWriterTokensFromClaims) must equal
+// the scan's, `first` (LaterWriters). Returns an empty string or what went wrong.
+std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& first,
+                             std::mt19937_64& rng) {
+  Batch b{{nullptr, false}, {nullptr, false}, c.src_idx.data(), c.dst_idx.data(),
+          c.tokens.data(), nullptr, c.num_pairs, c.src_blocks, c.dst_blocks, c.g};
+  std::vector<int32_t> last(c.dst_blocks, -1);
+  std::vector<int64_t> order(c.num_pairs);
+  for (int64_t j = 0; j < c.num_pairs; ++j) order[j] = j;
+  std::shuffle(order.begin(), order.end(), rng);
+  for (int64_t j : order) {
+    kvxfer::ClaimLastWriter(b, j, last.data(), [](int32_t* a, int32_t j) { *a = std::max(*a, j); });
+  }
+  for (int64_t i = 0; i < c.num_pairs; ++i) {
+    if (!Valid(c, i)) continue;
+    int64_t greatest = i;
+    for (int64_t j = i + 1; j < c.num_pairs; ++j) {
+      if (Valid(c, j) && c.dst_idx[j] == c.dst_idx[i]) greatest = j;
+    }
+    if (last[c.dst_idx[i]] != greatest) {
+      return "block " + std::to_string(c.dst_idx[i]) + ": last writer " +
+             std::to_string(last[c.dst_idx[i]]) + ", expected pair " + std::to_string(greatest);
+    }
+    if (kvxfer::LaterWriterTokensFromClaims(b, i, last.data()) != first[i]) {
+      return "pair " + std::to_string(i) + ": tokens from the claims differ from the scan's";
+    }
+  }
+  return "";
 }
 
 template <typename V>
@@ -220,6 +253,9 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   std::vector<uint8_t> want = dst0;
   Reference(c, src.data(), want.data());
   const std::vector<int32_t> first = LaterWriters(c);
+  if (!c.gather) {
+    if (std::string error = CheckLastWriters(c, first, rng); !error.empty()) return error;
+  }
   // The host's promise that every pair copies a whole block, made only when true (and not
   // always then): the kernel then gives each pair a whole block's work units, and neither the
   // kernel nor the copy engines read the token counts (null here, so a read would crash);
