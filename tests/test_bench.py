@@ -268,6 +268,30 @@ def test_sharded_section_scales_over_devices(tmp_path):
         assert c["offload_scaling"] > 0 and c["onboard_scaling"] > 0
 
 
+def test_timeline_spans_our_kernels_and_counts_other_work_inside_only():
+    """timeline_ns: our kernels' time, the span from the first of them to the last, and the
+    other GPU work clipped to that span, against sums computed here from random events."""
+    rng = np.random.default_rng(11)
+    ev = lambda name, start, ns: types.SimpleNamespace(name=name, start_ns=start, duration_ns=ns)
+    starts = np.sort(rng.choice(np.arange(10_000, 1_000_000, 10_000), 4, replace=False))
+    lengths = rng.integers(1, 5_000, 4)
+    ours = [ev("void kvxfer::CopyPairsKernel<uint4, 256>", int(s), int(n))
+            for s, n in zip(starts, lengths)]
+    first, last = int(starts[0]), int(max(starts + lengths))
+    gap_op = ev("Memset 3", int(starts[1]) - 700, 500)          # inside the span
+    straddling = ev("loop_fusion", first - 300, 1_000)         # 700 ns inside
+    outside = ev("loop_fusion", last + 10, 9_000)              # after the span
+    line = types.SimpleNamespace(name="Stream #13(compute)",
+                                 events=[*ours, gap_op, straddling, outside])
+    profile = types.SimpleNamespace(planes=[
+        types.SimpleNamespace(name="/device:GPU:0", lines=[line])])
+    kernel, span, others = bench.core.timeline_ns(profile)
+    assert kernel == int(lengths.sum())
+    assert span == last - first
+    assert others == {"Memset 3": 500, "loop_fusion": 700}
+    assert bench.core.timeline_ns(types.SimpleNamespace(planes=[])) == (0, 0, {})
+
+
 def test_kernel_ns_counts_our_kernels_on_gpu_streams_only():
     ev = lambda name, ns: types.SimpleNamespace(name=name, start_ns=1000, duration_ns=ns)
     line = lambda name, *events: types.SimpleNamespace(name=name, events=list(events))

@@ -12,8 +12,11 @@ device -> pinned_host), `h2d` (onboard, pinned_host -> device), `d2d` (device ->
                memory kind (d2d: a jitted copy). Used as the ceiling when cupy is missing.
   ours         `copy_blocks` inside `jax.jit`, destination pool donated, K chained calls per jit
                call (K large enough that dispatch is amortised), n in {T, T-1, T/2, 1} tokens.
-               Also timed by the GPU time of jax_kvxfer's kernels in a profiler trace of two
-               more calls (`gpu_gbps`, `gpu_ratio`; GPU only): the wall time less the gaps.
+               Also timed from a profiler trace of three more calls (GPU only): by the GPU
+               time of jax_kvxfer's kernels (`gpu_gbps`, `gpu_ratio`: the wall time less the
+               gaps), and by the span from their first kernel's start to their last's end
+               (`span_gbps`, `span_ratio`: the gaps and XLA's own work in between included,
+               listed in `span_other_gpu_us`; the host's dispatch before and wake-up after not).
   ours_unique  `ours` with `unique_dst_indices=True` (the destinations are permutations), n in
                {T, T/2}: with traced indices the GPU skips its duplicate-destination scan.
   ours_dma     `ours` with `dma=True` (the copy engines), host directions, n in {T, T/2, 1}: the

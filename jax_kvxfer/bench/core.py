@@ -44,6 +44,23 @@ def kernel_ns(profile: Any) -> int:
     return sum(end - start for start, end, name in gpu_stream_events(profile) if "kvxfer" in name)
 
 
+def timeline_ns(profile: Any) -> tuple[int, int, dict[str, int]]:
+    """(kernel_ns, span_ns, others) of jax_kvxfer's work in a profile: its kernels' time, the
+    span from the first of them starting to the last ending (the gaps between them and XLA's
+    own work in between included), and the nanoseconds of each other GPU event in that span,
+    by name."""
+    events = gpu_stream_events(profile)
+    ours = [(start, end) for start, end, name in events if "kvxfer" in name]
+    if not ours:
+        return 0, 0, {}
+    first, last = min(s for s, _ in ours), max(e for _, e in ours)
+    others: dict[str, int] = {}
+    for start, end, name in events:
+        if "kvxfer" not in name and start < last and end > first:
+            others[name] = others.get(name, 0) + min(end, last) - max(start, first)
+    return sum(e - s for s, e in ours), last - first, others
+
+
 def traced_profile(run: Callable[[], Any]) -> Any:
     """run() under the JAX profiler (it must block until its work is done); the trace as a
     jax.profiler.ProfileData, or None when no trace was written."""
@@ -189,16 +206,25 @@ class BenchCore:
             sample()
         return [sample() for _ in range(samples)], first
 
-    def kernel_seconds(self, call: Callable[[], Any], calls: int = 2) -> float | None:
-        """GPU time of jax_kvxfer's own kernels per call(), summed from a profiler trace (CUPTI's
-        device timestamps, as the memcpy ceiling is timed with CUDA events), so the gaps and
-        host work between them are left out. None without such kernels in the trace (CPU, the
-        copy engines' path, no CUPTI)."""
+    def gpu_times(self, call: Callable[[], Any], calls: int = 3) -> dict[str, Any] | None:
+        """From a profiler trace of `calls` calls dispatched back to back (CUPTI's device
+        timestamps, as the memcpy ceiling is timed with CUDA events), per call(): the GPU time
+        of jax_kvxfer's own kernels (`kernel_s`: the gaps and host work between them left out),
+        the span of the GPU timeline from the first of them to the last (`span_s`: gaps
+        included, but not the host's dispatch before the GPU starts or its wake-up after), and
+        the other GPU work in that span (`others_us`: the three longest, by name). None without
+        such kernels in the trace (CPU, the copy engines' path, no CUPTI)."""
         if self.backend != "gpu":
             return None
         profile = traced_profile(lambda: _block([call() for _ in range(calls)]))
-        ns = kernel_ns(profile) if profile is not None else 0
-        return ns * 1e-9 / calls if ns else None
+        if profile is None:
+            return None
+        kernel, span, others = timeline_ns(profile)
+        if not kernel:
+            return None
+        top = sorted(others.items(), key=lambda kv: -kv[1])[:3]
+        return {"kernel_s": kernel * 1e-9 / calls, "span_s": span * 1e-9 / calls,
+                "others_us": {name[:80]: round(ns * 1e-3 / calls, 1) for name, ns in top}}
 
     # --- case bookkeeping ---------------------------------------------------------------------
 

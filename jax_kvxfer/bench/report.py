@@ -68,6 +68,8 @@ class ReportMixin:
             rec["ratio"] = rec["gbps"] / ceil["gbps"]
             if rec.get("gpu_gbps"):
                 rec["gpu_ratio"] = rec["gpu_gbps"] / ceil["gbps"]
+            if rec.get("span_gbps"):
+                rec["span_ratio"] = rec["span_gbps"] / ceil["gbps"]
             same = self.same_bytes.get((rec["direction"], rec["block_bytes"], rec.get("n_label")),
                                        ceil["gbps"] if rec.get("n_label") == "T" else None)
             if same and rec.get("direction") == "d2d":
@@ -103,6 +105,7 @@ class ReportMixin:
                              "min_ratio_lt_64K": min_ratio(small), "goal_lt_64K": 0.75,
                              "min_gpu_ratio_ge_64K": min_ratio(big, "gpu_ratio"),
                              "min_gpu_ratio_lt_64K": min_ratio(small, "gpu_ratio"),
+                             "min_span_ratio_ge_64K": min_ratio(big, "span_ratio"),
                              # the same copies with dma=True (the copy engines)
                              "min_dma_ratio_ge_64K": min_ratio(big_dma)}
         part = [r for d in ("d2h", "h2d") for lab in ("T/2", "T-1") for r in self._find("ours", d, lab)]
@@ -187,6 +190,7 @@ class ReportMixin:
                     cells.append(f"{_fmt_gbps(r['gbps'])} {ratio:>5}")
                 lines.append(f"{d:4} {fmt_size(size):>6} " + " ".join(cells))
         lines += self._gpu_time_table()
+        lines += self._span_table()
         lines += self._same_bytes_table()
         errs = [r for r in self.results if r.get("error")]
         if errs:
@@ -219,6 +223,14 @@ class ReportMixin:
             "ours by its kernels' GPU time (profiler trace), % of the same ceiling", DIRECTIONS,
             12, lambda r: f"{_fmt_gbps(r['gpu_gbps'])} {r.get('gpu_ratio', 0):4.0%}"
             if r.get("gpu_gbps") else None)
+
+    def _span_table(self) -> list[str]:
+        """`ours` again, timed by the GPU timeline's span over calls in flight (profiler)."""
+        return self._ours_table(
+            "ours by the GPU timeline from its first kernel's start to its last's end (gaps and "
+            "XLA's own work between them included), % of the same ceiling", DIRECTIONS,
+            12, lambda r: f"{_fmt_gbps(r['span_gbps'])} {r.get('span_ratio', 0):4.0%}"
+            if r.get("span_gbps") else None)
 
     def _same_bytes_table(self) -> list[str]:
         """Device to device `ours` against a memcpy of the bytes each case moves: wall / GPU."""

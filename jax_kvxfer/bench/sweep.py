@@ -203,9 +203,14 @@ class SweepMixin:
                 times, first = self.time_jax(call, pipe=pipe)
                 extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
                 times = [t / k for t in times]
-                gpu_s = None if dma else self.kernel_seconds(call)
-                if gpu_s:  # the kernels' own time, beside the wall time per call
-                    extra.update(gpu_seconds=gpu_s / k, gpu_gbps=B * geom.moved(n) * k / gpu_s / 1e9)
+                gpu = None if dma else self.gpu_times(call)
+                if gpu:  # the kernels' own time and the GPU timeline's span, beside the wall
+                    moved = B * geom.moved(n) * k
+                    extra.update(gpu_seconds=gpu["kernel_s"] / k,
+                                 gpu_gbps=moved / gpu["kernel_s"] / 1e9,
+                                 span_seconds=gpu["span_s"] / k,
+                                 span_gbps=moved / gpu["span_s"] / 1e9,
+                                 span_other_gpu_us=gpu["others_us"])
                 # the last chained call used si_all[k-1] -> di_all[k-1]
                 pairs = [0, B - 1]
                 got = self.fetch(st["dst"], di_all[k - 1][pairs])[..., :n, :]
