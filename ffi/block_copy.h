@@ -96,7 +96,9 @@ inline ffi::Error CheckPools(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuf
 inline ffi::Error CheckWorkspaces(int64_t num_pairs, int64_t dst_blocks, const PoolGeometry& g,
                                   bool stage, size_t superseded_count, size_t staging_bytes) {
   if (superseded_count < static_cast<size_t>(num_pairs + dst_blocks)) {
-    return ffi::Error::InvalidArgument("jax_kvxfer block copy: workspace smaller than the batch");
+    return ffi::Error::InvalidArgument(
+        "jax_kvxfer block copy: the int32 workspace needs an entry per pair and per destination "
+        "block");
   }
   if (stage && staging_bytes < static_cast<size_t>(num_pairs * g.block_bytes)) {
     return ffi::Error::InvalidArgument(
