@@ -312,10 +312,10 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     // workspace in pinned host memory (it places it with the destination pool): there the
     // atomics would cross PCIe (9-27 us at 4096 pairs), so every pair scans, for a copy that
     // PCIe bounds anyway.
-    const auto one_thread_per_pair = static_cast<unsigned>((num_pairs + kThreads - 1) / kThreads);
     if (IsHostMemory(first)) {
       SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
     } else {
+      const auto one_thread_per_pair = static_cast<unsigned>((num_pairs + kThreads - 1) / kThreads);
       int32_t* last = first + num_pairs;  // dst_blocks entries (CheckWorkspaces)
       if (cudaError_t err = cudaMemsetAsync(last, 0xFF, dst_blocks * sizeof(int32_t), stream);
           err != cudaSuccess) {
