@@ -200,22 +200,26 @@ def test_duplicates_with_padding_and_traced_out_of_range_indices():
     assert_rule(out, dst, src, si, di, nt, "padding and out-of-range among duplicates")
 
 
-@pytest.mark.parametrize("num_pairs, block", [(40, (1, 2, 2, 16, 64)), (300, (2, 2, 2, 64, 128)),
-                                               (3000, (1, 1, 2, 16, 32))])
-@pytest.mark.parametrize("kinds", [("device", "device"), ("pinned_host", "device")])
+@pytest.mark.parametrize("num_pairs, block, num_dst", [
+    (40, (1, 2, 2, 16, 64), 24), (300, (2, 2, 2, 64, 128), 24), (3000, (1, 1, 2, 16, 32), 24),
+    (3000, (1, 1, 2, 16, 32), 6000)])
+@pytest.mark.parametrize("kinds", [("device", "device"), ("pinned_host", "device"),
+                                   ("device", "pinned_host")])
 @pytest.mark.parametrize("whole", [False, True], ids=["mixed_tokens", "no_num_tokens"])
-def test_duplicates_traced_small_and_large_batches(num_pairs, block, kinds, whole):
+def test_duplicates_traced_small_and_large_batches(num_pairs, block, num_dst, kinds, whole):
     """Traced indices, so the GPU finds later writers on the device: inside the copy kernel for
-    a batch of few pairs and small blocks, in a scan kernel launched first for a large one
-    (ffi/block_copy_cuda.cu, FusedScanFits). Either way the later pair wins. Without num_tokens
-    the host knows every pair copies a whole block, and the kernel takes its whole-block
-    units."""
-    rng = np.random.default_rng(seed("traced-batches", num_pairs, kinds))
+    a batch of few pairs and small blocks; for a large one before the copy, from each block's
+    last writer (found with atomics where the workspace is in device memory) or by every pair
+    scanning the later ones (a copy to pinned_host memory) (ffi/block_copy_cuda.cu). Onto 24
+    blocks every block is written many times; onto 6,000 most are written once, a few twice or
+    more. Either way the later pair wins. Without num_tokens the host knows every pair copies a
+    whole block, and the kernel takes its whole-block units."""
+    rng = np.random.default_rng(seed("traced-batches", num_pairs, num_dst, kinds))
     t = block[3]
-    dst = random_pool(rng, 24, jnp.bfloat16, block)
+    dst = random_pool(rng, num_dst, jnp.bfloat16, block)
     src = random_pool(rng, num_pairs, jnp.bfloat16, block)
     si = rng.permutation(num_pairs).astype(np.int32)
-    di = rng.integers(0, 24, num_pairs).astype(np.int32)  # each block written many times
+    di = rng.integers(0, num_dst, num_pairs).astype(np.int32)
     si[rng.integers(0, num_pairs, num_pairs // 10)] = -1  # padding
     nt = rng.choice([0, -1, t, 1, 2, t // 2, t - 1], num_pairs).astype(np.int32)
     if whole:
