@@ -90,15 +90,14 @@ inline ffi::Error CheckPools(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuf
 }
 
 // The workspaces XLA allocates as extra results (sized by the Python side, copy_results): int32s
-// for the duplicate scan, one per pair (its answer) and one per destination block (the block's
-// last writer, ClaimLastWriter), and room for every pair's source block when a copy within one
-// pool must be staged.
-inline ffi::Error CheckWorkspaces(int64_t num_pairs, int64_t dst_blocks, const PoolGeometry& g,
-                                  bool stage, size_t superseded_count, size_t staging_bytes) {
-  if (superseded_count < static_cast<size_t>(num_pairs + dst_blocks)) {
+// for the duplicate scan, one per pair (its answer) and, where the destination is in device
+// memory, one per destination block (the block's last writer, ClaimLastWriter); and room for
+// every pair's source block when a copy within one pool must be staged.
+inline ffi::Error CheckWorkspaces(int64_t num_pairs, const PoolGeometry& g, bool stage,
+                                  size_t superseded_count, size_t staging_bytes) {
+  if (superseded_count < static_cast<size_t>(num_pairs)) {
     return ffi::Error::InvalidArgument(
-        "jax_kvxfer block copy: the int32 workspace needs an entry per pair and per destination "
-        "block");
+        "jax_kvxfer block copy: the int32 workspace needs an entry per pair");
   }
   if (stage && staging_bytes < static_cast<size_t>(num_pairs * g.block_bytes)) {
     return ffi::Error::InvalidArgument(

@@ -37,7 +37,7 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
   }
   const char* src_data = static_cast<const char*>(src.untyped_data());
   const bool stage = src_data == out_data && !hazard_free;
-  if (auto err = CheckWorkspaces(num_pairs, dst_blocks, g, stage, superseded->element_count(),
+  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded->element_count(),
                                  staging->element_count());
       err.failure()) {
     return err;

@@ -280,7 +280,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     return ffi::Error::Success();
   }
   const bool stage = src.untyped_data() == out_data && !hazard_free;
-  if (auto err = CheckWorkspaces(num_pairs, dst_blocks, g, stage, superseded->element_count(),
+  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded->element_count(),
                                  staging->element_count());
       err.failure()) {
     return err;
@@ -308,15 +308,16 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     // A large batch or a capped grid: the scan runs first, in kernels of its own. It finds
     // each block's last writer with atomics, so a batch of distinct destinations costs
     // O(num_pairs) (at 4096 pairs: memset, claims and tokens 0.8 + 1.4 + 1.6 us, where every
-    // pair scanning the later ones took 4096^2 / 2 reads). Except where XLA put this
-    // workspace in pinned host memory (it places it with the destination pool): there the
-    // atomics would cross PCIe (9-27 us at 4096 pairs), so every pair scans, for a copy that
-    // PCIe bounds anyway.
-    if (IsHostMemory(first)) {
+    // pair scanning the later ones took 4096^2 / 2 reads). Except where the workspace is in
+    // pinned host memory (XLA places it with the destination pool, and Python then gives it
+    // no entries per block): there the atomics would cross PCIe (9-27 us at 4096 pairs), so
+    // every pair scans the later pairs, for a copy that PCIe bounds anyway.
+    const size_t with_claims = static_cast<size_t>(num_pairs + dst_blocks);
+    if (superseded->element_count() < with_claims || IsHostMemory(first)) {
       SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
     } else {
       const auto one_thread_per_pair = static_cast<unsigned>((num_pairs + kThreads - 1) / kThreads);
-      int32_t* last = first + num_pairs;  // dst_blocks entries (CheckWorkspaces)
+      int32_t* last = first + num_pairs;  // dst_blocks entries (copy_results)
       if (cudaError_t err = cudaMemsetAsync(last, 0xFF, dst_blocks * sizeof(int32_t), stream);
           err != cudaSuccess) {
         return CudaError(err, "cudaMemsetAsync");

@@ -294,10 +294,14 @@ _ON_SIDE_STREAM = _SideStreamDepth()
 def copy_results(dst_pool, batch: int, staging_bytes: int = 0) -> tuple:
     """The result types of a block copy custom call: the destination pool (its memory space
     included: pinned_host stays there), then the workspaces XLA allocates as extra results
-    (ffi/block_copy.h, CheckWorkspaces): for the GPU's duplicate scan an int32 per pair and per
-    destination block, and `staging_bytes` to stage source blocks in."""
+    (ffi/block_copy.h, CheckWorkspaces): for the GPU's duplicate scan an int32 per pair and,
+    for a destination in device memory, one per destination block (where a large batch's scan
+    finds each block's last writer; XLA places these workspaces with the destination, and in
+    pinned host memory the handler scans without them), and `staging_bytes` to stage source
+    blocks in."""
+    claims = 0 if _memory_space(dst_pool) == jax.memory.Space.Host else dst_pool.shape[0]
     return (jax.typeof(dst_pool),
-            jax.ShapeDtypeStruct((batch + dst_pool.shape[0],), jnp.int32),
+            jax.ShapeDtypeStruct((batch + claims,), jnp.int32),
             jax.ShapeDtypeStruct((staging_bytes,), jnp.uint8))
 
 
