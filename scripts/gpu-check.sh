@@ -3,9 +3,9 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [demo-dma] [sharded]
 #                        [demo-tp] [profile] [sanitize] [stress] [stress-dma] [partial-probe]
-#                        [pipeline] [trace]
+#                        [pipeline] [trace] [large]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
-#   only. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
+#   only. large: the sweep's ours / ours_unique for batches of 4,096 blocks of 16 and 64 KiB. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
 #   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX);
 #   pipeline: scripts/pipeline_probe.py (wall clock vs calls in flight, gaps between executions).
 #   profile: scripts/profile_manager.py (the manager's host time); trace: the same with --trace
@@ -44,6 +44,13 @@ if has bench; then
   python3 -m jax_kvxfer bench --out "$OUT" > "$OUT/bench.txt" 2> "$OUT/bench.log"
   summary+=("bench: exit $? ($(( $(date +%s) - t )) s)")
   cat "$OUT/bench.txt"
+fi
+if has large; then
+  t=$(date +%s)
+  python3 -m jax_kvxfer bench --only ceiling,ours,unique --sizes 16K,64K --blocks 4096 --no-plot \
+    --out "$OUT/large" > "$OUT/bench-large.txt" 2> "$OUT/bench-large.log"
+  summary+=("bench 4096-block batches: exit $? ($(( $(date +%s) - t )) s)")
+  grep -E "^d2d" "$OUT/bench-large.txt"
 fi
 if has concurrency; then
   t=$(date +%s)
