@@ -2,7 +2,9 @@
 // without a GPU: runs CopyUnit for every work unit and thread of a launch, one after another,
 // and checks the result against a reference that applies the pairs in order. Also runs the copy
 // engines' plan (PlanDmaCopies) with memcpy: in plan order when it reports two pairs writing one
-// block, in reverse order otherwise (it promises that any order gives the same result).
+// block, in reverse order otherwise (it promises that any order gives the same result). And
+// runs a large batch's duplicate scan (ClaimLastWriter in a random order, as the GPU's threads
+// race, then LaterWriterTokensFromClaims) against the in-order scan.
 //
 // Each random case (geometry, vector width, batch with padding, out-of-range and repeated
 // indices, token counts from -1 to T+1) runs twice, units in forward and in reverse order: two
