@@ -85,8 +85,7 @@ KVXFER_DEVICE_INLINE int32_t LaterWriterTokensFromClaims(const Batch& b, int64_t
   const int64_t greatest = last[d];
   int64_t most = 0;
   for (int64_t j = i + 1; j <= greatest; ++j) {
-    // a pair writing d: valid when its source is in range (d is)
-    if (b.dst_idx[j] != d || b.src_idx[j] < 0 || b.src_idx[j] >= b.src_blocks) continue;
+    if (b.dst_idx[j] != d || !PairValid(b, j)) continue;
     const int64_t n = PairTokens(b, j);
     most = n > most ? n : most;
   }
