@@ -31,16 +31,20 @@ class PlanSlot:
     and writable NumPy views of their host buffers (one per device)."""
 
     def __init__(self, arrays: tuple[jax.Array, jax.Array, jax.Array],
-                 token: jax.Array) -> None:
+                 token_sharding: jax.sharding.Sharding) -> None:
         self.arrays = jax.block_until_ready(arrays)  # their fill must land before we write
         self._views = [
             [np.ctypeslib.as_array((ctypes.c_int32 * a.size).from_address(
                 shard.data.unsafe_buffer_pointer())) for shard in a.addressable_shards]
             for a in arrays]
+        self._token_sharding = token_sharding
         # What the next dispatch that reads the slot donates; it hands back the new token.
-        self.token = token
-        self._token_sharding = token.sharding
+        self.token = self._new_token()
         self.busy = False  # a dispatch that read the slot may not have finished
+
+    def _new_token(self) -> jax.Array:
+        # Made by an op, so no NumPy buffer stands in the way of donating it.
+        return jnp.zeros((1,), jnp.int32, device=self._token_sharding)
 
     def dispatched(self, token: jax.Array) -> None:
         """Records the token that the dispatch reading this slot handed back."""
@@ -49,7 +53,7 @@ class PlanSlot:
     def fresh_token(self) -> None:
         """A new token, where a failed dispatch consumed the slot's (its donation happened)."""
         if self.token.is_deleted():
-            self.token = jnp.zeros((1,), jnp.int32, device=self._token_sharding)
+            self.token = self._new_token()
 
     def write(self, rows: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Stores a plan (source indices, destination indices, token counts: three rows of n
@@ -94,11 +98,9 @@ class PlanRing:
         if ring is None:
             # A fresh NumPy array for each: on CPU, device_put may keep the NumPy buffer
             # itself as the array's buffer, and arrays sharing one would share their plans.
-            # Tokens are made by an op, so no NumPy buffer stands in the way of donating them.
             ring = self._rings[bucket] = [
                 PlanSlot(tuple(jax.device_put(np.zeros(bucket, np.int32), self._sharding)
-                               for _ in range(3)),
-                         jnp.zeros((1,), jnp.int32, device=self._token_sharding))
+                               for _ in range(3)), self._token_sharding)
                 for _ in range(self._slots)]
             self._next[bucket] = 0
         i = self._next[bucket]
