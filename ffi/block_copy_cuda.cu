@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
     for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kThreads; u < units;
          u += int64_t{gridDim.x} * per_cta) {
       CopyUnit<V>(b, u, units_per_pair, threadIdx.x % kThreads,
-                  b.first ? b.first[u / units_per_pair] : 0);
+                  SupersededTokens(b, u / units_per_pair));
     }
   }
 }
@@ -104,13 +104,6 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
 __global__ void __launch_bounds__(kThreads) ClaimLastWritersKernel(Batch b, int32_t* last) {
   ClaimLastWriter(b, int64_t{blockIdx.x} * kThreads + threadIdx.x, last,
                   [](int32_t* address, int32_t j) { atomicMax(address, j); });
-}
-
-// Grid: ceil(num_pairs / kThreads) of kThreads. first[i] = LaterWriterTokensFromClaims(i).
-__global__ void __launch_bounds__(kThreads)
-    SupersededTokensFromClaimsKernel(Batch b, const int32_t* last, int32_t* first) {
-  const int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  if (i < b.num_pairs) first[i] = LaterWriterTokensFromClaims(b, i, last);
 }
 
 // Grid: (num_pairs). first[i] = LaterWriterTokens(i): every pair scans the later ones.
@@ -304,17 +297,19 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
   if (num_pairs > 1 && !unique_dst && FusedScanFits(b, max_ctas)) {
     b.scan_in_copy = true;
   } else if (num_pairs > 1 && !unique_dst) {
+    // A large batch or a capped grid: the scan runs before the copy. Each block's last writer
+    // is found with atomics, and the copy's units look their pair's start up from it, so a
+    // batch of distinct destinations costs O(num_pairs) (at 4096 pairs: memset and claims
+    // 0.8 + 1.4 us, where every pair scanning the later ones took 4096^2 / 2 reads). Except
+    // where the workspace is in pinned host memory (XLA places it with the destination pool,
+    // and Python then gives it no entries per block): there the atomics would cross PCIe
+    // (9-27 us at 4096 pairs), so every pair scans the later pairs first instead, for a copy
+    // that PCIe bounds anyway.
     int32_t* first = superseded->typed_data();
-    // A large batch or a capped grid: the scan runs first, in kernels of its own. It finds
-    // each block's last writer with atomics, so a batch of distinct destinations costs
-    // O(num_pairs) (at 4096 pairs: memset, claims and tokens 0.8 + 1.4 + 1.6 us, where every
-    // pair scanning the later ones took 4096^2 / 2 reads). Except where the workspace is in
-    // pinned host memory (XLA places it with the destination pool, and Python then gives it
-    // no entries per block): there the atomics would cross PCIe (9-27 us at 4096 pairs), so
-    // every pair scans the later pairs, for a copy that PCIe bounds anyway.
     const size_t with_claims = static_cast<size_t>(num_pairs + dst_blocks);
     if (superseded->element_count() < with_claims || IsHostMemory(first)) {
       SupersededTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(b, first);
+      b.first = first;
     } else {
       const auto one_thread_per_pair = static_cast<unsigned>((num_pairs + kThreads - 1) / kThreads);
       int32_t* last = first + num_pairs;  // dst_blocks entries (copy_results)
@@ -323,12 +318,10 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
         return CudaError(err, "cudaMemsetAsync");
       }
       ClaimLastWritersKernel<<<one_thread_per_pair, kThreads, 0, stream>>>(b, last);
-      SupersededTokensFromClaimsKernel<<<one_thread_per_pair, kThreads, 0, stream>>>(b, last,
-                                                                                    first);
+      b.last = last;
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError(err, "duplicate-scan kernel launch");
-    b.first = first;
   }
   // Every pair reads the source as it was before the call. When the source is the pool being
   // written and a block may be both read and written, gather the sources out first.
@@ -336,6 +329,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     Batch gather = b;
     gather.dst = {reinterpret_cast<char*>(staging->typed_data()), true};
     gather.first = nullptr;
+    gather.last = nullptr;
     gather.scan_in_copy = false;  // every pair reads its whole source block out
     if (auto err = Launch(stream, gather, max_ctas); err.failure()) return err;
     b.src = {reinterpret_cast<char*>(staging->typed_data()), true};

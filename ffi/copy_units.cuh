@@ -44,6 +44,7 @@ struct Batch {
   PoolGeometry g;
   bool scan_in_copy = false;  // each CTA finds its pair's `first` itself (FusedScanFits)
   bool whole_blocks = false;  // known on the host: every pair copies a whole block
+  const int32_t* last = nullptr;  // [dst_blocks] each block's last writer (ClaimLastWriter), or null
 };
 
 // Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
@@ -90,6 +91,15 @@ KVXFER_DEVICE_INLINE int32_t LaterWriterTokensFromClaims(const Batch& b, int64_t
     most = n > most ? n : most;
   }
   return static_cast<int32_t>(most);
+}
+
+// The tokens of pair `pair` that a later pair writes anyway, where its copy starts: the scan's
+// answer (`first`), or found from the claims (`last`, by every thread of the pair's units: one
+// entry read unless the block is written again), or 0 when the batch needs no scan.
+KVXFER_DEVICE_INLINE int64_t SupersededTokens(const Batch& b, int64_t pair) {
+  if (b.first != nullptr) return b.first[pair];
+  if (b.last != nullptr) return LaterWriterTokensFromClaims(b, pair, b.last);
+  return 0;
 }
 
 // Loads / stores the kUnroll vectors kStep apart from `base` that lie below `end`.

@@ -119,11 +119,8 @@ std::vector<int32_t> LaterWriters(const Case& c) {
 }
 
 // Runs ClaimLastWriter for every pair, in a random order (the GPU's threads race), over a
-// workspace set to -1 as the handler sets it: each written block must end naming its greatest
-// valid writer, and the tokens found from the claims (LaterWriterTokensFromClaims) must equal
-// the scan's, `first` (LaterWriters). Returns an empty string or what went wrong.
-std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& first,
-                             std::mt19937_64& rng) {
+// workspace set to -1 as the handler sets it, and returns it.
+std::vector<int32_t> Claims(const Case& c, std::mt19937_64& rng) {
   Batch b{{nullptr, false}, {nullptr, false}, c.src_idx.data(), c.dst_idx.data(),
           c.tokens.data(), nullptr, c.num_pairs, c.src_blocks, c.dst_blocks, c.g};
   std::vector<int32_t> last(c.dst_blocks, -1);
@@ -133,6 +130,16 @@ std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& first,
   for (int64_t j : order) {
     kvxfer::ClaimLastWriter(b, j, last.data(), [](int32_t* a, int32_t j) { *a = std::max(*a, j); });
   }
+  return last;
+}
+
+// Each written block must end naming its greatest valid writer, and the tokens found from the
+// claims (LaterWriterTokensFromClaims) must equal the scan's, `first` (LaterWriters). Returns
+// an empty string or what went wrong.
+std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
+                             const std::vector<int32_t>& first) {
+  Batch b{{nullptr, false}, {nullptr, false}, c.src_idx.data(), c.dst_idx.data(),
+          c.tokens.data(), nullptr, c.num_pairs, c.src_blocks, c.dst_blocks, c.g};
   for (int64_t i = 0; i < c.num_pairs; ++i) {
     if (!Valid(c, i)) continue;
     int64_t greatest = i;
@@ -156,7 +163,7 @@ void Emulate(const Batch& b, bool reverse) {
   const int64_t units = b.num_pairs * units_per_pair;
   for (int64_t k = 0; k < units; ++k) {
     const int64_t u = reverse ? units - 1 - k : k;
-    const int64_t start = b.first ? b.first[u / units_per_pair] : 0;
+    const int64_t start = kvxfer::SupersededTokens(b, u / units_per_pair);
     for (int t = 0; t < kvxfer::kThreads; ++t) {
       const int thread = reverse ? kvxfer::kThreads - 1 - t : t;
       if (b.whole_blocks) {  // as the kernel that scans itself copies a whole-block batch
@@ -255,8 +262,10 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   std::vector<uint8_t> want = dst0;
   Reference(c, src.data(), want.data());
   const std::vector<int32_t> first = LaterWriters(c);
+  std::vector<int32_t> last;
   if (!c.gather) {
-    if (std::string error = CheckLastWriters(c, first, rng); !error.empty()) return error;
+    last = Claims(c, rng);
+    if (std::string error = CheckLastWriters(c, last, first); !error.empty()) return error;
   }
   // The host's promise that every pair copies a whole block, made only when true (and not
   // always then): the kernel then gives each pair a whole block's work units, and neither the
@@ -266,10 +275,13 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   for (int32_t n : c.tokens) all_whole = all_whole && kvxfer::TokensToCopy(n, c.g) == c.g.tokens;
   const bool whole_hint = all_whole && (rng() & 1);
 
-  for (int mode = 0; mode < 3; ++mode) {  // kernel forward, kernel reverse, copy engines
-    const bool reverse = mode == 1, dma = mode == 2;
-    if (dma && c.gather) break;
-    const char* name = dma ? "copy engines" : reverse ? "reverse" : "forward";
+  // kernel forward, kernel reverse (both with the scan's answers), kernel reverse with the
+  // claims (as after ClaimLastWritersKernel), copy engines
+  for (int mode = 0; mode < 4; ++mode) {
+    const bool reverse = mode == 1 || mode == 2, claims = mode == 2, dma = mode == 3;
+    if ((dma || claims) && c.gather) continue;
+    const char* name =
+        dma ? "copy engines" : claims ? "reverse, claims" : reverse ? "reverse" : "forward";
     Buffer dst(dst_slots * c.g.block_bytes);
     if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
     Batch b{{reinterpret_cast<char*>(dst.data()), c.gather},
@@ -284,6 +296,10 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.g};
     b.whole_blocks = whole_hint;
     if (whole_hint) b.num_tokens = nullptr;
+    if (claims && c.num_pairs > 1) {
+      b.first = nullptr;
+      b.last = last.data();
+    }
     if (dma) {
       bool ordered = false;
       RunDmaPlan(b, &ordered);
