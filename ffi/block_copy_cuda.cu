@@ -318,7 +318,8 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
         return CudaError(err, "cudaMemsetAsync");
       }
       ClaimLastWritersKernel<<<one_thread_per_pair, kThreads, 0, stream>>>(b, last);
-      b.last = last;
+      b.first = last;
+      b.claims = true;
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError(err, "duplicate-scan kernel launch");
@@ -329,7 +330,7 @@ ffi::Error BlockCopyCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer
     Batch gather = b;
     gather.dst = {reinterpret_cast<char*>(staging->typed_data()), true};
     gather.first = nullptr;
-    gather.last = nullptr;
+    gather.claims = false;
     gather.scan_in_copy = false;  // every pair reads its whole source block out
     if (auto err = Launch(stream, gather, max_ctas); err.failure()) return err;
     b.src = {reinterpret_cast<char*>(staging->typed_data()), true};

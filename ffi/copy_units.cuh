@@ -39,12 +39,14 @@ struct Batch {
   const int32_t* src_idx;     // [num_pairs]
   const int32_t* dst_idx;     // [num_pairs]
   const int32_t* num_tokens;  // [num_pairs]
-  const int32_t* first;       // [num_pairs] tokens a later pair overwrites anyway, or null
+  // [num_pairs] tokens a later pair overwrites anyway; with `claims`, [dst_blocks] each block's
+  // last writer (ClaimLastWriter) instead; or null
+  const int32_t* first;
   int64_t num_pairs, src_blocks, dst_blocks;
   PoolGeometry g;
   bool scan_in_copy = false;  // each CTA finds its pair's `first` itself (FusedScanFits)
   bool whole_blocks = false;  // known on the host: every pair copies a whole block
-  const int32_t* last = nullptr;  // [dst_blocks] each block's last writer (ClaimLastWriter), or null
+  bool claims = false;        // `first` holds the claims, each unit finds its start from them
 };
 
 // Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
@@ -94,12 +96,13 @@ KVXFER_DEVICE_INLINE int32_t LaterWriterTokensFromClaims(const Batch& b, int64_t
 }
 
 // The tokens of pair `pair` that a later pair writes anyway, where its copy starts: the scan's
-// answer (`first`), or found from the claims (`last`, by every thread of the pair's units: one
-// entry read unless the block is written again), or 0 when the batch needs no scan.
+// answer (`first`), or found from the claims (by every thread of the pair's units: one entry
+// read unless the block is written again), or 0 when the batch needs no scan. (The claims share
+// `first` rather than a field of their own: a larger Batch changed the fused-scan kernels'
+// machine code, and 256 x 64 KiB whole copies lost 6 % of their GPU time with it.)
 KVXFER_DEVICE_INLINE int64_t SupersededTokens(const Batch& b, int64_t pair) {
-  if (b.first != nullptr) return b.first[pair];
-  if (b.last != nullptr) return LaterWriterTokensFromClaims(b, pair, b.last);
-  return 0;
+  if (b.first == nullptr) return 0;
+  return b.claims ? LaterWriterTokensFromClaims(b, pair, b.first) : b.first[pair];
 }
 
 // Loads / stores the kUnroll vectors kStep apart from `base` that lie below `end`.

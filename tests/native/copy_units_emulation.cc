@@ -297,8 +297,8 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
     b.whole_blocks = whole_hint;
     if (whole_hint) b.num_tokens = nullptr;
     if (claims && c.num_pairs > 1) {
-      b.first = nullptr;
-      b.last = last.data();
+      b.first = last.data();
+      b.claims = true;
     }
     if (dma) {
       bool ordered = false;
