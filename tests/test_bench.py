@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jax_kvxfer import bench
+from jax_kvxfer.bench.report import target_lines
 
 
 def _load(out_dir: str) -> dict:
@@ -85,6 +86,7 @@ def test_quick_run_on_cpu(tmp_path, capsys):
     assert sizes == {4096, 16384}
     table = capsys.readouterr().out
     assert "ours:T" in table and "ceiling" in table
+    assert "target 1 (" in table and "target 7 (" in table  # the summary ends with them
 
 
 def test_only_and_sizes_options(tmp_path):
@@ -96,6 +98,35 @@ def test_only_and_sizes_options(tmp_path):
     assert {r["path"] for r in doc["results"]} - {"memcpy"} == {"jax_contig", "ours"}
     assert {r["block_bytes"] for r in doc["results"]} == {8192}
     assert not {"host_overhead", "overlap", "bidirectional"} & set(doc)
+
+
+def test_target_lines_pick_the_deciding_figures():
+    t = {"1_whole_host": {"min_ratio_ge_64K": 0.891, "min_span_ratio_ge_64K": 0.924,
+                          "min_dma_ratio_ge_64K": 0.946, "min_ratio_lt_64K": 0.886},
+         "2_partial_host": {"min_ratio_half_and_T-1": 0.853, "min_span_ratio_half_and_T-1": None,
+                            "min_ratio_n1": 0.512},
+         "4_vs_baselines": {"ours_over_naive_64K_d2h": 75.9, "ours_over_naive_64K_h2d": 52.4,
+                            "min_ours_over_trt_loop": 0.946, "min_best_over_trt_loop": 1.004,
+                            "min_best_over_trt_loop_at": "d2h 4M n=T"},
+         # the memcpy rows are references, not our paths: never picked
+         "5_overlap_added_to_step": {"ours": 0.79, "ours_dma_stream_step_stream": 0.006,
+                                     "memcpy_side_stream": 0.001, "xla": None, "goal": 0.1},
+         "6_host_overhead_us": {"offload [manager offload_blocks]": 246.4,
+                                "onboard [manager onboard_blocks]": 225.7,
+                                "recompiled_any": False},
+         "7_bidir_factor": {"ours": 1.0, "ours_both_ways_dma": 1.81,
+                            "memcpy_two_streams": 1.9, "goal": 1.6}}
+    lines = target_lines(t)
+    assert [line.split(" (")[0] for line in lines] == [
+        "target 1", "target 2", "target 4", "target 5", "target 6", "target 7"]
+    assert "span 92.4%, wall 89.1%, dma=True wall 94.6%; < 64K wall 88.6%" in lines[0]
+    assert "span -, wall 85.3%; n=1 wall 51.2%" in lines[1]
+    assert "naive 76x / 52x; trt_loop kernel 0.95x, best path 1.00x (least at d2h 4M n=T)" \
+        in lines[2]
+    assert lines[3].endswith("least +0.6% (ours_dma_stream_step_stream)")
+    assert lines[4].endswith("manager 246 / 226 us, recompiled=False")
+    assert lines[5].endswith("best 1.81x (ours_both_ways_dma)")
+    assert target_lines({}) == []
 
 
 def test_geometry_presets():
