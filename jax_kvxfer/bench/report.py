@@ -341,10 +341,10 @@ def target_lines(t: dict[str, Any]) -> list[str]:
 
     lines = []
     t1 = t.get("1_whole_host", {})
-    if t1.get("min_ratio_ge_64K") is not None:
+    if t1.get("min_ratio_ge_64K") is not None or t1.get("min_ratio_lt_64K") is not None:
         lines.append(
             f"target 1 (whole blocks, host; >= 64K goal 90 %, 16K 75 %): >= 64K span "
-            f"{pct(t1.get('min_span_ratio_ge_64K'))}, wall {pct(t1['min_ratio_ge_64K'])}, "
+            f"{pct(t1.get('min_span_ratio_ge_64K'))}, wall {pct(t1.get('min_ratio_ge_64K'))}, "
             f"dma=True wall {pct(t1.get('min_dma_ratio_ge_64K'))}; < 64K wall "
             f"{pct(t1.get('min_ratio_lt_64K'))}")
     t2 = t.get("2_partial_host", {})
