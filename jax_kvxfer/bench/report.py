@@ -339,6 +339,11 @@ def target_lines(t: dict[str, Any]) -> list[str]:
     def pct(x: Any) -> str:
         return "-" if x is None else f"{x:.1%}"
 
+    def our_paths(figures: dict[str, Any]) -> dict[str, float]:
+        """A section's figures of our paths (the memcpy references and the goal left out)."""
+        return {k: v for k, v in figures.items()
+                if k != "goal" and v is not None and not k.startswith("memcpy")}
+
     lines = []
     t1 = t.get("1_whole_host", {})
     if t1.get("min_ratio_ge_64K") is not None or t1.get("min_ratio_lt_64K") is not None:
@@ -370,8 +375,7 @@ def target_lines(t: dict[str, Any]) -> list[str]:
                       f"{t4[f'min_best_over_{trt}']:.2f}x (least at "
                       f"{t4[f'min_best_over_{trt}_at']})"
                       for trt in ("trt_loop", "trt_gpu") if f"min_best_over_{trt}" in t4))
-    t5 = {k: v for k, v in t.get("5_overlap_added_to_step", {}).items()
-          if k != "goal" and v is not None and not k.startswith("memcpy")}
+    t5 = our_paths(t.get("5_overlap_added_to_step", {}))
     if t5:
         best = min(t5, key=t5.get)
         lines.append(f"target 5 (goal <= 10 % added to the step): least {t5[best]:+.1%} ({best})")
@@ -380,8 +384,7 @@ def target_lines(t: dict[str, Any]) -> list[str]:
     if all(v is not None for v in verbs):
         lines.append(f"target 6 (goal <= 200 us, no recompiles): manager {verbs[0]:.0f} / "
                      f"{verbs[1]:.0f} us, recompiled={t6.get('recompiled_any')}")
-    t7 = {k: v for k, v in t.get("7_bidir_factor", {}).items()
-          if k != "goal" and v is not None and not k.startswith("memcpy")}
+    t7 = our_paths(t.get("7_bidir_factor", {}))
     if t7:
         best = max(t7, key=t7.get)
         lines.append(f"target 7 (goal >= 1.6x one direction): best {t7[best]:.2f}x ({best})")
