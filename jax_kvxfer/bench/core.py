@@ -39,16 +39,11 @@ def gpu_stream_events(profile: Any) -> list[tuple[int, int, str]]:
                   for e in line.events)
 
 
-def kernel_ns(profile: Any) -> int:
-    """Nanoseconds of jax_kvxfer's kernels (namespace kvxfer) on the GPU streams."""
-    return sum(end - start for start, end, name in gpu_stream_events(profile) if "kvxfer" in name)
-
-
 def timeline_ns(profile: Any) -> tuple[int, int, dict[str, int]]:
-    """(kernel_ns, span_ns, others) of jax_kvxfer's work in a profile: its kernels' time, the
-    span from the first of them starting to the last ending (the gaps between them and XLA's
-    own work in between included), and the nanoseconds of each other GPU event in that span,
-    by name."""
+    """(kernel_ns, span_ns, others) of jax_kvxfer's work in a profile: its kernels' time
+    (namespace kvxfer, on the GPU streams), the span from the first of them starting to the last
+    ending (the gaps between them and XLA's own work in between included), and the nanoseconds
+    of each other GPU event in that span, by name."""
     events = gpu_stream_events(profile)
     ours = [(start, end) for start, end, name in events if "kvxfer" in name]
     if not ours:
