@@ -5,7 +5,8 @@
 #                        [demo-tp] [profile] [sanitize] [stress] [stress-dma] [partial-probe]
 #                        [pipeline] [trace] [large]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
-#   only. large: the sweep's ours / ours_unique for batches of 4,096 blocks of 16 and 64 KiB. probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
+#   only. large: the sweep's ours / ours_unique for batches of 4,096 blocks of 16 and 64 KiB.
+#   probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
 #   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX);
 #   pipeline: scripts/pipeline_probe.py (wall clock vs calls in flight, gaps between executions).
 #   profile: scripts/profile_manager.py (the manager's host time); trace: the same with --trace
