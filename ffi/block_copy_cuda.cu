@@ -72,15 +72,15 @@ __device__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
   return m;
 }
 
-// Block: kCtaThreads threads (a multiple of kThreads), one work unit per kThreads. Grid: any
-// size; the CTAs walk the units, so a capped grid copies the same bytes as a full one. One
-// vector type per kernel keeps the registers of the widest path only. kScanInCopy: one unit per
-// CTA (kCtaThreads == kThreads, a grid of exactly num_pairs * units_per_pair), which scans for
+// Block: kCtaThreads threads (a multiple of kUnitThreads), one work unit per kUnitThreads.
+// Grid: any size; the CTAs walk the units, so a capped grid copies the same bytes as a full one.
+// One vector type per kernel keeps the registers of the widest path only. kScanInCopy: one
+// kThreads-thread unit per CTA (a grid of exactly num_pairs * units_per_pair), which scans for
 // later writers of its pair's block itself, instead of a scan kernel launched before.
-template <typename V, int kCtaThreads, bool kScanInCopy>
+template <typename V, int kCtaThreads, bool kScanInCopy, int kUnitThreads = kThreads>
 __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t units_per_pair) {
   if constexpr (kScanInCopy) {
-    static_assert(kCtaThreads == kThreads);
+    static_assert(kCtaThreads == kThreads && kUnitThreads == kThreads);
     const int64_t u = blockIdx.x, pair = u / units_per_pair;
     if (b.whole_blocks) {  // loads first, then the scan (CopyWholeUnit)
       CopyWholeUnit<V>(b, u, units_per_pair, threadIdx.x,
@@ -89,12 +89,12 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
       CopyUnit<V>(b, u, units_per_pair, threadIdx.x, LaterWriterTokens(b, pair));
     }
   } else {
-    constexpr int per_cta = kCtaThreads / kThreads;
+    constexpr int per_cta = kCtaThreads / kUnitThreads;
     const int64_t units = b.num_pairs * units_per_pair;
-    for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kThreads; u < units;
+    for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kUnitThreads; u < units;
          u += int64_t{gridDim.x} * per_cta) {
-      CopyUnit<V>(b, u, units_per_pair, threadIdx.x % kThreads,
-                  SupersededTokens(b, u / units_per_pair));
+      CopyUnit<V, kUnitThreads>(b, u, units_per_pair, threadIdx.x % kUnitThreads,
+                                SupersededTokens(b, u / units_per_pair));
     }
   }
 }
@@ -128,6 +128,13 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 template <typename V>
 void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
+  if (SmallUnits(b, max_ctas)) {
+    const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs, false, kSmallUnitThreads);
+    const int64_t ctas = std::min<int64_t>(b.num_pairs * units_per_pair, int64_t{1} << 30);
+    CopyPairsKernel<V, kSmallUnitThreads, false, kSmallUnitThreads>
+        <<<static_cast<unsigned>(ctas), kSmallUnitThreads, 0, stream>>>(b, units_per_pair);
+    return;
+  }
   const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs, b.whole_blocks);
   const int64_t units = b.num_pairs * units_per_pair;
   if (b.scan_in_copy) {  // FusedScanFits: units <= 2^22, one CTA each

@@ -24,6 +24,7 @@
 namespace kvxfer {
 
 constexpr int kThreads = 256;                // threads of one work unit ("virtual CTA")
+constexpr int kSmallUnitThreads = 128;       // ... of a large partial batch's units (SmallUnits)
 constexpr int kUnroll = 4;                   // vector loads in flight per thread
 constexpr int64_t kMaxCtasPerPair = 4096;
 
@@ -150,36 +151,44 @@ KVXFER_DEVICE void CopyShortRuns(char* __restrict__ dst, const char* __restrict_
 
 // Copies `runs` runs of `run_bytes` each, `pitch` bytes apart, using vectors of type V. The
 // `stride` threads of this pair take the work from `first` (the thread's rank among them).
-template <typename V>
+template <typename V, int kUnitThreads>
 KVXFER_DEVICE void CopyRuns(char* __restrict__ dst, const char* __restrict__ src, int64_t runs,
                          int64_t run_bytes, int64_t pitch, int64_t first, int64_t stride) {
   const int64_t per_run = run_bytes / sizeof(V);
   if (runs == 1) {
-    // A whole block: one contiguous run, in chunks of kThreads * kUnroll vectors, each read and
-    // written by one work unit, so that a unit's loads in flight are neighbours (DRAM pages)
-    // rather than `stride` vectors apart. `first` is unit * kThreads + thread and `stride`
-    // units * kThreads (CopyUnit).
-    constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;
-    const int64_t thread = first % kThreads, unit = first / kThreads, units = stride / kThreads;
+    // A whole block: one contiguous run, in chunks of kUnitThreads * kUnroll vectors, each read
+    // and written by one work unit, so that a unit's loads in flight are neighbours (DRAM pages)
+    // rather than `stride` vectors apart. `first` is unit * kUnitThreads + thread and `stride`
+    // units * kUnitThreads (CopyUnit).
+    constexpr int64_t kChunk = int64_t{kUnitThreads} * kUnroll;
+    const int64_t thread = first % kUnitThreads, unit = first / kUnitThreads;
+    const int64_t units = stride / kUnitThreads;
     const V* __restrict__ s = reinterpret_cast<const V*>(src);
     V* __restrict__ d = reinterpret_cast<V*>(dst);
     for (int64_t base = unit * kChunk + thread; base < per_run; base += units * kChunk) {
-      CopyVectors<V, kThreads>(d, s, base, per_run);
+      CopyVectors<V, kUnitThreads>(d, s, base, per_run);
     }
     return;
   }
-  // A partial block: `runs` short runs (one per layer, K/V and head), copied by lane groups of
-  // the fewest lanes (a power of two) that cover a run in one step: a constant per loop, so the
-  // index arithmetic of these device-speed loops stays shifts and masks.
-  if (per_run > 16) {
+  // A partial block: `runs` short runs (one per layer, K/V and head), copied by lane groups of a
+  // power of two lanes: a constant per loop, so the index arithmetic of these device-speed loops
+  // stays shifts and masks. kThreads-thread units: the fewest lanes that cover a run in one
+  // step. Small units, whose point is more bytes in flight per thread: the fewest lanes that
+  // cover a run with kUnroll vectors each, but never less than a 128-byte line per group and
+  // instruction (over PCIe a part of a line costs about as much as the line: in groups of 2
+  // lanes, 4,096 x 64 KiB n = 1 lost 10-16 points device to host).
+  constexpr int64_t kPerLane = kUnitThreads == kThreads ? 1 : kUnroll;
+  constexpr int64_t kLineLanes = 128 / sizeof(V) < 32 ? 128 / sizeof(V) : 32;
+  constexpr int64_t kMinLanes = kPerLane == 1 ? 1 : kLineLanes;
+  if (per_run > 16 * kPerLane || kMinLanes > 16) {
     CopyShortRuns<V, 32>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > 8) {
+  } else if (per_run > 8 * kPerLane || kMinLanes > 8) {
     CopyShortRuns<V, 16>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > 4) {
+  } else if (per_run > 4 * kPerLane || kMinLanes > 4) {
     CopyShortRuns<V, 8>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > 2) {
+  } else if (per_run > 2 * kPerLane || kMinLanes > 2) {
     CopyShortRuns<V, 4>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > 1) {
+  } else if (per_run > kPerLane || kMinLanes > 1) {
     CopyShortRuns<V, 2>(dst, src, runs, per_run, pitch, first, stride);
   } else {
     CopyShortRuns<V, 1>(dst, src, runs, per_run, pitch, first, stride);
@@ -189,8 +198,8 @@ KVXFER_DEVICE void CopyRuns(char* __restrict__ dst, const char* __restrict__ src
 // Work unit u in [0, num_pairs * units_per_pair) copies a strided share of pair
 // u / units_per_pair: tokens [start, n) of every run of the block (start: the tokens a later
 // pair writes anyway), or the whole block as one run, with vectors of type V (every address and
-// length of the batch is aligned to V). kThreads threads per unit.
-template <typename V>
+// length of the batch is aligned to V). kUnitThreads threads per unit.
+template <typename V, int kUnitThreads = kThreads>
 KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
                          int64_t start) {
   const int64_t pair = unit / units_per_pair;
@@ -209,8 +218,8 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
   }
   char* dst = b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * g.block_bytes + offset;
   const char* src = b.src.data + SlotOf(b.src, b.src_idx, pair) * g.block_bytes + offset;
-  CopyRuns<V>(dst, src, runs, run_bytes, pitch, cta * kThreads + thread,
-              units_per_pair * kThreads);
+  CopyRuns<V, kUnitThreads>(dst, src, runs, run_bytes, pitch, cta * kUnitThreads + thread,
+                            units_per_pair * kUnitThreads);
 }
 
 // A work unit of a batch known to copy whole blocks, in the kernel that scans for later
@@ -259,8 +268,8 @@ inline int VectorBytes(const Batch& b) {
   return 1;
 }
 
-// Work units of kThreads threads per pair. A batch known to copy whole blocks: about 16 KiB of
-// the block each. A partial copy hands each warp whole runs, so a batch that may copy partial
+// Work units of `unit_threads` threads (kThreads, or kSmallUnitThreads: SmallUnits) per pair. A
+// batch known to copy whole blocks: about 16 KiB of the block each (at kThreads). A partial copy hands each warp whole runs, so a batch that may copy partial
 // blocks gets fewer (any count copies the same bytes):
 //  - never more than the block's runs fill, one warp each: further warps would idle (v11, and
 //    v13b: 64 KiB T-1 74 -> 86 % of the memcpy in GPU time);
@@ -269,17 +278,28 @@ inline int VectorBytes(const Batch& b) {
 //    (v13: at 256 KiB T/2, 5 units per pair instead of 16 took 69 -> 88 %).
 // Whole blocks keep more units: 16 instead of 64 per 1 MiB block cost 4 points in v11.
 constexpr int64_t kOneWaveCtas = 1056;  // H200: 132 SMs x 8 CTAs of kThreads threads
-inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole_blocks) {
-  constexpr int64_t kWarps = kThreads / 32;
+inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole_blocks,
+                            int64_t unit_threads = kThreads) {
+  const int64_t warps = unit_threads / 32;
   constexpr int64_t kPartialUnitBytes = int64_t{64} << 10;
-  const int64_t per_unit = int64_t{kThreads} * 16 * kUnroll;
+  const int64_t per_unit = unit_threads * 16 * kUnroll;
   const int64_t by_bytes = (g.block_bytes + per_unit - 1) / per_unit;
   if (whole_blocks) return std::clamp<int64_t>(by_bytes, 1, kMaxCtasPerPair);
-  const int64_t by_runs = (g.outer + kWarps - 1) / kWarps;
+  const int64_t by_runs = (g.outer + warps - 1) / warps;
   const int64_t by_partial_bytes = (g.block_bytes + kPartialUnitBytes - 1) / kPartialUnitBytes;
   const int64_t one_wave = (kOneWaveCtas + num_pairs - 1) / std::max<int64_t>(num_pairs, 1);
   const int64_t units = std::min({by_bytes, by_runs, std::max(by_partial_bytes, one_wave)});
   return std::clamp<int64_t>(units, 1, kMaxCtasPerPair);
+}
+
+// Whether a batch's units are kSmallUnitThreads threads: a partial batch copied with one CTA per
+// unit and without the fused scan (a large batch; also one pair, distinct destinations, the
+// staging gather). A 256-thread unit of a 16 KiB block at n = T/2 keeps 8 KiB in flight, 2
+// vectors per thread, and an SM holds 4 such units (56 registers); a small unit keeps the same 8
+// KiB with kUnroll vectors per thread, and an SM holds 9 of them (v21: 4,096 x 16 KiB T/2 62 ->
+// 80 % of the memcpy). The fused kernels keep kThreads: their batches are latency-bound. Host code.
+inline bool SmallUnits(const Batch& b, int64_t max_ctas) {
+  return !b.whole_blocks && !b.scan_in_copy && max_ctas <= 0;
 }
 
 // One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart

@@ -157,18 +157,24 @@ std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
   return "";
 }
 
+// `small`: the units of kSmallUnitThreads threads that the kernel without the fused scan gives a
+// partial batch (SmallUnits), otherwise kThreads.
 template <typename V>
-void Emulate(const Batch& b, bool reverse) {
-  const int64_t units_per_pair = kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks);
+void Emulate(const Batch& b, bool reverse, bool small) {
+  const int unit_threads = small ? kvxfer::kSmallUnitThreads : kvxfer::kThreads;
+  const int64_t units_per_pair =
+      kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, unit_threads);
   const int64_t units = b.num_pairs * units_per_pair;
   for (int64_t k = 0; k < units; ++k) {
     const int64_t u = reverse ? units - 1 - k : k;
     const int64_t start = kvxfer::SupersededTokens(b, u / units_per_pair);
-    for (int t = 0; t < kvxfer::kThreads; ++t) {
-      const int thread = reverse ? kvxfer::kThreads - 1 - t : t;
+    for (int t = 0; t < unit_threads; ++t) {
+      const int thread = reverse ? unit_threads - 1 - t : t;
       if (b.whole_blocks) {  // as the kernel that scans itself copies a whole-block batch
         kvxfer::CopyWholeUnit<V>(b, u, units_per_pair, thread,
                                  [&] { return start >= b.g.tokens; });
+      } else if (small) {
+        kvxfer::CopyUnit<V, kvxfer::kSmallUnitThreads>(b, u, units_per_pair, thread, start);
       } else {
         kvxfer::CopyUnit<V>(b, u, units_per_pair, thread, start);
       }
@@ -276,7 +282,8 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   const bool whole_hint = all_whole && (rng() & 1);
 
   // kernel forward, kernel reverse (both with the scan's answers), kernel reverse with the
-  // claims (as after ClaimLastWritersKernel), copy engines
+  // claims (as after ClaimLastWritersKernel), copy engines. Forward runs the fused kernel's
+  // kThreads-thread units, the reverse modes the non-fused kernel's (small for partial batches).
   for (int mode = 0; mode < 4; ++mode) {
     const bool reverse = mode == 1 || mode == 2, claims = mode == 2, dma = mode == 3;
     if ((dma || claims) && c.gather) continue;
@@ -305,7 +312,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
       RunDmaPlan(b, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
     } else {
-      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
+      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse, reverse && !whole_hint); });
     }
     if (!dst.GuardsIntact() || !src.GuardsIntact()) {
       return "a write outside the pools (" + std::string(name) + ")";
