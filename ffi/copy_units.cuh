@@ -269,8 +269,9 @@ inline int VectorBytes(const Batch& b) {
 }
 
 // Work units of `unit_threads` threads (kThreads, or kSmallUnitThreads: SmallUnits) per pair. A
-// batch known to copy whole blocks: about 16 KiB of the block each (at kThreads). A partial copy hands each warp whole runs, so a batch that may copy partial
-// blocks gets fewer (any count copies the same bytes):
+// batch known to copy whole blocks: about 16 KiB of the block each (at kThreads). A partial
+// copy hands each warp whole runs, so a batch that may copy partial blocks gets fewer (any count
+// copies the same bytes):
 //  - never more than the block's runs fill, one warp each: further warps would idle (v11, and
 //    v13b: 64 KiB T-1 74 -> 86 % of the memcpy in GPU time);
 //  - about one per 64 KiB of block (a warp copies ~4 KiB at n = T/2), unless the batch would

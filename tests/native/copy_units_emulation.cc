@@ -157,10 +157,11 @@ std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
   return "";
 }
 
-// `small`: the units of kSmallUnitThreads threads that the kernel without the fused scan gives a
-// partial batch (SmallUnits), otherwise kThreads.
+// The units the handler launches for this batch: kSmallUnitThreads threads where SmallUnits
+// says so (a partial batch without the fused scan), otherwise kThreads.
 template <typename V>
-void Emulate(const Batch& b, bool reverse, bool small) {
+void Emulate(const Batch& b, bool reverse) {
+  const bool small = kvxfer::SmallUnits(b, /*max_ctas=*/0);
   const int unit_threads = small ? kvxfer::kSmallUnitThreads : kvxfer::kThreads;
   const int64_t units_per_pair =
       kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, unit_threads);
@@ -282,8 +283,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   const bool whole_hint = all_whole && (rng() & 1);
 
   // kernel forward, kernel reverse (both with the scan's answers), kernel reverse with the
-  // claims (as after ClaimLastWritersKernel), copy engines. Forward runs the fused kernel's
-  // kThreads-thread units, the reverse modes the non-fused kernel's (small for partial batches).
+  // claims (as after ClaimLastWritersKernel), copy engines.
   for (int mode = 0; mode < 4; ++mode) {
     const bool reverse = mode == 1 || mode == 2, claims = mode == 2, dma = mode == 3;
     if ((dma || claims) && c.gather) continue;
@@ -302,6 +302,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.dst_blocks,
             c.g};
     b.whole_blocks = whole_hint;
+    b.scan_in_copy = !reverse;  // forward: the fused kernel's units; reverse: the non-fused one's
     if (whole_hint) b.num_tokens = nullptr;
     if (claims && c.num_pairs > 1) {
       b.first = last.data();
@@ -312,7 +313,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
       RunDmaPlan(b, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
     } else {
-      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse, reverse && !whole_hint); });
+      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
     }
     if (!dst.GuardsIntact() || !src.GuardsIntact()) {
       return "a write outside the pools (" + std::string(name) + ")";
