@@ -172,26 +172,19 @@ KVXFER_DEVICE void CopyRuns(char* __restrict__ dst, const char* __restrict__ src
   }
   // A partial block: `runs` short runs (one per layer, K/V and head), copied by lane groups of a
   // power of two lanes: a constant per loop, so the index arithmetic of these device-speed loops
-  // stays shifts and masks. kThreads-thread units: the fewest lanes that cover a run in one
-  // step. Small units, whose point is more bytes in flight per thread: the fewest lanes that
-  // cover a run with kUnroll vectors each, but never less than a 128-byte line per group and
-  // instruction (over PCIe a part of a line costs about as much as the line: in groups of 2
-  // lanes, 4,096 x 64 KiB n = 1 lost 10-16 points device to host).
-  constexpr int64_t kPerLane = kUnitThreads == kThreads ? 1 : kUnroll;
-  constexpr int64_t kLineLanes = 128 / sizeof(V) < 32 ? 128 / sizeof(V) : 32;
-  constexpr int64_t kMinLanes = kPerLane == 1 ? 1 : kLineLanes;
-  if (per_run > 16 * kPerLane || kMinLanes > 16) {
+  // stays shifts and masks. The fewest lanes that cover a run with kUnroll vectors each (more
+  // bytes in flight per thread: 256 x 256 KiB T/2 +4-7 points), but never less than a 128-byte
+  // line per group and instruction (over PCIe a part of a line costs about as much as the line:
+  // in groups of 2 lanes, 4,096 x 64 KiB n = 1 lost 10-16 points device to host).
+  // (16-byte vectors: 8 lanes at least; narrower vectors need more lanes for a line.)
+  constexpr int64_t kMinLanes = 128 / sizeof(V) < 32 ? 128 / sizeof(V) : 32;
+  static_assert(kMinLanes >= 8);
+  if (per_run > 16 * kUnroll || kMinLanes > 16) {
     CopyShortRuns<V, 32>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > 8 * kPerLane || kMinLanes > 8) {
+  } else if (per_run > 8 * kUnroll || kMinLanes > 8) {
     CopyShortRuns<V, 16>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > 4 * kPerLane || kMinLanes > 4) {
-    CopyShortRuns<V, 8>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > 2 * kPerLane || kMinLanes > 2) {
-    CopyShortRuns<V, 4>(dst, src, runs, per_run, pitch, first, stride);
-  } else if (per_run > kPerLane || kMinLanes > 1) {
-    CopyShortRuns<V, 2>(dst, src, runs, per_run, pitch, first, stride);
   } else {
-    CopyShortRuns<V, 1>(dst, src, runs, per_run, pitch, first, stride);
+    CopyShortRuns<V, 8>(dst, src, runs, per_run, pitch, first, stride);
   }
 }
 
