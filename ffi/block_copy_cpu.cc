@@ -131,10 +131,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
                                                              .Arg<ffi::AnyBuffer>()    // dst pool
                                                              .Arg<ffi::AnyBuffer>()));  // src pool
 
+void DefineSlotColumns(nb::module_& m);  // slot_columns.cc
+
 }  // namespace kvxfer
 
 NB_MODULE(_kvxfer_cpu, m) {
-  m.doc() = "CPU XLA FFI handlers of jax_kvxfer";
+  m.doc() = "CPU XLA FFI handlers of jax_kvxfer, and the manager's batch reader";
+  kvxfer::DefineSlotColumns(m);
   m.def("registrations", []() {
     nb::dict d;
     d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));

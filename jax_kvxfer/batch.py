@@ -1,8 +1,9 @@
 """A batch of (src_block, dst_block) pairs checked and held as NumPy columns.
 
 The manager's per-call Python work is on the critical path of every transfer (its target is
-well under 200 us for 64 blocks), so the common case is checked with a few vector operations;
-the per-pair loops run only to name the first bad pair in an error, or for mixed batches.
+well under 200 us for 64 blocks), so the pairs are read and checked in one native pass
+(ffi/slot_columns.cc); the per-pair Python loops run only to name the first bad pair in an
+error, or to split mixed batches.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _kvxfer_cpu
 from .pool import KVCacheBlock
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -57,18 +59,14 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
     except TypeError as e:
         raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples") from e
     n = len(pairs)
-    try:
-        code_list = [b._slot_code for pair in pairs for b in pair]
-        codes = np.array(code_list, np.int64).reshape(n, 2)
-    except (AttributeError, TypeError, ValueError):  # not pairs of KVCacheBlocks
+    # Read and checked in one native pass (slot_columns.cc): rows 0 / 1 hold the sources /
+    # destinations.
+    index, primary = np.empty((2, n), np.int64), np.empty((2, n), np.bool_)
+    found = _kvxfer_cpu.slot_columns(pairs, num_primary, num_secondary, index, primary)
+    if found is None:  # some pair is not two blocks in range
         _explain_bad_pair(pairs, num_primary, num_secondary)
-        raise
-    index, primary = codes >> 1, (codes & 1).astype(bool)
-    # A code below 2 * min(limits) is a valid index in either memory: the per-memory check
-    # runs only when some code is not (the common batch costs two reductions).
-    if n and (codes.min() < 0 or (codes.max() >= 2 * min(num_primary, num_secondary) and (
-            index >= np.where(primary, num_primary, num_secondary)).any())):
-        _explain_bad_pair(pairs, num_primary, num_secondary)
+        raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples")
+    direction, unique_dst = found
     tokens = _check_tokens(num_tokens, n)
     if num_tokens is None:
         whole = True
@@ -76,10 +74,8 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
         whole = not 0 < int(num_tokens) < tokens_per_block
     else:
         whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
-    return PairBatch(src=index[:, 0], src_primary=primary[:, 0], dst=index[:, 1],
-                     dst_primary=primary[:, 1], tokens=tokens, whole=whole,
-                     direction=_direction(primary[:, 0], primary[:, 1]),
-                     unique_dst=len(set(code_list[1::2])) == n)
+    return PairBatch(src=index[0], src_primary=primary[0], dst=index[1], dst_primary=primary[1],
+                     tokens=tokens, whole=whole, direction=direction, unique_dst=unique_dst)
 
 
 def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None:

@@ -533,6 +533,15 @@ CASES: list[Case] = [
     Case("manager-pair-length", "offload_blocks", "a 1-tuple as a pair", ValueError,
          "pairs[0] must be a (src_block, dst_block) tuple, got (KVCacheBlock(…),)",
          lambda c, mp: lambda: c.manager.offload_blocks([(P(0),)])),
+    Case("manager-pair-lengths-mismatched", "offload_blocks",
+         "a 3-tuple then a 1-tuple (four blocks for two pairs)", ValueError,
+         "pairs[0] must be a (src_block, dst_block) tuple, got (KVCacheBlock(…), "
+         "KVCacheBlock(…), KVCacheBlock(…))",
+         lambda c, mp: lambda: c.manager.offload_blocks([(P(0), S(0), P(1)), (S(1),)])),
+    Case("manager-index-past-int64", "offload", "block index 2**70", IndexError,
+         "pairs[0] src has memory_pool_block_index 1180591620717411303424, outside the primary "
+         "pool's 0..5",
+         lambda c, mp: lambda: c.manager.offload(P(2**70), S(0))),
     Case("manager-pairs-not-a-sequence", "onboard_blocks", "pairs=None", TypeError,
          "pairs must be a sequence of (src_block, dst_block) tuples",
          lambda c, mp: lambda: c.manager.onboard_blocks(None)),

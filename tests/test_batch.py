@@ -1,9 +1,12 @@
 """check_batch and PairBatch.take (the manager's per-call batch checks) against plain Python on
 random batches: indices, memories, token counts, direction and duplicate destinations."""
 
+import collections
+
 import numpy as np
 import pytest
 
+from jax_kvxfer import _kvxfer_cpu
 from jax_kvxfer.batch import check_batch, split_runs
 from jax_kvxfer.pool import KVCacheBlock
 
@@ -97,4 +100,31 @@ def test_out_of_range_indices_are_caught_as_plain_python_finds_them(seed):
         return
     i, role = bad[0]
     with pytest.raises(IndexError, match=rf"^pairs\[{i}\] {role} has memory_pool_block_index"):
+        check_batch(pairs, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS)
+
+
+def test_pairs_as_lists_and_named_tuples_read_like_tuples():
+    """The native reader (ffi/slot_columns.cc) takes any tuple or list of two blocks."""
+    Pair = collections.namedtuple("Pair", "src dst")
+    rng = np.random.default_rng(7)
+    pairs = random_pairs(rng, 9, mixed=True)
+    mixed = [list(p) if k % 3 == 0 else Pair(*p) if k % 3 == 1 else p for k, p in enumerate(pairs)]
+    check_against(check_batch(mixed, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS), reference(pairs))
+
+
+def test_slot_columns_rejects_columns_of_the_wrong_shape():
+    pairs = random_pairs(np.random.default_rng(8), 3, mixed=False)
+    with pytest.raises(ValueError, match=r"shape \(2, len\(pairs\)\)"):
+        _kvxfer_cpu.slot_columns(pairs, NUM_PRIMARY, NUM_SECONDARY,
+                                 np.empty((2, 2), np.int64), np.empty((2, 3), np.bool_))
+
+
+def test_an_attribute_that_raises_is_reported_as_a_bad_block():
+    class Evil:
+        @property
+        def _slot_code(self):
+            raise RuntimeError("no")
+
+    pairs = [(KVCacheBlock(0, 1, True), Evil())]
+    with pytest.raises(TypeError, match=r"^pairs\[0\] dst must be a KVCacheBlock"):
         check_batch(pairs, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS)
