@@ -21,10 +21,13 @@ namespace {
 using IndexColumns = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using MemoryColumns = nb::ndarray<bool, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-// A block's slot as KVCacheBlock._slot_code holds it: 2 * index + is_primary.
+// A block's slot as KVCacheBlock._slot_code holds it (set at construction; the class is
+// frozen): 2 * index + is_primary. An attribute that cannot be read is a bad block, except for
+// exceptions that are not errors (KeyboardInterrupt, SystemExit), which propagate.
 bool ReadSlotCode(PyObject* block, PyObject* name, int64_t* code) {
   PyObject* value = PyObject_GetAttr(block, name);
   if (value == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) throw nb::python_error();
     PyErr_Clear();
     return false;
   }
@@ -37,38 +40,44 @@ bool ReadSlotCode(PyObject* block, PyObject* name, int64_t* code) {
 }
 
 // Fills index[0] / primary[0] with the sources and index[1] / primary[1] with the destinations
-// of `pairs` (a list of n (src, dst) tuples or lists of blocks), each block checked against its
-// memory's block count. Returns (direction, unique_dst) as check_batch defines them, or None
-// when some pair is not two blocks in range: the caller then names it (with the Python checks,
-// which say what is wrong), and no pool has been touched.
-nb::object SlotColumns(nb::list pairs, int64_t num_primary, int64_t num_secondary,
-                       IndexColumns index, MemoryColumns primary) {
-  const size_t n = nb::len(pairs);  // a list of check_batch's own: its length cannot change
+// of `pairs` (a list of n (src, dst) tuples or lists of `block_type` instances), each block
+// checked against its memory's block count. Returns (direction, unique_dst) as check_batch
+// defines them, or None when some pair is not two blocks in range: the caller then names it
+// (with the Python checks, which say what is wrong), and no pool has been touched.
+nb::object SlotColumns(nb::list pairs, nb::type_object block_type, int64_t num_primary,
+                       int64_t num_secondary, IndexColumns index, MemoryColumns primary) {
+  const size_t n = nb::len(pairs);
   if (index.shape(0) != 2 || index.shape(1) != n || primary.shape(0) != 2 ||
       primary.shape(1) != n) {
     throw nb::value_error("slot_columns: index and primary must have shape (2, len(pairs))");
   }
+  auto* const type = reinterpret_cast<PyTypeObject*>(block_type.ptr());
   static PyObject* const name = PyUnicode_InternFromString("_slot_code");
   int64_t* idx = index.data();
   bool* prim = primary.data();
   size_t primary_count[2] = {0, 0};  // sources, destinations in the primary memory
   std::vector<int64_t> dst_codes(n);
   for (size_t i = 0; i < n; ++i) {
-    // Owned references: reading an attribute may run Python code that changes the pair.
-    PyObject* pair = PyList_GET_ITEM(pairs.ptr(), i);
+    // Reading an attribute may run Python code that changes the list or a pair: the length is
+    // checked again and the pair and its blocks are held by owned references.
+    if (i >= static_cast<size_t>(PyList_GET_SIZE(pairs.ptr()))) return nb::none();
+    nb::object pair = nb::borrow(PyList_GET_ITEM(pairs.ptr(), i));
     nb::object blocks[2];
-    if (PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2) {
-      blocks[0] = nb::borrow(PyTuple_GET_ITEM(pair, 0));
-      blocks[1] = nb::borrow(PyTuple_GET_ITEM(pair, 1));
-    } else if (PyList_Check(pair) && PyList_GET_SIZE(pair) == 2) {
-      blocks[0] = nb::borrow(PyList_GET_ITEM(pair, 0));
-      blocks[1] = nb::borrow(PyList_GET_ITEM(pair, 1));
+    if (PyTuple_Check(pair.ptr()) && PyTuple_GET_SIZE(pair.ptr()) == 2) {
+      blocks[0] = nb::borrow(PyTuple_GET_ITEM(pair.ptr(), 0));
+      blocks[1] = nb::borrow(PyTuple_GET_ITEM(pair.ptr(), 1));
+    } else if (PyList_Check(pair.ptr()) && PyList_GET_SIZE(pair.ptr()) == 2) {
+      blocks[0] = nb::borrow(PyList_GET_ITEM(pair.ptr(), 0));
+      blocks[1] = nb::borrow(PyList_GET_ITEM(pair.ptr(), 1));
     } else {
       return nb::none();
     }
     for (int role = 0; role < 2; ++role) {
       int64_t code = 0;
-      if (!ReadSlotCode(blocks[role].ptr(), name, &code)) return nb::none();
+      if (!PyObject_TypeCheck(blocks[role].ptr(), type) ||
+          !ReadSlotCode(blocks[role].ptr(), name, &code)) {
+        return nb::none();
+      }
       const bool is_primary = code & 1;
       if ((code >> 1) >= (is_primary ? num_primary : num_secondary)) return nb::none();
       idx[role * n + i] = code >> 1;
@@ -91,8 +100,10 @@ nb::object SlotColumns(nb::list pairs, int64_t num_primary, int64_t num_secondar
 }  // namespace
 
 void DefineSlotColumns(nb::module_& m) {
-  m.def("slot_columns", &SlotColumns, nb::arg("pairs"), nb::arg("num_primary"),
-        nb::arg("num_secondary"), nb::arg("index"), nb::arg("primary"));
+  // noconvert: an array of another dtype or layout would be copied, and the copy filled.
+  m.def("slot_columns", &SlotColumns, nb::arg("pairs"), nb::arg("block_type"),
+        nb::arg("num_primary"), nb::arg("num_secondary"), nb::arg("index").noconvert(),
+        nb::arg("primary").noconvert());
 }
 
 }  // namespace kvxfer

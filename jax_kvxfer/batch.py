@@ -62,10 +62,14 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
     # Read and checked in one native pass (slot_columns.cc): rows 0 / 1 hold the sources /
     # destinations.
     index, primary = np.empty((2, n), np.int64), np.empty((2, n), np.bool_)
-    found = _kvxfer_cpu.slot_columns(pairs, num_primary, num_secondary, index, primary)
+    found = _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, num_primary, num_secondary, index,
+                                     primary)
     if found is None:  # some pair is not two blocks in range
         _explain_bad_pair(pairs, num_primary, num_secondary)
-        raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples")
+        # Only a block whose slot code is missing or disagrees gets here (not made by
+        # KVCacheBlock(...)), or a pool of 2**62 blocks or more.
+        raise TypeError("pairs must be a sequence of (src_block, dst_block) tuples of "
+                        "KVCacheBlocks made by KVCacheBlock(...)")
     direction, unique_dst = found
     tokens = _check_tokens(num_tokens, n)
     if num_tokens is None:

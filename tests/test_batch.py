@@ -115,8 +115,12 @@ def test_pairs_as_lists_and_named_tuples_read_like_tuples():
 def test_slot_columns_rejects_columns_of_the_wrong_shape():
     pairs = random_pairs(np.random.default_rng(8), 3, mixed=False)
     with pytest.raises(ValueError, match=r"shape \(2, len\(pairs\)\)"):
-        _kvxfer_cpu.slot_columns(pairs, NUM_PRIMARY, NUM_SECONDARY,
+        _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY,
                                  np.empty((2, 2), np.int64), np.empty((2, 3), np.bool_))
+    for index in (np.empty((2, 3), np.int32), np.empty((3, 2), np.int64).T):
+        with pytest.raises(TypeError):  # converting it would fill a copy
+            _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY, index,
+                                     np.empty((2, 3), np.bool_))
 
 
 def test_an_attribute_that_raises_is_reported_as_a_bad_block():
@@ -128,3 +132,47 @@ def test_an_attribute_that_raises_is_reported_as_a_bad_block():
     pairs = [(KVCacheBlock(0, 1, True), Evil())]
     with pytest.raises(TypeError, match=r"^pairs\[0\] dst must be a KVCacheBlock"):
         check_batch(pairs, None, NUM_PRIMARY, NUM_SECONDARY, TOKENS)
+
+
+def test_a_getter_that_empties_the_list_of_pairs_is_survived():
+    """Python code run while the native pass reads a block may change the list it walks."""
+    pairs = random_pairs(np.random.default_rng(9), 4, mixed=False)
+
+    class Emptying(KVCacheBlock):
+        @property
+        def _slot_code(self):
+            pairs.clear()
+            return 2
+
+        @_slot_code.setter
+        def _slot_code(self, value):
+            pass
+
+    pairs[0] = (Emptying(0, 1, False), pairs[0][1])
+    found = _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY,
+                                     np.empty((2, 4), np.int64), np.empty((2, 4), np.bool_))
+    assert found is None and pairs == []
+
+
+def test_only_kv_cache_blocks_are_read_natively():
+    class LooksLikeABlock:
+        _slot_code = 3
+
+    with pytest.raises(TypeError, match=r"^pairs\[0\] src must be a KVCacheBlock"):
+        check_batch([(LooksLikeABlock(), KVCacheBlock(0, 1, True))], None, NUM_PRIMARY,
+                    NUM_SECONDARY, TOKENS)
+
+
+def test_keyboard_interrupt_while_reading_a_block_propagates():
+    class Interrupted(KVCacheBlock):
+        @property
+        def _slot_code(self):
+            raise KeyboardInterrupt
+
+        @_slot_code.setter
+        def _slot_code(self, value):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        check_batch([(Interrupted(0, 1, True), KVCacheBlock(1, 2, False))], None, NUM_PRIMARY,
+                    NUM_SECONDARY, TOKENS)
