@@ -31,8 +31,9 @@ def _check_common(doc: dict, sections=("host_overhead", "overlap", "bidirectiona
     for key in ("meta", "ceilings", "results", "targets", "elapsed_s", *sections):
         assert key in doc, key
     meta = doc["meta"]
-    for key in ("date", "gpu", "jax", "backend", "config", "notes"):
+    for key in ("date", "gpu", "jax", "backend", "config", "notes", "cpu", "cpu_count"):
         assert meta.get(key) is not None, key
+    assert meta["cpu"] and meta["cpu_count"] >= 1
     assert doc["ceilings"], "no ceiling measured"
     for c in doc["ceilings"]:
         assert c["gbps"] > 0
@@ -124,7 +125,7 @@ def test_target_lines_pick_the_deciding_figures():
     assert "naive 76x / 52x; trt_loop kernel 0.95x, best path 1.00x (least at d2h 4M n=T)" \
         in lines[2]
     assert lines[3].endswith("least +0.6% (ours_dma_stream_step_stream)")
-    assert lines[4].endswith("manager 246 / 226 us, recompiled=False")
+    assert "manager 246 / 226 us, recompiled=False (host: " in lines[4]
     assert lines[5].endswith("best 1.81x (ours_both_ways_dma)")
     assert target_lines({}) == []
 

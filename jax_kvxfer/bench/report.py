@@ -17,6 +17,18 @@ from .config import DIRECTIONS, KiB, fmt_size, geometry_for
 from .helpers import _gpu_name
 
 
+def _cpu_model() -> str:
+    """The host CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 class ReportMixin:
     """`Bench`'s JSON writing, targets, table, summary and plot (uses `BenchCore`'s state)."""
 
@@ -39,6 +51,9 @@ class ReportMixin:
             "jax_kvxfer": kvx_version,
             "cuda_handlers": HAS_CUDA_HANDLERS,
             "host": platform.node(),
+            # The manager's host time (target 6) follows the host's speed: name the CPU.
+            "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(),
             "argv": sys.argv,
             "config": {k: (sorted(v) if isinstance(v, set) else v)
                        for k, v in vars(self.cfg).items()},
@@ -383,7 +398,8 @@ def target_lines(t: dict[str, Any]) -> list[str]:
     verbs = [t6.get(f"{d} [manager {d}_blocks]") for d in ("offload", "onboard")]
     if all(v is not None for v in verbs):
         lines.append(f"target 6 (goal <= 200 us, no recompiles): manager {verbs[0]:.0f} / "
-                     f"{verbs[1]:.0f} us, recompiled={t6.get('recompiled_any')}")
+                     f"{verbs[1]:.0f} us, recompiled={t6.get('recompiled_any')} "
+                     f"(host: {_cpu_model()}, {os.cpu_count()} CPUs)")
     t7 = our_paths(t.get("7_bidir_factor", {}))
     if t7:
         best = max(t7, key=t7.get)
