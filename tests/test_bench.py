@@ -117,7 +117,7 @@ def test_target_lines_pick_the_deciding_figures():
                                 "recompiled_any": False},
          "7_bidir_factor": {"ours": 1.0, "ours_both_ways_dma": 1.81,
                             "memcpy_two_streams": 1.9, "goal": 1.6}}
-    lines = target_lines(t)
+    lines = target_lines(t, host="Some CPU, 16 CPUs")
     assert [line.split(" (")[0] for line in lines] == [
         "target 1", "target 2", "target 4", "target 5", "target 6", "target 7"]
     assert "span 92.4%, wall 89.1%, dma=True wall 94.6%; < 64K wall 88.6%" in lines[0]
@@ -125,7 +125,7 @@ def test_target_lines_pick_the_deciding_figures():
     assert "naive 76x / 52x; trt_loop kernel 0.95x, best path 1.00x (least at d2h 4M n=T)" \
         in lines[2]
     assert lines[3].endswith("least +0.6% (ours_dma_stream_step_stream)")
-    assert "manager 246 / 226 us, recompiled=False (host: " in lines[4]
+    assert lines[4].endswith("manager 246 / 226 us, recompiled=False (host: Some CPU, 16 CPUs)")
     assert lines[5].endswith("best 1.81x (ours_both_ways_dma)")
     assert target_lines({}) == []
 

@@ -289,7 +289,7 @@ class ReportMixin:
                 out.append(f"sharded x{r['devices']}: offload {r['offload_gbps']:.1f} / onboard "
                            f"{r['onboard_gbps']:.1f} GB/s aggregate{scale}{ceil}, "
                            f"verified={r['verified']}")
-        out += target_lines(self.targets())
+        out += target_lines(self.targets(), host=f"{_cpu_model()}, {os.cpu_count()} CPUs")
         return "\n".join(out)
 
     def plot(self) -> str | None:
@@ -346,11 +346,12 @@ class ReportMixin:
         return self.png_path
 
 
-def target_lines(t: dict[str, Any]) -> list[str]:
+def target_lines(t: dict[str, Any], host: str = "") -> list[str]:
     """One line per target of issue 4 measured in this run (from `targets()`), the figure that
     decides it first: for copies to and from the host the GPU timeline's span, which like the
     memcpy ceiling's CUDA events leaves out the host's dispatch before the GPU starts and its
-    wake-up after; the wall clock, which counts both once per sample, beside it."""
+    wake-up after; the wall clock, which counts both once per sample, beside it. `host`: the
+    run's host CPU, named on target 6's line (the manager's host time follows its speed)."""
     def pct(x: Any) -> str:
         return "-" if x is None else f"{x:.1%}"
 
@@ -398,8 +399,8 @@ def target_lines(t: dict[str, Any]) -> list[str]:
     verbs = [t6.get(f"{d} [manager {d}_blocks]") for d in ("offload", "onboard")]
     if all(v is not None for v in verbs):
         lines.append(f"target 6 (goal <= 200 us, no recompiles): manager {verbs[0]:.0f} / "
-                     f"{verbs[1]:.0f} us, recompiled={t6.get('recompiled_any')} "
-                     f"(host: {_cpu_model()}, {os.cpu_count()} CPUs)")
+                     f"{verbs[1]:.0f} us, recompiled={t6.get('recompiled_any')}"
+                     + (f" (host: {host})" if host else ""))
     t7 = our_paths(t.get("7_bidir_factor", {}))
     if t7:
         best = max(t7, key=t7.get)
