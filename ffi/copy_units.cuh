@@ -288,10 +288,11 @@ inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole
 
 // Whether a batch's units are kSmallUnitThreads threads: a partial batch copied with one CTA per
 // unit and without the fused scan (a large batch; also one pair, distinct destinations, the
-// staging gather). A 256-thread unit of a 16 KiB block at n = T/2 keeps 8 KiB in flight, 2
-// vectors per thread, and an SM holds 4 such units (56 registers); a small unit keeps the same 8
-// KiB with kUnroll vectors per thread, and an SM holds 9 of them (v21: 4,096 x 16 KiB T/2 62 ->
-// 80 % of the memcpy). The fused kernels keep kThreads: their batches are latency-bound. Host code.
+// staging gather). A 16 KiB block at n = T/2 (8 KiB) fills only 128 threads at kUnroll vectors
+// each (CopyRuns' lane rule), so a 256-thread unit idles half its threads and an SM holds 4
+// such units (56 registers); a small unit holds the same 8 KiB with all its threads, and an SM
+// holds 9 of them (52 registers; v21: 4,096 x 16 KiB T/2 62 -> 80 % of the memcpy). The fused
+// kernels keep kThreads: their batches are latency-bound. Host code.
 inline bool SmallUnits(const Batch& b, int64_t max_ctas) {
   return !b.whole_blocks && !b.scan_in_copy && max_ctas <= 0;
 }
