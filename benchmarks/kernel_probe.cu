@@ -35,13 +35,7 @@ __global__ void PerPair(char* dst, const char* src, const int* si, const int* di
   uint4* d = reinterpret_cast<uint4*>(dst + di[pair] * bytes);
   const int64_t n = bytes / 16, stride = ctas_per_pair * blockDim.x;
   for (int64_t base = cta * blockDim.x + threadIdx.x; base < n; base += stride * 4) {
-    uint4 v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (base + k * stride < n) v[k] = s[base + k * stride];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (base + k * stride < n) d[base + k * stride] = v[k];
+    probe::CopyVectors<4>(d, s, base, stride, n);
   }
 }
 
@@ -57,13 +51,7 @@ __global__ void Grid(char* dst, const char* src, const int* si, const int* di, i
     const uint4* s = reinterpret_cast<const uint4*>(src + si[pair] * bytes);
     uint4* d = reinterpret_cast<uint4*>(dst + di[pair] * bytes);
     const int64_t base = (t % tiles_per_block) * (tile / 16) + threadIdx.x;
-    uint4 v[U];
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (base + k * blockDim.x < n) v[k] = s[base + k * blockDim.x];
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (base + k * blockDim.x < n) d[base + k * blockDim.x] = v[k];
+    probe::CopyVectors<U>(d, s, base, blockDim.x, n);
   }
 }
 

@@ -1,5 +1,5 @@
-// What the standalone probes share: error checks and a GPU-time median that does not count
-// the host's enqueue time (the timed work waits behind a spin kernel).
+// What the standalone probes share: error checks, a GPU-time median that does not count the
+// host's enqueue time (the timed work waits behind a spin kernel), and a vector copy step.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -74,6 +74,20 @@ inline std::vector<int> Shuffled(int64_t n, std::mt19937& rng) {
   std::iota(v.begin(), v.end(), 0);
   std::shuffle(v.begin(), v.end(), rng);
   return v;
+}
+
+// Copies the U 16-byte vectors `step` apart from `base` that lie below `end`: all loaded, then
+// all stored, so that the loads are in flight together.
+template <int U>
+__device__ __forceinline__ void CopyVectors(uint4* __restrict__ d, const uint4* __restrict__ s,
+                                            int64_t base, int64_t step, int64_t end) {
+  uint4 v[U];
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+    if (base + k * step < end) v[k] = s[base + k * step];
+#pragma unroll
+  for (int k = 0; k < U; ++k)
+    if (base + k * step < end) d[base + k * step] = v[k];
 }
 
 inline int* ToDevice(const std::vector<int>& v) {

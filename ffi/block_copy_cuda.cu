@@ -81,7 +81,7 @@ template <typename V, int kCtaThreads, bool kScanInCopy, int kUnitThreads = kThr
 __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t units_per_pair) {
   if constexpr (kScanInCopy) {
     static_assert(kCtaThreads == kThreads && kUnitThreads == kThreads);
-    const int64_t u = blockIdx.x, pair = u / units_per_pair;
+    const int64_t u = blockIdx.x, pair = PairOfUnit(u, units_per_pair);
     if (b.whole_blocks) {  // loads first, then the scan (CopyWholeUnit)
       CopyWholeUnit<V>(b, u, units_per_pair, threadIdx.x,
                        [&] { return LaterWriterTokens(b, pair) >= b.g.tokens; });
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
     for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kUnitThreads; u < units;
          u += int64_t{gridDim.x} * per_cta) {
       CopyUnit<V, kUnitThreads>(b, u, units_per_pair, threadIdx.x % kUnitThreads,
-                                SupersededTokens(b, u / units_per_pair));
+                                SupersededTokens(b, PairOfUnit(u, units_per_pair)));
     }
   }
 }

@@ -106,6 +106,16 @@ KVXFER_DEVICE_INLINE int64_t SupersededTokens(const Batch& b, int64_t pair) {
   return b.claims ? LaterWriterTokensFromClaims(b, pair, b.first) : b.first[pair];
 }
 
+// unit / units_per_pair: the pair a work unit copies. In 32 bits where both fit (always, in
+// practice: a grid has at most 2^30 CTAs), since a 64-bit division is a long subroutine on the
+// GPU and stands before a unit's first load (benchmarks/floor_probe.cu: 0.1 us of a 2 us copy).
+KVXFER_DEVICE_INLINE int64_t PairOfUnit(int64_t unit, int64_t units_per_pair) {
+  if ((static_cast<uint64_t>(unit) | static_cast<uint64_t>(units_per_pair)) <= UINT32_MAX) {
+    return static_cast<uint32_t>(unit) / static_cast<uint32_t>(units_per_pair);
+  }
+  return unit / units_per_pair;
+}
+
 // Loads / stores the kUnroll vectors kStep apart from `base` that lie below `end`.
 template <typename V, int kStep>
 KVXFER_DEVICE_INLINE void LoadVectors(V (&v)[kUnroll], const V* s, int64_t base, int64_t end) {
@@ -195,11 +205,16 @@ KVXFER_DEVICE void CopyRuns(char* __restrict__ dst, const char* __restrict__ src
 template <typename V, int kUnitThreads = kThreads>
 KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
                          int64_t start) {
-  const int64_t pair = unit / units_per_pair;
-  const int64_t cta = unit % units_per_pair;
-  if (pair >= b.num_pairs || !PairValid(b, pair)) return;
+  const int64_t pair = PairOfUnit(unit, units_per_pair);
+  const int64_t cta = unit - pair * units_per_pair;
+  if (pair >= b.num_pairs) return;
+  // The pair's indices and its token count are loaded together, before the indices are checked
+  // (PairValid, then PairTokens, would wait for one memory latency, then for another).
+  const int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
+  const int32_t tokens = b.whole_blocks ? 0 : b.num_tokens[pair];
+  if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) return;  // PairValid
   const PoolGeometry& g = b.g;
-  const int64_t n = PairTokens(b, pair);
+  const int64_t n = b.whole_blocks ? g.tokens : TokensToCopy(tokens, g);  // PairTokens
   if (start >= n) return;
 
   int64_t runs = 1, run_bytes = g.block_bytes, pitch = 0, offset = 0;
@@ -209,8 +224,8 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
     pitch = g.tokens * g.row_bytes;
     offset = start * g.row_bytes;
   }
-  char* dst = b.dst.data + SlotOf(b.dst, b.dst_idx, pair) * g.block_bytes + offset;
-  const char* src = b.src.data + SlotOf(b.src, b.src_idx, pair) * g.block_bytes + offset;
+  char* dst = b.dst.data + (b.dst.by_pair ? pair : d) * g.block_bytes + offset;  // SlotOf
+  const char* src = b.src.data + (b.src.by_pair ? pair : s) * g.block_bytes + offset;
   CopyRuns<V, kUnitThreads>(dst, src, runs, run_bytes, pitch, cta * kUnitThreads + thread,
                             units_per_pair * kUnitThreads);
 }
@@ -225,11 +240,11 @@ template <typename V, typename Superseded>
 KVXFER_DEVICE void CopyWholeUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
                               Superseded superseded) {
   constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;
-  const int64_t pair = unit / units_per_pair;
+  const int64_t pair = PairOfUnit(unit, units_per_pair);
   const bool valid = pair < b.num_pairs && PairValid(b, pair);
   const int64_t per_block = b.g.block_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t step = units_per_pair * kChunk;
-  int64_t base = unit % units_per_pair * kChunk + thread;
+  int64_t base = (unit - pair * units_per_pair) * kChunk + thread;
   const V* __restrict__ s = nullptr;
   V* __restrict__ d = nullptr;
   V v[kUnroll];

@@ -3,11 +3,12 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [concurrency] [probe] [demo] [demo-dma] [sharded]
 #                        [demo-tp] [profile] [sanitize] [stress] [stress-dma] [partial-probe]
-#                        [pipeline] [trace] [large]
+#                        [floor-probe] [pipeline] [trace] [large]
 #   (default: tests bench demo). concurrency: the bench's overlap and bidirectional sections
 #   only. large: the sweep's ours / ours_unique for batches of 4,096 blocks of 16 and 64 KiB.
 #   probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
 #   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX);
+#   floor-probe: benchmarks/floor_probe.cu (how fast any copy of a small d2d batch can be, no JAX);
 #   pipeline: scripts/pipeline_probe.py (wall clock vs calls in flight, gaps between executions).
 #   profile: scripts/profile_manager.py (the manager's host time); trace: the same with --trace
 #   (the verb's host events under the profiler). sharded: the bench's
@@ -72,6 +73,14 @@ if has partial-probe; then
     && "$OUT/partial_probe.bin" >> "$OUT/partial-probe.txt" 2>&1
   summary+=("partial probe: exit $? ($(( $(date +%s) - t )) s)")
   rm -f "$OUT/partial_probe.bin"
+fi
+if has floor-probe; then
+  t=$(date +%s)
+  nvcc -O3 -std=c++17 -arch=sm_90 -DKVXFER_PROBE_LIBRARY -I ffi -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+    benchmarks/floor_probe.cu -o "$OUT/floor_probe.bin" > "$OUT/floor-probe-build.log" 2>&1 \
+    && "$OUT/floor_probe.bin" > "$OUT/floor-probe.txt" 2>&1
+  summary+=("floor probe: exit $? ($(( $(date +%s) - t )) s)")
+  rm -f "$OUT/floor_probe.bin"
 fi
 if has pipeline; then
   t=$(date +%s)
