@@ -62,9 +62,7 @@ struct Indices {
   int src[kPairs], dst[kPairs];
 };
 
-__global__ void Empty(int* sink) {
-  if (sink != nullptr && threadIdx.x == 0) sink[blockIdx.x] = 0;
-}
+__global__ void Empty() {}
 
 // Vectors [U * (blockIdx * threads) + threadIdx + k * threads], contiguous.
 template <int U>
@@ -260,8 +258,6 @@ int main(int argc, char** argv) {
   }
   int* d_si = probe::ToDevice(std::vector<int>(ix.src, ix.src + kPairs));
   int* d_di = probe::ToDevice(std::vector<int>(ix.dst, ix.dst + kPairs));
-  int* sink;
-  CHECK(cudaMalloc(&sink, 1 << 20));
   probe::Timer timer = probe::MakeTimer(repeats);
   int failures = 0;
 
@@ -275,6 +271,14 @@ int main(int argc, char** argv) {
     for (int64_t n : {geo.tokens, geo.tokens / 2}) {
       const int64_t moved = kPairs * geo.outer * n * geo.row_bytes, vecs = moved / 16;
       int* d_nt = probe::ToDevice(std::vector<int>(kPairs, static_cast<int>(n)));
+      const int grid2 = static_cast<int>(vecs / (kThreads * 2));  // CTAs of 256 x 2 vectors
+      const Partial p{b, a, block, geo.tokens * geo.row_bytes, geo.row_bytes / 16,
+                      Log2(n * geo.row_bytes / 16), Log2(vecs / kPairs)};
+#ifdef KVXFER_PROBE_LIBRARY
+      kvxfer::Batch lb{{b, false}, {a, false}, d_si, d_di, d_nt, nullptr, kPairs, kPairs, kPairs,
+                       kvxfer::PoolGeometry{geo.outer, geo.tokens, geo.row_bytes, block}};
+      lb.whole_blocks = n == geo.tokens;
+#endif
       auto report = [&](const std::string& what, double s) {
         char host[32] = "";
         if (last_host_s >= 0) std::snprintf(host, sizeof host, "  host %5.2f us/copy", last_host_s * 1e6);
@@ -291,9 +295,8 @@ int main(int argc, char** argv) {
         report("memcpy" + how, PerCopy(timer, issue, [&] {
                  CHECK(cudaMemcpyAsync(b, a, moved, cudaMemcpyDeviceToDevice, timer.stream));
                }));
-        const int grid2 = static_cast<int>(vecs / (kThreads * 2));
         report("empty" + how, PerCopy(timer, issue, [&] {
-                 Empty<<<grid2, kThreads, 0, timer.stream>>>(nullptr);
+                 Empty<<<grid2, kThreads, 0, timer.stream>>>();
                }));
         report("contig u2" + how, PerCopy(timer, issue, [&] {
                  Contig<2><<<grid2, kThreads, 0, timer.stream>>>(
@@ -303,8 +306,6 @@ int main(int argc, char** argv) {
                  Contig<4><<<grid2 / 2, kThreads, 0, timer.stream>>>(
                      reinterpret_cast<uint4*>(b), reinterpret_cast<const uint4*>(a), vecs);
                }));
-        const Partial p{b, a, block, geo.tokens * geo.row_bytes, geo.row_bytes / 16,
-                        Log2(n * geo.row_bytes / 16), Log2(vecs / kPairs)};
         report("indexed u2" + how, PerCopy(timer, issue, [&] {
                  Indexed<2><<<grid2, kThreads, 0, timer.stream>>>(p, d_si, d_di);
                }));
@@ -322,9 +323,6 @@ int main(int argc, char** argv) {
                  Params<2><<<grid2, kThreads, 0, timer.stream>>>(p, ix);
                }));
 #ifdef KVXFER_PROBE_LIBRARY
-        kvxfer::Batch lb{{b, false}, {a, false}, d_si, d_di, d_nt, nullptr, kPairs, kPairs, kPairs,
-                         kvxfer::PoolGeometry{geo.outer, geo.tokens, geo.row_bytes, block}};
-        lb.whole_blocks = n == geo.tokens;
         report("library" + how, PerCopy(timer, issue, [&] { LaunchLibrary(timer.stream, lb); }));
         report("library unit-major" + how,
                PerCopy(timer, issue, [&] { LaunchLibrary<true>(timer.stream, lb); }));
@@ -338,9 +336,7 @@ int main(int argc, char** argv) {
       }
       // Check the indexed copy once: fresh destination, one launch, compare with the host.
       CHECK(cudaMemset(b, 0, max_bytes));
-      const Partial p{b, a, block, geo.tokens * geo.row_bytes, geo.row_bytes / 16,
-                      Log2(n * geo.row_bytes / 16), Log2(vecs / kPairs)};
-      Indexed<2><<<static_cast<int>(vecs / (kThreads * 2)), kThreads>>>(p, d_si, d_di);
+      Indexed<2><<<grid2, kThreads>>>(p, d_si, d_di);
       CHECK(cudaDeviceSynchronize());
       std::vector<unsigned char> out(total);
       CHECK(cudaMemcpy(out.data(), b, total, cudaMemcpyDeviceToHost));
