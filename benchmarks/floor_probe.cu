@@ -26,9 +26,10 @@
 //   library         the library's own copy kernel for this batch with distinct destinations
 //                   (ffi/copy_units.cuh, launched as ffi/block_copy_cuda.cu launches it for
 //                   `unique_dst_indices=True`); built only with -DKVXFER_PROBE_LIBRARY and the
-//                   include paths of ffi/ and of jax.ffi.include_dir(). "library upp1": the
-//                   same kernel with one work unit per pair; "library unit-major": its units
-//                   in another order on the grid (every pair's first unit first).
+//                   include paths of ffi/ and of jax.ffi.include_dir(). Partial copies also
+//                   as "library x2" (twice the work units per pair), "library 256" (units of
+//                   256 threads, as the fused-scan kernel has), "library 256 x2" and "library
+//                   upp1" (one unit per pair).
 // The indexed variants are checked against a host reference once.
 #include <cuda_runtime.h>
 
@@ -127,30 +128,28 @@ __global__ void Params(Partial p, const __grid_constant__ Indices ix) {
 
 #ifdef KVXFER_PROBE_LIBRARY
 // CopyPairsKernel<uint4, kUnitThreads, false, kUnitThreads> of ffi/block_copy_cuda.cu: one work
-// unit per CTA, no duplicate scan. kUnitMajor: CTA u takes unit (u % pairs, u / pairs) instead
-// of the library's (u / units_per_pair, u % units_per_pair), so that every pair's first unit
-// comes before any pair's second ("library unit-major").
-template <int kUnitThreads, bool kUnitMajor = false>
+// unit per CTA, no duplicate scan.
+template <int kUnitThreads>
 __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t units_per_pair) {
   const int64_t units = b.num_pairs * units_per_pair;
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
-    const int64_t unit = kUnitMajor ? u % b.num_pairs * units_per_pair + u / b.num_pairs : u;
-    kvxfer::CopyUnit<uint4, kUnitThreads>(b, unit, units_per_pair, threadIdx.x, 0);
+    kvxfer::CopyUnit<uint4, kUnitThreads>(b, u, units_per_pair, threadIdx.x, 0);
   }
 }
 
-// Launches it as the handler does for a batch of distinct destinations (LaunchWith).
-template <bool kUnitMajor = false>
-void LaunchLibrary(cudaStream_t stream, const kvxfer::Batch& b) {
-  const bool small = kvxfer::SmallUnits(b, 0);
-  const int64_t threads = small ? kvxfer::kSmallUnitThreads : kvxfer::kThreads;
-  const int64_t upp = kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, threads);
+// Launches it as the handler does for a batch of distinct destinations (LaunchWith), with
+// `scale` times the work units per pair that UnitsPerPair gives ("library xN"), or with
+// `threads` threads per unit instead of the handler's choice.
+void LaunchLibrary(cudaStream_t stream, const kvxfer::Batch& b, int64_t scale = 1,
+                   int threads = 0) {
+  const bool small = threads ? threads == kvxfer::kSmallUnitThreads : kvxfer::SmallUnits(b, 0);
+  threads = small ? kvxfer::kSmallUnitThreads : kvxfer::kThreads;
+  const int64_t upp = scale * kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, threads);
   const auto ctas = static_cast<unsigned>(b.num_pairs * upp);
   if (small) {
-    Library<kvxfer::kSmallUnitThreads, kUnitMajor>
-        <<<ctas, kvxfer::kSmallUnitThreads, 0, stream>>>(b, upp);
+    Library<kvxfer::kSmallUnitThreads><<<ctas, kvxfer::kSmallUnitThreads, 0, stream>>>(b, upp);
   } else {
-    Library<kvxfer::kThreads, kUnitMajor><<<ctas, kvxfer::kThreads, 0, stream>>>(b, upp);
+    Library<kvxfer::kThreads><<<ctas, kvxfer::kThreads, 0, stream>>>(b, upp);
   }
 }
 #endif
@@ -324,9 +323,15 @@ int main(int argc, char** argv) {
                }));
 #ifdef KVXFER_PROBE_LIBRARY
         report("library" + how, PerCopy(timer, issue, [&] { LaunchLibrary(timer.stream, lb); }));
-        report("library unit-major" + how,
-               PerCopy(timer, issue, [&] { LaunchLibrary<true>(timer.stream, lb); }));
         if (!lb.whole_blocks) {
+          report("library x2" + how,
+                 PerCopy(timer, issue, [&] { LaunchLibrary(timer.stream, lb, 2); }));
+          report("library 256" + how, PerCopy(timer, issue, [&] {
+                   LaunchLibrary(timer.stream, lb, 1, kvxfer::kThreads);
+                 }));
+          report("library 256 x2" + how, PerCopy(timer, issue, [&] {
+                   LaunchLibrary(timer.stream, lb, 2, kvxfer::kThreads);
+                 }));
           report("library upp1" + how, PerCopy(timer, issue, [&] {
                    Library<kvxfer::kSmallUnitThreads>
                        <<<kPairs, kvxfer::kSmallUnitThreads, 0, timer.stream>>>(lb, 1);

@@ -302,14 +302,21 @@ inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole
 }
 
 // Whether a batch's units are kSmallUnitThreads threads: a partial batch copied with one CTA per
-// unit and without the fused scan (a large batch; also one pair, distinct destinations, the
-// staging gather). A 16 KiB block at n = T/2 (8 KiB) fills only 128 threads at kUnroll vectors
-// each (CopyRuns' lane rule), so a 256-thread unit idles half its threads and an SM holds 4
-// such units (56 registers); a small unit holds the same 8 KiB with all its threads, and an SM
-// holds 9 of them (52 registers; v21: 4,096 x 16 KiB T/2 62 -> 80 % of the memcpy). The fused
-// kernels keep kThreads: their batches are latency-bound. Host code.
+// unit and without the fused scan, too large for its kThreads-thread units to be resident at
+// once. A 16 KiB block at n = T/2 (8 KiB) fills only 128 threads at kUnroll vectors each
+// (CopyRuns' lane rule), so a 256-thread unit idles half its threads and an SM holds 4 such
+// units (56 registers); a small unit holds the same 8 KiB with all its threads, and an SM holds
+// 9 of them (v21: 4,096 x 16 KiB T/2 62 -> 80 % of the memcpy). A batch whose kThreads-thread
+// units all fit at once keeps them: it is bound by one unit's latency, and more, smaller CTAs
+// only add launch work (v24, replayed from a graph: 256 x 16 KiB T/2 2.39 -> 2.29 us a copy,
+// where the second small unit of each pair found no run to copy; 64 KiB T/2 within 0.06 us).
+// The fused kernels keep kThreads too. Host code.
+// H200: 132 SMs x 4 CTAs of kThreads threads, as the copy kernels' 56-58 registers per thread
+// allow (kOneWaveCtas counts the 8 that the thread limit would; UnitsPerPair was tuned with it).
+constexpr int64_t kResidentCtas = 528;
 inline bool SmallUnits(const Batch& b, int64_t max_ctas) {
-  return !b.whole_blocks && !b.scan_in_copy && max_ctas <= 0;
+  return !b.whole_blocks && !b.scan_in_copy && max_ctas <= 0 &&
+         b.num_pairs > kResidentCtas / UnitsPerPair(b.g, b.num_pairs, false);
 }
 
 // One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart
