@@ -23,9 +23,11 @@
 //   indexed u4x128  CTAs of 128 threads, 4 vectors each (the library's small units' shape).
 //   indexed +div    the pair found by a 64-bit division (as the library's units find it).
 //   indexed +tokens each pair's token count read with its indices, bounding the copy.
-//   library         the library's own copy kernel for this batch with distinct destinations
-//                   (ffi/copy_units.cuh, launched as ffi/block_copy_cuda.cu launches it for
-//                   `unique_dst_indices=True`); built only with -DKVXFER_PROBE_LIBRARY and the
+//   library         the library's general copy units (ffi/copy_units.cuh's CopyUnit, launched
+//                   as ffi/block_copy_cuda.cu's LaunchWith launches them for distinct
+//                   destinations; since v25 the handler gives such partial batches of up to
+//                   1,056 CTAs its lean kernel instead, not timed here yet, and the general
+//                   units only whole blocks); built only with -DKVXFER_PROBE_LIBRARY and the
 //                   include paths of ffi/ and of jax.ffi.include_dir(). Partial copies also
 //                   as "library x2" (twice the work units per pair), "library 256" (units of
 //                   256 threads, as the fused-scan kernel has), "library 256 x2" and "library
@@ -137,7 +139,7 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
   }
 }
 
-// Launches it as the handler does for a batch of distinct destinations (LaunchWith), with
+// Launches it as the handler's LaunchWith does for a batch of distinct destinations, with
 // `scale` times the work units per pair that UnitsPerPair gives ("library xN"), or with
 // `threads` threads per unit instead of the handler's choice.
 void LaunchLibrary(cudaStream_t stream, const kvxfer::Batch& b, int64_t scale = 1,

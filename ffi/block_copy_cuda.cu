@@ -6,8 +6,9 @@
 // the kernel path does not query pointer attributes.
 //
 // Two ways to copy:
-//  - the kernel (CopyPairsKernel): any batch; it reads the indices on the GPU, and its loads
-//    and stores occupy SMs for as long as the copy lasts;
+//  - the kernel (CopyPairsKernel; CopyLeanKernel for the partial batches LeanShapeFor takes):
+//    any batch; it reads the indices on the GPU, and its loads and stores occupy SMs for as
+//    long as the copy lasts;
 //  - the copy engines (dma=true, TryDma): cudaMemcpyBatchAsync / cudaMemcpy2DAsync, no SMs, so
 //    a copy on a stream of its own leaves every SM to compute running beside it. Only between
 //    device and pinned host memory, and only when the index arrays (and the token counts,
@@ -99,6 +100,12 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
   }
 }
 
+// LeanShapeFor's batches: one thread per (pair, run, lane); 8 CTAs per SM at most 32 registers.
+__global__ void __launch_bounds__(kThreads, 8)
+    CopyLeanKernel(Batch b, int pair_threads_log2, int lanes_log2) {
+  CopyLeanThread<uint4>(b, blockIdx.x * kThreads + threadIdx.x, pair_threads_log2, lanes_log2);
+}
+
 // Grid: ceil(num_pairs / kThreads) of kThreads. last[d]: the greatest valid pair writing d, or
 // -1 as set before (ClaimLastWriter).
 __global__ void __launch_bounds__(kThreads) ClaimLastWritersKernel(Batch b, int32_t* last) {
@@ -155,7 +162,14 @@ void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
 // max_ctas <= 0: one CTA per work unit (what a device-to-device copy needs to fill HBM);
 // otherwise at most max_ctas CTAs of kCappedCtaThreads threads.
 ffi::Error Launch(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
-  switch (VectorBytes(b)) {
+  const int vector_bytes = VectorBytes(b);
+  if (LeanShape lean; LeanShapeFor(b, vector_bytes, max_ctas, &lean)) {
+    CopyLeanKernel<<<static_cast<unsigned>(lean.ctas), kThreads, 0, stream>>>(
+        b, lean.pair_threads_log2, lean.lanes_log2);
+    cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
+  }
+  switch (vector_bytes) {
     case 16:
       LaunchWith<uint4>(stream, b, max_ctas);
       break;

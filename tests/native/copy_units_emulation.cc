@@ -1,5 +1,6 @@
 // Host emulation of the copy kernel's work distribution (ffi/copy_units.cuh), for machines
-// without a GPU: runs CopyUnit for every work unit and thread of a launch, one after another,
+// without a GPU: runs CopyUnit for every work unit and thread of a launch (CopyLeanThread for
+// every thread of the lean copy's grid, where the handler takes it), one after another,
 // and checks the result against a reference that applies the pairs in order. Also runs the copy
 // engines' plan (PlanDmaCopies) with memcpy: in plan order when it reports two pairs writing one
 // block, in reverse order otherwise (it promises that any order gives the same result). And
@@ -157,10 +158,19 @@ std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
   return "";
 }
 
-// The units the handler launches for this batch: kSmallUnitThreads threads where SmallUnits
-// says so (a partial batch without the fused scan), otherwise kThreads.
+// The threads the handler launches for this batch: the lean copy's where LeanShapeFor takes
+// it; otherwise units of kSmallUnitThreads threads where SmallUnits says so (a large partial
+// batch without the fused scan), or of kThreads.
 template <typename V>
 void Emulate(const Batch& b, bool reverse) {
+  if (kvxfer::LeanShape lean; kvxfer::LeanShapeFor(b, sizeof(V), /*max_ctas=*/0, &lean)) {
+    const int64_t threads = lean.ctas * kvxfer::kThreads;
+    for (int64_t k = 0; k < threads; ++k) {
+      const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
+      kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2);
+    }
+    return;
+  }
   const bool small = kvxfer::SmallUnits(b, /*max_ctas=*/0);
   const int unit_threads = small ? kvxfer::kSmallUnitThreads : kvxfer::kThreads;
   const int64_t units_per_pair =
@@ -283,12 +293,17 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   const bool whole_hint = all_whole && (rng() & 1);
 
   // kernel forward, kernel reverse (both with the scan's answers), kernel reverse with the
-  // claims (as after ClaimLastWritersKernel), copy engines.
-  for (int mode = 0; mode < 4; ++mode) {
-    const bool reverse = mode == 1 || mode == 2, claims = mode == 2, dma = mode == 3;
-    if ((dma || claims) && c.gather) continue;
-    const char* name =
-        dma ? "copy engines" : claims ? "reverse, claims" : reverse ? "reverse" : "forward";
+  // claims (as after ClaimLastWritersKernel), copy engines, and, where no two pairs write one
+  // block, kernel reverse with no scan at all (unique_dst_indices=True: the lean copy).
+  for (int mode = 0; mode < 5; ++mode) {
+    const bool reverse = mode == 1 || mode == 2 || mode == 4, claims = mode == 2, dma = mode == 3;
+    const bool unique = mode == 4;
+    if ((dma || claims || unique) && c.gather) continue;
+    if (unique && HasDuplicateDestinations(c)) continue;
+    const char* name = unique ? "reverse, no scan"
+                       : dma  ? "copy engines"
+                       : claims ? "reverse, claims"
+                       : reverse ? "reverse" : "forward";
     Buffer dst(dst_slots * c.g.block_bytes);
     if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
     Batch b{{reinterpret_cast<char*>(dst.data()), c.gather},
@@ -296,7 +311,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.src_idx.data(),
             c.dst_idx.data(),
             c.tokens.data(),
-            c.gather || c.num_pairs == 1 ? nullptr : first.data(),
+            c.gather || c.num_pairs == 1 || unique ? nullptr : first.data(),
             c.num_pairs,
             c.src_blocks,
             c.dst_blocks,
