@@ -213,7 +213,7 @@ Case RandomCase(std::mt19937_64& rng) {
     return *(xs.begin() + std::uniform_int_distribution<size_t>(0, xs.size() - 1)(rng));
   };
   Case c;
-  c.g.outer = pick({1, 2, 3, 8, 17, 64, 128});
+  c.g.outer = pick({1, 2, 3, 5, 8, 12, 17, 64, 128});
   c.g.tokens = pick({1, 2, 6, 16, 32});
   if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) {
     // 4-bit rows of 3 elements: a row is not a whole number of bytes, only whole blocks copy
