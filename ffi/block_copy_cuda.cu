@@ -135,6 +135,11 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 
 template <typename V>
 void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
+  if (LeanShape lean; LeanShapeFor(b, sizeof(V), max_ctas, &lean)) {  // 16-byte vectors only
+    CopyLeanKernel<<<static_cast<unsigned>(lean.ctas), kThreads, 0, stream>>>(
+        b, lean.pair_threads_log2, lean.lanes_log2);
+    return;
+  }
   if (SmallUnits(b, max_ctas)) {
     const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs, false, kSmallUnitThreads);
     const int64_t ctas = std::min<int64_t>(b.num_pairs * units_per_pair, int64_t{1} << 30);
@@ -162,14 +167,7 @@ void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
 // max_ctas <= 0: one CTA per work unit (what a device-to-device copy needs to fill HBM);
 // otherwise at most max_ctas CTAs of kCappedCtaThreads threads.
 ffi::Error Launch(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
-  const int vector_bytes = VectorBytes(b);
-  if (LeanShape lean; LeanShapeFor(b, vector_bytes, max_ctas, &lean)) {
-    CopyLeanKernel<<<static_cast<unsigned>(lean.ctas), kThreads, 0, stream>>>(
-        b, lean.pair_threads_log2, lean.lanes_log2);
-    cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
-  }
-  switch (vector_bytes) {
+  switch (VectorBytes(b)) {
     case 16:
       LaunchWith<uint4>(stream, b, max_ctas);
       break;

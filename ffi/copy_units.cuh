@@ -51,9 +51,11 @@ struct Batch {
 };
 
 // Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
-KVXFER_DEVICE_INLINE bool PairValid(const Batch& b, int64_t pair) {
-  int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
+KVXFER_HOST_DEVICE inline bool IndicesInRange(const Batch& b, int64_t s, int64_t d) {
   return s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;
+}
+KVXFER_DEVICE_INLINE bool PairValid(const Batch& b, int64_t pair) {
+  return IndicesInRange(b, b.src_idx[pair], b.dst_idx[pair]);
 }
 
 // The tokens pair `pair` copies. A batch known on the host to copy whole blocks never reads
@@ -212,7 +214,7 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
   // (PairValid, then PairTokens, would wait for one memory latency, then for another).
   const int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
   const int32_t tokens = b.whole_blocks ? 0 : b.num_tokens[pair];
-  if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) return;  // PairValid
+  if (!IndicesInRange(b, s, d)) return;
   const PoolGeometry& g = b.g;
   const int64_t n = b.whole_blocks ? g.tokens : TokensToCopy(tokens, g);  // PairTokens
   if (start >= n) return;
@@ -344,8 +346,7 @@ constexpr int64_t kLeanResidentCtas = 1056;
 inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, LeanShape* shape) {
   const PoolGeometry& g = b.g;
   if (b.whole_blocks || b.scan_in_copy || b.first != nullptr || max_ctas > 0 ||
-      vector_bytes != 16 || g.row_bytes <= 0 || g.outer <= 0 || b.num_pairs <= 0 ||
-      g.block_bytes / 16 > INT32_MAX) {
+      vector_bytes != 16 || g.row_bytes <= 0 || g.outer <= 0 || b.num_pairs <= 0) {
     return false;
   }
   const int64_t vectors = g.block_bytes / 16;
@@ -355,6 +356,8 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
   while ((int64_t{2} << lanes) * g.outer <= (int64_t{1} << p)) ++lanes;
   constexpr int kMinLanesLog2 = 3;  // 8 lanes x 16 bytes: a 128-byte line
   const int64_t ctas = (b.num_pairs * (int64_t{1} << p) + kThreads - 1) / kThreads;
+  // The grid's bound also keeps P <= 2^18, so a block's vectors (<= 4P) fit the thread's
+  // 32-bit offsets.
   if (lanes < kMinLanesLog2 || ctas > kLeanResidentCtas) return false;
   *shape = {p, lanes, ctas};
   return true;
@@ -372,7 +375,7 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
   // indices and token count loaded together, then checked (as CopyUnit)
   const int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
   const int32_t tokens = b.num_tokens[pair];
-  if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) return;  // PairValid
+  if (!IndicesInRange(b, s, d)) return;
   const uint32_t row_vectors = static_cast<uint32_t>(b.g.row_bytes / sizeof(V));
   const uint32_t per_run = static_cast<uint32_t>(TokensToCopy(tokens, b.g)) * row_vectors;
   const uint32_t first = run * static_cast<uint32_t>(b.g.tokens) * row_vectors;  // in the block
@@ -418,7 +421,7 @@ inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
   bool last_whole = false;
   for (int64_t i = 0; i < b.num_pairs; ++i) {
     const int64_t s = b.src_idx[i], d = b.dst_idx[i];
-    if (s < 0 || s >= b.src_blocks || d < 0 || d >= b.dst_blocks) continue;
+    if (!IndicesInRange(b, s, d)) continue;
     duplicates = duplicates || written[d];
     written[d] = true;
     const int64_t n = PairTokens(b, i);
