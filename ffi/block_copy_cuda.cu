@@ -101,9 +101,17 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
 }
 
 // LeanShapeFor's batches: one thread per (pair, run, lane); 8 CTAs per SM at most 32 registers.
+// kScanInCopy: every CTA lies within one pair and scans for its later writers itself.
+template <bool kScanInCopy>
 __global__ void __launch_bounds__(kThreads, 8)
     CopyLeanKernel(Batch b, int pair_threads_log2, int lanes_log2) {
-  CopyLeanThread<uint4>(b, blockIdx.x * kThreads + threadIdx.x, pair_threads_log2, lanes_log2);
+  const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
+  if constexpr (kScanInCopy) {
+    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                          [&](uint32_t pair) { return LaterWriterTokens(b, pair); });
+  } else {
+    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) { return 0; });
+  }
 }
 
 // Grid: ceil(num_pairs / kThreads) of kThreads. last[d]: the greatest valid pair writing d, or
@@ -136,8 +144,9 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 template <typename V>
 void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
   if (LeanShape lean; LeanShapeFor(b, sizeof(V), max_ctas, &lean)) {  // 16-byte vectors only
-    CopyLeanKernel<<<static_cast<unsigned>(lean.ctas), kThreads, 0, stream>>>(
-        b, lean.pair_threads_log2, lean.lanes_log2);
+    const auto copy = b.scan_in_copy ? CopyLeanKernel<true> : CopyLeanKernel<false>;
+    copy<<<static_cast<unsigned>(lean.ctas), kThreads, 0, stream>>>(b, lean.pair_threads_log2,
+                                                                    lean.lanes_log2);
     return;
   }
   if (SmallUnits(b, max_ctas)) {

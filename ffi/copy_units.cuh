@@ -321,9 +321,10 @@ inline bool SmallUnits(const Batch& b, int64_t max_ctas) {
          b.num_pairs > kResidentCtas / UnitsPerPair(b.g, b.num_pairs, false);
 }
 
-// -- Lean partial copies (v25) --------------------------------------------------------------
+// -- Lean partial copies (v25, v26) ---------------------------------------------------------
 // A partial batch with nothing to scan (distinct destinations promised, one pair, or the staging
-// gather), 16-byte vectors, and few enough threads that the GPU holds them all at once: each pair
+// gather) or whose copy scans for later writers itself with at least kThreads threads per pair
+// (v26), 16-byte vectors, and few enough threads that the GPU holds them all at once: each pair
 // gets P threads (a power of two, a quarter of the block's vectors: two vectors a thread at
 // n = T/2), each run of the block G = P / runs lanes (a power of two, at least 8: a 128-byte
 // line per group and instruction), and a lane copies the run's vectors lane, lane + G, ...,
@@ -333,7 +334,9 @@ inline bool SmallUnits(const Batch& b, int64_t max_ctas) {
 // 256 x 64 KiB batch at T/2 then gives each thread four vectors; a copy of the same runs with
 // two vectors a thread took 3.6-3.8 us against their 4.1 (benchmarks/floor_probe.cu). v25,
 // device to device with distinct destinations: 256 x 16 KiB T/2 61 -> 66-72 % of the memcpy in
-// GPU time, 64 KiB T/2 79 -> 82 %; the host directions unchanged.
+// GPU time, 64 KiB T/2 79 -> 82 %; the host directions unchanged. v26, the default copy (the
+// scan fused in) device to device: 256 x 64 KiB T/2 67-70 -> 69-73 %, T-1 88-92 -> 95-100 %;
+// n = 1 (not a target) 7 -> 5.5 %.
 struct LeanShape {
   int pair_threads_log2 = 0;  // P = 2^pair_threads_log2 threads per pair
   int lanes_log2 = 0;         // G = 2^lanes_log2 lanes per run
@@ -345,10 +348,14 @@ constexpr int64_t kLeanResidentCtas = 1056;
 // Whether the batch takes the lean copy, and its shape. Host code.
 inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, LeanShape* shape) {
   const PoolGeometry& g = b.g;
-  if (b.whole_blocks || b.scan_in_copy || b.first != nullptr || max_ctas > 0 ||
-      vector_bytes != 16 || g.row_bytes <= 0 || g.outer <= 0 || b.num_pairs <= 0) {
+  if (b.whole_blocks || max_ctas > 0 || vector_bytes != 16 || g.row_bytes <= 0 ||
+      g.outer <= 0 || b.num_pairs <= 0) {
     return false;
   }
+  // A batch whose copy scans for later writers itself (the handler leaves `first` null then;
+  // the host emulation passes the scan's answers in it) needs every CTA within one pair (P >=
+  // kThreads), for the scan's barrier; any other batch must need no scan.
+  if (!b.scan_in_copy && b.first != nullptr) return false;
   const int64_t vectors = g.block_bytes / 16;
   int p = 0;
   while ((int64_t{1} << p) * kUnroll < vectors) ++p;
@@ -359,41 +366,60 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
   // The grid's bound also keeps P <= 2^18, so a block's vectors (<= 4P) fit the thread's
   // 32-bit offsets.
   if (lanes < kMinLanesLog2 || ctas > kLeanResidentCtas) return false;
+  // With P >= kThreads, num_pairs <= ctas <= 1,056: each CTA's scan reads at most that many
+  // later pairs.
+  if (b.scan_in_copy && (int64_t{1} << p) < kThreads) return false;
   *shape = {p, lanes, ctas};
   return true;
 }
 
 // Thread `t` of the lean copy's grid (LeanShapeFor): pair t >> pair_threads_log2, run and lane
-// from the rest. Copies tokens [0, n) of that run.
-template <typename V>
+// from the rest. Copies tokens [start(pair), n) of that run, where start(pair) is the tokens a
+// later pair writes anyway. Every thread calls start(pair), also those with nothing to copy:
+// in the kernel that scans itself it is the scan, a barrier of the CTA (whose threads all copy
+// one pair). It answers before the first loads: loading first and holding the vectors across
+// the scan took 48 registers a thread and was no faster (v26).
+template <typename V, typename Start>
 KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_threads_log2,
-                                         int lanes_log2) {
+                                         int lanes_log2, Start start) {
   const uint32_t pair = t >> pair_threads_log2;
   const uint32_t rank = t & ((1u << pair_threads_log2) - 1);
   const uint32_t run = rank >> lanes_log2, lane = rank & ((1u << lanes_log2) - 1);
-  if (pair >= b.num_pairs || run >= b.g.outer) return;
-  // indices and token count loaded together, then checked (as CopyUnit)
-  const int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
-  const int32_t tokens = b.num_tokens[pair];
-  if (!IndicesInRange(b, s, d)) return;
   const uint32_t row_vectors = static_cast<uint32_t>(b.g.row_bytes / sizeof(V));
-  const uint32_t per_run = static_cast<uint32_t>(TokensToCopy(tokens, b.g)) * row_vectors;
-  const uint32_t first = run * static_cast<uint32_t>(b.g.tokens) * row_vectors;  // in the block
-  const V* __restrict__ src =
-      reinterpret_cast<const V*>(b.src.data + (b.src.by_pair ? pair : s) * b.g.block_bytes) +
-      first;
-  V* __restrict__ dst =
-      reinterpret_cast<V*>(b.dst.data + (b.dst.by_pair ? pair : d) * b.g.block_bytes) + first;
+  uint32_t per_run = 0;  // the vectors of this thread's run that the pair copies
+  const V* __restrict__ src = nullptr;
+  V* __restrict__ dst = nullptr;
+  if (pair < b.num_pairs && run < b.g.outer) {
+    // indices and token count loaded together, then checked (as CopyUnit)
+    const int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
+    const int32_t tokens = b.num_tokens[pair];
+    if (IndicesInRange(b, s, d)) {
+      per_run = static_cast<uint32_t>(TokensToCopy(tokens, b.g)) * row_vectors;
+      const uint32_t first = run * static_cast<uint32_t>(b.g.tokens) * row_vectors;
+      src = reinterpret_cast<const V*>(b.src.data +
+                                       (b.src.by_pair ? pair : s) * b.g.block_bytes) + first;
+      dst = reinterpret_cast<V*>(b.dst.data + (b.dst.by_pair ? pair : d) * b.g.block_bytes) +
+            first;
+    }
+  }
+  const uint32_t from = static_cast<uint32_t>(start(pair)) * row_vectors;
   const uint32_t lanes = 1u << lanes_log2;
-  for (uint32_t base = lane; base < per_run; base += lanes * kUnroll) {
-    V v[kUnroll];
+  V v[kUnroll];
+  uint32_t base = lane;
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
+  }
+  while (base < per_run) {
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint32_t at = base + k * lanes;
+      if (at >= from && at < per_run) dst[at] = v[k];
+    }
+    base += lanes * kUnroll;
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
-    }
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      if (base + k * lanes < per_run) dst[base + k * lanes] = v[k];
     }
   }
 }

@@ -167,7 +167,8 @@ void Emulate(const Batch& b, bool reverse) {
     const int64_t threads = lean.ctas * kvxfer::kThreads;
     for (int64_t k = 0; k < threads; ++k) {
       const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
-      kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2);
+      kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2,
+                                [&](uint32_t pair) { return kvxfer::SupersededTokens(b, pair); });
     }
     return;
   }
@@ -293,14 +294,17 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   const bool whole_hint = all_whole && (rng() & 1);
 
   // kernel forward, kernel reverse (both with the scan's answers), kernel reverse with the
-  // claims (as after ClaimLastWritersKernel), copy engines, and, where no two pairs write one
-  // block, kernel reverse with no scan at all (unique_dst_indices=True: the lean copy).
-  for (int mode = 0; mode < 5; ++mode) {
-    const bool reverse = mode == 1 || mode == 2 || mode == 4, claims = mode == 2, dma = mode == 3;
-    const bool unique = mode == 4;
+  // claims (as after ClaimLastWritersKernel), copy engines, where no two pairs write one block
+  // kernel reverse with no scan at all (unique_dst_indices=True: the lean copy), and the kernel
+  // that scans itself in reverse (forward, a pair that ignored the scan would still lose to the
+  // later writer).
+  for (int mode = 0; mode < 6; ++mode) {
+    const bool reverse = mode != 0 && mode != 3, claims = mode == 2, dma = mode == 3;
+    const bool unique = mode == 4, fused = mode == 0 || mode == 5;
     if ((dma || claims || unique) && c.gather) continue;
     if (unique && HasDuplicateDestinations(c)) continue;
-    const char* name = unique ? "reverse, no scan"
+    const char* name = mode == 5 ? "reverse, scanning itself"
+                       : unique ? "reverse, no scan"
                        : dma  ? "copy engines"
                        : claims ? "reverse, claims"
                        : reverse ? "reverse" : "forward";
@@ -317,7 +321,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             c.dst_blocks,
             c.g};
     b.whole_blocks = whole_hint;
-    b.scan_in_copy = !reverse;  // forward: the fused kernel's units; reverse: the non-fused one's
+    b.scan_in_copy = fused;  // the fused kernel's units (its scan's answers in `first`)
     if (whole_hint) b.num_tokens = nullptr;
     if (claims && c.num_pairs > 1) {
       b.first = last.data();
