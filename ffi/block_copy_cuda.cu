@@ -46,10 +46,12 @@ std::atomic<int64_t> dma_batches{0};  // batches copied by the copy engines (rea
 // The most tokens that a pair after `i` with the same destination writes (0: none): pair i then
 // copies only the tokens above that, so the last pair wins without two CTAs writing the same
 // bytes. Every thread of a kThreads-thread CTA calls it, and every one gets the answer.
-// In the fused kernel this scan stands before the copy's first load, so it is written for
-// latency: the pair's own indices and the later pairs' are loaded with no branch between them
-// (one memory latency, not two), and the maximum is taken within warps by shuffles, with one
-// barrier (not eight).
+// In the fused kernels this scan stands before the copy's first load (or its first store), so
+// it is written for latency: the pair's own indices and the later pairs' destinations are loaded
+// with no branch between them (one memory latency, not two), and one barrier that also answers
+// whether any of them matches (__syncthreads_or) ends the scan of a block no later pair writes,
+// the usual case. Only then are the matches' sources and token counts read, and their maximum
+// taken within warps by shuffles, with one more barrier.
 __device__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
   __shared__ int32_t warp_best[kThreads / 32];
   int32_t s = -1, d = -1;
@@ -57,15 +59,21 @@ __device__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
     s = b.src_idx[i];
     d = b.dst_idx[i];
   }
+  bool written_again = false;
+  for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
+    written_again |= b.dst_idx[j] == d;
+  }
+  const bool valid = s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;  // PairValid
+  if (!__syncthreads_or(valid && written_again)) return 0;
   int32_t m = 0;
   for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
-    const int32_t dj = b.dst_idx[j], sj = b.src_idx[j];
+    if (b.dst_idx[j] != d) continue;
+    const int32_t sj = b.src_idx[j];
     const int32_t nj = b.whole_blocks ? 0 : b.num_tokens[j];  // 0: whole (see PairTokens)
-    if (dj == d && sj >= 0 && sj < b.src_blocks) {  // dj is in range when d is (checked below)
+    if (sj >= 0 && sj < b.src_blocks) {  // dj == d is in range (checked above)
       m = max(m, static_cast<int32_t>(TokensToCopy(nj, b.g)));
     }
   }
-  if (!(s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks)) m = 0;  // PairValid(b, i)
   for (int lanes = 16; lanes > 0; lanes /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, lanes));
   if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = m;
   __syncthreads();

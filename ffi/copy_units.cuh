@@ -336,7 +336,9 @@ inline bool SmallUnits(const Batch& b, int64_t max_ctas) {
 // device to device with distinct destinations: 256 x 16 KiB T/2 61 -> 66-72 % of the memcpy in
 // GPU time, 64 KiB T/2 79 -> 82 %; the host directions unchanged. v26, the default copy (the
 // scan fused in) device to device: 256 x 64 KiB T/2 67-70 -> 69-73 %, T-1 88-92 -> 95-100 %;
-// n = 1 (not a target) 7 -> 5.5 %.
+// n = 1 (not a target) 7 -> 5.5 %. v27, the scan's loads issued in the same memory latency as
+// the pair's own (before the branch on its indices, where v26 had them after): 64 KiB T/2
+// 72 -> 73-78 %, 16 KiB T/2 56-57 -> 59-64 %.
 struct LeanShape {
   int pair_threads_log2 = 0;  // P = 2^pair_threads_log2 threads per pair
   int lanes_log2 = 0;         // G = 2^lanes_log2 lanes per run
@@ -386,23 +388,26 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
   const uint32_t rank = t & ((1u << pair_threads_log2) - 1);
   const uint32_t run = rank >> lanes_log2, lane = rank & ((1u << lanes_log2) - 1);
   const uint32_t row_vectors = static_cast<uint32_t>(b.g.row_bytes / sizeof(V));
+  // The pair's indices and token count, loaded together, and the scan's loads with them: no
+  // branch on a loaded value stands between them (one memory latency, not two).
+  int64_t s = -1, d = -1;
+  int32_t tokens = 0;
+  if (pair < b.num_pairs) {
+    s = b.src_idx[pair];
+    d = b.dst_idx[pair];
+    tokens = b.num_tokens[pair];
+  }
+  const uint32_t from = static_cast<uint32_t>(start(pair)) * row_vectors;
   uint32_t per_run = 0;  // the vectors of this thread's run that the pair copies
   const V* __restrict__ src = nullptr;
   V* __restrict__ dst = nullptr;
-  if (pair < b.num_pairs && run < b.g.outer) {
-    // indices and token count loaded together, then checked (as CopyUnit)
-    const int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
-    const int32_t tokens = b.num_tokens[pair];
-    if (IndicesInRange(b, s, d)) {
-      per_run = static_cast<uint32_t>(TokensToCopy(tokens, b.g)) * row_vectors;
-      const uint32_t first = run * static_cast<uint32_t>(b.g.tokens) * row_vectors;
-      src = reinterpret_cast<const V*>(b.src.data +
-                                       (b.src.by_pair ? pair : s) * b.g.block_bytes) + first;
-      dst = reinterpret_cast<V*>(b.dst.data + (b.dst.by_pair ? pair : d) * b.g.block_bytes) +
-            first;
-    }
+  if (run < b.g.outer && IndicesInRange(b, s, d)) {
+    per_run = static_cast<uint32_t>(TokensToCopy(tokens, b.g)) * row_vectors;
+    const uint32_t first = run * static_cast<uint32_t>(b.g.tokens) * row_vectors;
+    src = reinterpret_cast<const V*>(b.src.data + (b.src.by_pair ? pair : s) * b.g.block_bytes) +
+          first;
+    dst = reinterpret_cast<V*>(b.dst.data + (b.dst.by_pair ? pair : d) * b.g.block_bytes) + first;
   }
-  const uint32_t from = static_cast<uint32_t>(start(pair)) * row_vectors;
   const uint32_t lanes = 1u << lanes_log2;
   V v[kUnroll];
   uint32_t base = lane;

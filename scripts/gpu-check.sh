@@ -28,6 +28,10 @@ has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$OUT/gpu.txt" 2>&1
+# The build folder outlives a call on a warm machine, and the tree's files may reach it older
+# than the objects a previous call (scripts/ab-kernel.sh) built from other versions of them:
+# touch the native sources so that this build compiles what the tree holds.
+touch ffi/*
 if python3 -m pip install --no-build-isolation --no-deps -C cmake.define.KVXFER_CUDA=ON -e . > "$OUT/build.log" 2>&1 \
    && python3 -c "import jax_kvxfer as k; assert k.HAS_CUDA_HANDLERS" >> "$OUT/build.log" 2>&1; then
   summary+=("build: ok ($(( $(date +%s) - t0 )) s)")
