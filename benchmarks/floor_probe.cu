@@ -26,12 +26,15 @@
 //   library         the library's general copy units (ffi/copy_units.cuh's CopyUnit, launched
 //                   as ffi/block_copy_cuda.cu's LaunchWith launches them for distinct
 //                   destinations; since v25 the handler gives such partial batches of up to
-//                   1,056 CTAs its lean kernel instead, not timed here yet, and the general
-//                   units only whole blocks); built only with -DKVXFER_PROBE_LIBRARY and the
-//                   include paths of ffi/ and of jax.ffi.include_dir(). Partial copies also
-//                   as "library x2" (twice the work units per pair), "library 256" (units of
-//                   256 threads, as the fused-scan kernel has), "library 256 x2" and "library
-//                   upp1" (one unit per pair).
+//                   1,056 CTAs its lean kernel instead, and the general units only whole
+//                   blocks); built only with -DKVXFER_PROBE_LIBRARY and the include paths of
+//                   ffi/ and of jax.ffi.include_dir(). Partial copies also as "library x2"
+//                   (twice the work units per pair), "library 256" (units of 256 threads, as
+//                   the fused-scan kernel has), "library 256 x2" and "library upp1" (one unit
+//                   per pair).
+//   library lean    the handler's lean kernel (CopyLeanKernel), as it copies a partial batch
+//                   with distinct destinations promised; "library lean scan" as it copies the
+//                   same batch by default, each CTA scanning for later writers of its pair.
 // The indexed variants are checked against a host reference once.
 #include <cuda_runtime.h>
 
@@ -48,6 +51,7 @@
 #include "probe_timer.h"
 #ifdef KVXFER_PROBE_LIBRARY
 #include "copy_units.cuh"
+#include "later_writer_scan.cuh"
 #endif
 
 namespace {
@@ -137,6 +141,32 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     kvxfer::CopyUnit<uint4, kUnitThreads>(b, u, units_per_pair, threadIdx.x, 0);
   }
+}
+
+// CopyLeanKernel<kScan> of ffi/block_copy_cuda.cu.
+template <bool kScan>
+__global__ void __launch_bounds__(kvxfer::kThreads, 8)
+    LibraryLean(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
+  const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
+  if constexpr (kScan) {
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair) {
+      return kvxfer::LaterWriterTokens(b, pair);
+    });
+  } else {
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) { return 0; });
+  }
+}
+
+// Launches the lean kernel as LaunchWith does; false (nothing launched) where LeanShapeFor
+// declines the batch.
+bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, bool scan) {
+  b.scan_in_copy = scan;
+  kvxfer::LeanShape lean;
+  if (!kvxfer::LeanShapeFor(b, 16, 0, &lean)) return false;
+  const auto copy = scan ? LibraryLean<true> : LibraryLean<false>;
+  copy<<<static_cast<unsigned>(lean.ctas), kvxfer::kThreads, 0, stream>>>(
+      b, lean.pair_threads_log2, lean.lanes_log2);
+  return true;
 }
 
 // Launches it as the handler's LaunchWith does for a batch of distinct destinations, with
@@ -338,22 +368,41 @@ int main(int argc, char** argv) {
                    Library<kvxfer::kSmallUnitThreads>
                        <<<kPairs, kvxfer::kSmallUnitThreads, 0, timer.stream>>>(lb, 1);
                  }));
+          for (bool scan : {false, true}) {
+            if (!LaunchLibraryLean(timer.stream, lb, scan)) continue;  // declined: no row
+            report((scan ? "library lean scan" : "library lean") + how,
+                   PerCopy(timer, issue, [&] { LaunchLibraryLean(timer.stream, lb, scan); }));
+          }
         }
 #endif
       }
-      // Check the indexed copy once: fresh destination, one launch, compare with the host.
-      CHECK(cudaMemset(b, 0, max_bytes));
-      Indexed<2><<<grid2, kThreads>>>(p, d_si, d_di);
-      CHECK(cudaDeviceSynchronize());
-      std::vector<unsigned char> out(total);
-      CHECK(cudaMemcpy(out.data(), b, total, cudaMemcpyDeviceToHost));
-      for (int i = 0; i < kPairs; ++i)
-        for (int64_t r = 0; r < geo.outer; ++r) {
-          const int64_t off = r * geo.tokens * geo.row_bytes, len = n * geo.row_bytes;
-          if (std::memcmp(out.data() + ix.dst[i] * block + off,
-                          host.data() + ix.src[i] * block + off, len) != 0)
-            ++failures;
-        }
+      // Check a copy once: fresh destination, one launch (unless `launch` declines the batch and
+      // returns false), compare with the host.
+      auto check = [&](auto&& launch) {
+        CHECK(cudaMemset(b, 0, max_bytes));
+        if (!launch()) return;
+        CHECK(cudaDeviceSynchronize());
+        std::vector<unsigned char> out(total);
+        CHECK(cudaMemcpy(out.data(), b, total, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < kPairs; ++i)
+          for (int64_t r = 0; r < geo.outer; ++r) {
+            const int64_t off = r * geo.tokens * geo.row_bytes, len = n * geo.row_bytes;
+            if (std::memcmp(out.data() + ix.dst[i] * block + off,
+                            host.data() + ix.src[i] * block + off, len) != 0)
+              ++failures;
+          }
+      };
+      check([&] {
+        Indexed<2><<<grid2, kThreads>>>(p, d_si, d_di);
+        return true;
+      });
+#ifdef KVXFER_PROBE_LIBRARY
+      check([&] {
+        LaunchLibrary(0, lb);
+        return true;
+      });
+      for (bool scan : {false, true}) check([&] { return LaunchLibraryLean(0, lb, scan); });
+#endif
     }
   }
   std::printf("# done, %d runs differ from the reference\n", failures);

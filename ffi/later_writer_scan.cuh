@@ -1,0 +1,53 @@
+// The duplicate scan of the copy kernels that find their pairs' later writers themselves (the
+// fused kernels, CopyLeanKernel<true>) and of SupersededTokensKernel: CUDA device code, so not in
+// copy_units.cuh, which the host emulation compiles (it takes the scan's answers from an
+// in-order reference instead). Shared by block_copy_cuda.cu and benchmarks/floor_probe.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "copy_units.cuh"
+
+namespace kvxfer {
+
+// The most tokens that a pair after `i` with the same destination writes (0: none): pair i then
+// copies only the tokens above that, so the last pair wins without two CTAs writing the same
+// bytes. Every thread of a kThreads-thread CTA calls it, and every one gets the answer.
+// In the fused kernels this scan stands before the copy's first load (or its first store), so
+// it is written for latency: the pair's own indices and the later pairs' destinations are loaded
+// with no branch between them (one memory latency, not two), and one barrier that also answers
+// whether any of them matches (__syncthreads_or) ends the scan of a block no later pair writes,
+// the usual case. Only then are the matches' sources and token counts read, and their maximum
+// taken within warps by shuffles, with one more barrier.
+__device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) {
+  __shared__ int32_t warp_best[kThreads / 32];
+  int32_t s = -1, d = -1;
+  if (i < b.num_pairs) {
+    s = b.src_idx[i];
+    d = b.dst_idx[i];
+  }
+  bool written_again = false;
+  for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
+    written_again |= b.dst_idx[j] == d;
+  }
+  const bool valid = s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;  // PairValid
+  if (!__syncthreads_or(valid && written_again)) return 0;
+  int32_t m = 0;
+  for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
+    if (b.dst_idx[j] != d) continue;
+    const int32_t sj = b.src_idx[j];
+    const int32_t nj = b.whole_blocks ? 0 : b.num_tokens[j];  // 0: whole (see PairTokens)
+    if (sj >= 0 && sj < b.src_blocks) {  // dj == d is in range (checked above)
+      m = max(m, static_cast<int32_t>(TokensToCopy(nj, b.g)));
+    }
+  }
+  for (int lanes = 16; lanes > 0; lanes /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, lanes));
+  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = m;
+  __syncthreads();
+  for (int w = 0; w < kThreads / 32; ++w) m = max(m, warp_best[w]);
+  return m;
+}
+
+}  // namespace kvxfer
