@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -135,3 +136,39 @@ def test_sanitize_reruns_a_tool_once_after_a_crash_without_a_report(tmp_path, mo
     line = [x for x in proc.stdout.splitlines() if x.startswith("sanitize memcheck:")]
     assert len(line) == 1 and verdict in line[0], proc.stdout
     assert (tmp_path / "runs").read_text().count("run") == runs
+
+
+@pytest.mark.skipif(any(shutil.which(tool) is None for tool in ("nvcc", "readelf", "git"))
+                    or not os.path.exists(os.path.join(ROOT, ".git")),
+                    reason="needs nvcc, readelf and a git checkout")
+def test_compare_kernels_finds_every_kernel_and_a_change(tmp_path):
+    """scripts/compare_kernels.py: the working tree against HEAD lists every kernel and, in a
+    clean checkout, none changed; the helper that reads a cubin sees a kernel's code change
+    when one constant of it changes."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import compare_kernels
+    finally:
+        sys.path.pop(0)
+    dirty = subprocess.run(["git", "status", "--porcelain", "ffi"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_kernels.py"),
+                           "HEAD"], check=False, capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    counts = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    kernels = int(counts.split(" kernels")[0])
+    assert kernels >= 10, proc.stdout  # CopyPairsKernel's instances, the lean and scan kernels
+    if not dirty:
+        assert proc.returncode == 0 and counts.endswith(": 0 changed"), proc.stdout
+
+    src = "__global__ void Fill(int* p) { p[threadIdx.x] = %d; }\n"
+    code = {}
+    for value in (7, 9):
+        cu = tmp_path / f"fill{value}.cu"
+        cu.write_text(src % value)
+        subprocess.run(["nvcc", "-arch=sm_90", "-cubin", str(cu), "-o", str(cu) + ".cubin"],
+                       check=True, capture_output=True)
+        code[value] = compare_kernels.kernel_code(pathlib.Path(str(cu) + ".cubin"))
+    assert list(code[7]) == list(code[9]) == [".text._Z4FillPi"]
+    assert code[7] != code[9]
