@@ -10,8 +10,8 @@
 # BENCH ARGS may hold several benches separated by `--and`, run in turn on each build, e.g.
 # `--only ours,ceiling --sizes 16K --blocks 4096 --and --only ours,ceiling --sizes 4M`.
 # Logs: $OUT/ab-{new,NAME}{1,2,..}.log (the bench's JSON and plots stay in a scratch folder, so
-# few files come back; the summary reads the JSON there); the working tree's files are restored
-# at the end.
+# few files come back; the summary reads the JSON there, and goes to stdout and to
+# $OUT/ab-summary.txt); the working tree's files are restored at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-ab}
@@ -53,7 +53,7 @@ for r in $(seq 1 "$rounds"); do
 done
 # One line per case (every ours* path) and version: the percent of the ceiling in each round,
 # through the wall clock and (in brackets) in the kernels' GPU time, read from the bench's JSON.
-python3 - "$rounds" "$scratch" "${versions[@]}" <<'PY'
+python3 - "$rounds" "$scratch" "${versions[@]}" <<'PY' | tee "$OUT/ab-summary.txt"
 import glob, json, sys
 from collections import defaultdict
 rounds, scratch, versions = int(sys.argv[1]), sys.argv[2], sys.argv[3:]

@@ -100,6 +100,8 @@ else:
     want = [f"AB d2d {b}x1024K ours n=T new {r} / {r} vb {r} / {r} va {r} / {r}"
             for b, r in ((256, "2.6%"), (4096, "41.0%"))]
     assert sorted(rows) == want, proc.stdout
+    summary = (tmp_path / "out" / "ab-summary.txt").read_text().splitlines()
+    assert [" ".join(line.split()) for line in summary] == rows, summary
 
 
 FAKE_SANITIZER = """#!/usr/bin/env bash
