@@ -35,6 +35,9 @@
 //   library lean    the handler's lean kernel (CopyLeanKernel), as it copies a partial batch
 //                   with distinct destinations promised; "library lean scan" as it copies the
 //                   same batch by default, each CTA scanning for later writers of its pair.
+//                   The scan's cost taken apart: "lean +barrier" (a bare barrier of the CTA
+//                   where the scan stands) and "lean +scan loads" (the scan's loads, a vote of
+//                   each warp, no barrier; right only for distinct destinations).
 // The indexed variants are checked against a host reference once.
 #include <cuda_runtime.h>
 
@@ -46,6 +49,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "probe_timer.h"
@@ -143,27 +147,58 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
   }
 }
 
-// CopyLeanKernel<kScan> of ffi/block_copy_cuda.cu.
-template <bool kScan>
+// What the lean copy does before it copies (its `start`): nothing (CopyLeanKernel<false> of
+// ffi/block_copy_cuda.cu, distinct destinations promised), the CTA's scan for later writers
+// (CopyLeanKernel<true>, the default copy), or, to take the scan's cost apart, a bare barrier of
+// the CTA, or the scan's loads with a vote of each warp and no barrier (a probe only: right for
+// this probe's distinct destinations, not for a batch with duplicates).
+enum class LeanStart { kNone, kScan, kBarrier, kScanLoads };
+
+template <LeanStart kStart>
 __global__ void __launch_bounds__(kvxfer::kThreads, 8)
     LibraryLean(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
-  if constexpr (kScan) {
+  if constexpr (kStart == LeanStart::kScan) {
     kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair) {
       return kvxfer::LaterWriterTokens(b, pair);
+    });
+  } else if constexpr (kStart == LeanStart::kBarrier) {
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) {
+      __syncthreads();
+      return 0;
+    });
+  } else if constexpr (kStart == LeanStart::kScanLoads) {
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair) {
+      const int32_t d = pair < b.num_pairs ? b.dst_idx[pair] : -1;
+      bool written_again = false;
+      for (int64_t j = pair + 1 + threadIdx.x; j < b.num_pairs; j += kvxfer::kThreads) {
+        written_again |= b.dst_idx[j] == d;
+      }
+      return __any_sync(0xffffffffu, written_again) ? b.g.tokens : 0;
     });
   } else {
     kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) { return 0; });
   }
 }
 
-// Launches the lean kernel as LaunchWith does; false (nothing launched) where LeanShapeFor
-// declines the batch.
-bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, bool scan) {
-  b.scan_in_copy = scan;
+// The floor probe's rows of the lean kernel.
+const std::pair<LeanStart, std::string> kLeanRows[] = {
+    {LeanStart::kNone, "library lean"},
+    {LeanStart::kScan, "library lean scan"},
+    {LeanStart::kBarrier, "lean +barrier"},
+    {LeanStart::kScanLoads, "lean +scan loads"},
+};
+
+// Launches the lean kernel as LaunchWith does (the scan only where LeanShapeFor takes a batch
+// that scans in the copy); false (nothing launched) where LeanShapeFor declines the batch.
+bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, LeanStart start) {
+  b.scan_in_copy = start != LeanStart::kNone;
   kvxfer::LeanShape lean;
   if (!kvxfer::LeanShapeFor(b, 16, 0, &lean)) return false;
-  const auto copy = scan ? LibraryLean<true> : LibraryLean<false>;
+  const auto copy = start == LeanStart::kScan        ? LibraryLean<LeanStart::kScan>
+                    : start == LeanStart::kBarrier   ? LibraryLean<LeanStart::kBarrier>
+                    : start == LeanStart::kScanLoads ? LibraryLean<LeanStart::kScanLoads>
+                                                     : LibraryLean<LeanStart::kNone>;
   copy<<<static_cast<unsigned>(lean.ctas), kvxfer::kThreads, 0, stream>>>(
       b, lean.pair_threads_log2, lean.lanes_log2);
   return true;
@@ -368,10 +403,10 @@ int main(int argc, char** argv) {
                    Library<kvxfer::kSmallUnitThreads>
                        <<<kPairs, kvxfer::kSmallUnitThreads, 0, timer.stream>>>(lb, 1);
                  }));
-          for (bool scan : {false, true}) {
-            if (!LaunchLibraryLean(timer.stream, lb, scan)) continue;  // declined: no row
-            report((scan ? "library lean scan" : "library lean") + how,
-                   PerCopy(timer, issue, [&] { LaunchLibraryLean(timer.stream, lb, scan); }));
+          for (const auto& [start, name] : kLeanRows) {
+            if (!LaunchLibraryLean(timer.stream, lb, start)) continue;  // declined: no row
+            report(name + how,
+                   PerCopy(timer, issue, [&] { LaunchLibraryLean(timer.stream, lb, start); }));
           }
         }
 #endif
@@ -401,7 +436,9 @@ int main(int argc, char** argv) {
         LaunchLibrary(0, lb);
         return true;
       });
-      for (bool scan : {false, true}) check([&] { return LaunchLibraryLean(0, lb, scan); });
+      for (const auto& [start, name] : kLeanRows) {
+        check([&] { return LaunchLibraryLean(0, lb, start); });
+      }
 #endif
     }
   }
