@@ -174,3 +174,51 @@ def test_compare_kernels_finds_every_kernel_and_a_change(tmp_path):
         code[value] = compare_kernels.kernel_code(pathlib.Path(str(cu) + ".cubin"))
     assert list(code[7]) == list(code[9]) == [".text._Z4FillPi"]
     assert code[7] != code[9]
+
+
+def test_readme_table_reads_its_figures_from_the_json(tmp_path):
+    # A bench JSON written here with fresh ratios: each cell must show the figure of its own case
+    # (path, direction, size, n), so a table built from the wrong case or column fails.
+    import json
+    import random
+
+    rng = random.Random()
+    sizes = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+    results = []
+    for path in ("ours", "ours_dma", "manager", "manager_dma", "eager", "eager_kernel", "naive",
+                 "trt_loop"):
+        for direction in ("d2h", "h2d", "d2d"):
+            for size in sizes:
+                for n in ("T", "T-1", "T/2", "1"):
+                    results.append({"path": path, "direction": direction, "block_bytes": size,
+                                    "n_label": n, "ratio": rng.uniform(0.1, 0.99),
+                                    "gpu_ratio": rng.uniform(0.1, 0.99),
+                                    "same_bytes_ratio": rng.uniform(0.1, 0.99),
+                                    "same_bytes_gpu_ratio": rng.uniform(0.1, 0.99),
+                                    "gbps": rng.uniform(1.0, 60.0), "error": None})
+    doc = tmp_path / "bench.json"
+    doc.write_text(json.dumps({"results": results}))
+    rows = run_script("readme_table.py", str(doc)).splitlines()
+    by = {(r["path"], r["direction"], r["block_bytes"], r["n_label"]): r for r in results}
+
+    def cells(title):
+        row = next(r for r in rows if r.startswith(f"| {title} |"))
+        return [c.strip() for c in row.strip("|").split("|")[1:]]
+
+    def pct(case, key="ratio", gpu_key="gpu_ratio"):
+        return f"{100 * by[case][key]:.0f} ({100 * by[case][gpu_key]:.0f})"
+
+    for size, cell in zip(sizes, cells("offload, whole blocks")):
+        assert cell == pct(("ours", "d2h", size, "T")) + " %"
+    for size, cell in zip(sizes, cells("offload / onboard, n = T/2")):
+        assert cell == (f"{pct(('ours', 'd2h', size, 'T/2'))} / "
+                        f"{pct(('ours', 'h2d', size, 'T/2'))} %")
+    for size, cell in zip(sizes, cells("device→device, whole / n = T−1 / n = T/2")):
+        cases = [("ours", "d2d", size, n) for n in ("T", "T-1", "T/2")]
+        wall = " / ".join(f"{100 * by[c]['ratio']:.0f}" for c in cases)
+        gpu = " / ".join(f"{100 * by[c]['gpu_ratio']:.0f}" for c in cases)
+        assert cell == f"{wall} % ({gpu} %)"
+    for size, cell in zip(sizes, cells("vs naive `device_put` loop (offload / onboard)")):
+        x = [by[("ours", d, size, "T")]["gbps"] / by[("naive", d, size, "T")]["gbps"]
+             for d in ("d2h", "h2d")]
+        assert cell == " / ".join(f"{v:.0f}" if v >= 10 else f"{v:.2f}" for v in x) + "×"
