@@ -65,17 +65,23 @@ def _err_text(e: BaseException) -> str:
     return text if len(text) < 1500 else text[:1500] + " ..."
 
 
-def _gpu_name(dev: Any) -> str:
-    if dev.platform != "cpu":
-        return str(getattr(dev, "device_kind", dev.platform))
+@functools.cache
+def cpu_model() -> str:
+    """The host CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return "cpu: " + line.split(":", 1)[1].strip()
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "cpu: " + (platform.processor() or "unknown")
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _gpu_name(dev: Any) -> str:
+    if dev.platform != "cpu":
+        return str(getattr(dev, "device_kind", dev.platform))
+    return "cpu: " + cpu_model()
 
 
 def xla_onboard_rows(dst: jax.Array, src: jax.Array, si: jax.Array, di: jax.Array,

@@ -14,19 +14,7 @@ import jax
 import numpy as np
 
 from .config import DIRECTIONS, KiB, fmt_size, geometry_for
-from .helpers import _gpu_name
-
-
-def _cpu_model() -> str:
-    """The host CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from .helpers import _gpu_name, cpu_model
 
 
 class ReportMixin:
@@ -52,7 +40,7 @@ class ReportMixin:
             "cuda_handlers": HAS_CUDA_HANDLERS,
             "host": platform.node(),
             # The manager's host time (target 6) follows the host's speed: name the CPU.
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
             "argv": sys.argv,
             "config": {k: (sorted(v) if isinstance(v, set) else v)
@@ -289,7 +277,7 @@ class ReportMixin:
                 out.append(f"sharded x{r['devices']}: offload {r['offload_gbps']:.1f} / onboard "
                            f"{r['onboard_gbps']:.1f} GB/s aggregate{scale}{ceil}, "
                            f"verified={r['verified']}")
-        out += target_lines(self.targets(), host=f"{_cpu_model()}, {os.cpu_count()} CPUs")
+        out += target_lines(self.targets(), host=f"{cpu_model()}, {os.cpu_count()} CPUs")
         return "\n".join(out)
 
     def plot(self) -> str | None:
