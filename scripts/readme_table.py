@@ -49,12 +49,14 @@ class Results:
         return f"{x:.0f}" if x >= 10 else f"{x:.2f}"
 
 
-def rows(res: Results) -> list[str]:
-    def row(name, cell):
-        return f"| {name} | " + " | ".join(cell(s) for s in SIZES) + " |"
+def each_way(cell) -> str:
+    """`offload / onboard`: cell(direction) for each."""
+    return f"{cell(OFFLOAD)} / {cell(ONBOARD)}"
 
-    def both(cell_of):  # offload / onboard
-        return lambda s: f"{cell_of(OFFLOAD, s)} / {cell_of(ONBOARD, s)}"
+
+def rows(res: Results) -> list[str]:
+    def row(name, cell):  # cell(size) -> text
+        return f"| {name} | " + " | ".join(cell(s) for s in SIZES) + " |"
 
     def d2d(s):  # whole / T-1 / T/2, wall clock then GPU time
         ns = ("T", "T-1", "T/2")
@@ -62,62 +64,46 @@ def rows(res: Results) -> list[str]:
         gpu = " / ".join(res.pct("ours", D2D, s, n, "gpu_ratio", None) for n in ns)
         return f"{wall} % ({gpu} %)"
 
+    def manager(s):
+        kernel = each_way(lambda d: res.pct("manager", d, s, gpu_key=None))
+        engines = each_way(lambda d: res.pct("manager_dma", d, s, gpu_key=None))
+        return f"{kernel} %; {engines} %"
+
+    def eager(s):
+        return "; ".join(f"{res.pct('eager', d, s, gpu_key=None)} / "
+                         f"{res.pct('eager_kernel', d, s, gpu_key=None)} %"
+                         for d in (OFFLOAD, ONBOARD))
+
     def trt(s):
-        cell = both(lambda d, s_: res.speedup("ours", "trt_loop", d, s_))(s) + "×"
+        cell = each_way(lambda d: res.speedup("ours", "trt_loop", d, s)) + "×"
         if s == SIZES[-1]:
-            dma = both(lambda d, s_: res.speedup("ours_dma", "trt_loop", d, s_))(s)
+            dma = each_way(lambda d: res.speedup("ours_dma", "trt_loop", d, s))
             cell += f" (`dma=True`: {dma}×)"
         return cell
+
+    def partial(n):
+        return lambda s: each_way(lambda d: res.pct("ours", d, s, n)) + " %"
 
     return [
         "| | " + " | ".join(_label(s) for s in SIZES) + " |",
         "| --- " * (len(SIZES) + 1) + "|",
         row("offload, whole blocks", lambda s: res.pct("ours", OFFLOAD, s) + " %"),
         row("onboard, whole blocks", lambda s: res.pct("ours", ONBOARD, s) + " %"),
-        row(
-            "offload / onboard, n = T/2",
-            lambda s: both(lambda d, s_: res.pct("ours", d, s_, "T/2"))(s) + " %",
-        ),
-        row(
-            "offload / onboard, n = T−1",
-            lambda s: both(lambda d, s_: res.pct("ours", d, s_, "T-1"))(s) + " %",
-        ),
-        row(
-            "offload / onboard, n = 1",
-            lambda s: both(lambda d, s_: res.pct("ours", d, s_, "1"))(s) + " %",
-        ),
+        row("offload / onboard, n = T/2", partial("T/2")),
+        row("offload / onboard, n = T−1", partial("T-1")),
+        row("offload / onboard, n = 1", partial("1")),
         row("device→device, whole / n = T−1 / n = T/2", d2d),
-        row(
-            "the same against a memcpy of the bytes moved, n = T/2",
-            lambda s: (
-                res.pct("ours", D2D, s, "T/2", "same_bytes_ratio", "same_bytes_gpu_ratio") + " %"
-            ),
-        ),
-        row(
-            "whole blocks with `dma=True`, offload / onboard",
-            lambda s: both(lambda d, s_: res.pct("ours_dma", d, s_, gpu_key=None))(s) + " %",
-        ),
-        row(
-            'the manager (`dma="auto"` picks the second), offload / onboard: kernel; copy engines',
-            lambda s: (
-                both(lambda d, s_: res.pct("manager", d, s_, gpu_key=None))(s)
-                + " %; "
-                + both(lambda d, s_: res.pct("manager_dma", d, s_, gpu_key=None))(s)
-                + " %"
-            ),
-        ),
-        row(
-            'eager `copy_blocks` (`dma="auto"`, the default) / with the kernel, offload; onboard',
-            lambda s: "; ".join(
-                f"{res.pct('eager', d, s, gpu_key=None)} / "
-                f"{res.pct('eager_kernel', d, s, gpu_key=None)} %"
-                for d in (OFFLOAD, ONBOARD)
-            ),
-        ),
-        row(
-            "vs naive `device_put` loop (offload / onboard)",
-            lambda s: both(lambda d, s_: res.speedup("ours", "naive", d, s_))(s) + "×",
-        ),
+        row("the same against a memcpy of the bytes moved, n = T/2",
+            lambda s: res.pct("ours", D2D, s, "T/2", "same_bytes_ratio",
+                              "same_bytes_gpu_ratio") + " %"),
+        row("whole blocks with `dma=True`, offload / onboard",
+            lambda s: each_way(lambda d: res.pct("ours_dma", d, s, gpu_key=None)) + " %"),
+        row('the manager (`dma="auto"` picks the second), offload / onboard: kernel; copy engines',
+            manager),
+        row('eager `copy_blocks` (`dma="auto"`, the default) / with the kernel, offload; onboard',
+            eager),
+        row("vs naive `device_put` loop (offload / onboard)",
+            lambda s: each_way(lambda d: res.speedup("ours", "naive", d, s)) + "×"),
         row("vs per-block TRT-style loop (offload / onboard)", trt),
     ]
 
