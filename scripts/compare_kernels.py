@@ -4,7 +4,7 @@
 
 Compiles ffi/block_copy_cuda.cu of the working tree and of git revision REV (all of ffi/ taken
 from REV) to cubins and compares the machine code (.text sections) kernel by kernel, with the
-anonymous namespace's per-file hash taken out of the names. A refactor whose kernels all come out
+anonymous namespace's per-file hashes taken out of the names. A refactor whose kernels all come out
 byte-identical needs no new GPU run; any kernel listed as changed does (benchmarks/NOTES.md,
 "Checking a change without a GPU"). Needs nvcc, and jax, nanobind and Python's headers as the
 build uses them. Exit status: 0 identical, 1 changed, 2 could not compile.
