@@ -78,10 +78,10 @@ __global__ void __launch_bounds__(kThreads, 8)
     CopyLeanKernel(Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
   if constexpr (kScanInCopy) {
-    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                          [&](uint32_t pair) { return LaterWriterTokens(b, pair); });
+    CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2, LaterWriterTokensInCopy{b});
   } else {
-    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) { return 0; });
+    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                          [](uint32_t) { return [](bool) { return 0; }; });
   }
 }
 

@@ -167,8 +167,17 @@ void Emulate(const Batch& b, bool reverse) {
     const int64_t threads = lean.ctas * kvxfer::kThreads;
     for (int64_t k = 0; k < threads; ++k) {
       const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
-      kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2,
-                                [&](uint32_t pair) { return kvxfer::SupersededTokens(b, pair); });
+      // As the GPU's scan answers: -1 first where a later pair writes the same block (the
+      // copy then asks for the whole scan and loads its first vectors again), else 0.
+      const auto begin = [&](uint32_t pair) {
+        const int32_t tokens = kvxfer::SupersededTokens(b, pair);
+        return [tokens](bool whole_scan) { return whole_scan || tokens == 0 ? tokens : -1; };
+      };
+      if (b.scan_in_copy) {  // CopyLeanKernel<true>: its first two loads before the answer
+        kvxfer::CopyLeanThread<V, 2>(b, t, lean.pair_threads_log2, lean.lanes_log2, begin);
+      } else {
+        kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2, begin);
+      }
     }
     return;
   }
