@@ -153,7 +153,7 @@ enum class LeanStart { kNone, kScan, kScanFirst };
 
 template <LeanStart kStart>
 __global__ void __launch_bounds__(kvxfer::kThreads, 8)
-    LibraryLean(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
+    LibraryLean(__grid_constant__ const kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
   if constexpr (kStart == LeanStart::kScan) {
     kvxfer::CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,

@@ -72,10 +72,12 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
 }
 
 // LeanShapeFor's batches: one thread per (pair, run, lane); 8 CTAs per SM at most 32 registers.
-// kScanInCopy: every CTA lies within one pair and scans for its later writers itself.
+// kScanInCopy: every CTA lies within one pair and scans for its later writers itself, beside its
+// first two loads (v30). `b` is __grid_constant__ so that the whole scan's call
+// (LaterWriterTokensCall) reads the parameter in place rather than a copy made on the hot path.
 template <bool kScanInCopy>
 __global__ void __launch_bounds__(kThreads, 8)
-    CopyLeanKernel(Batch b, int pair_threads_log2, int lanes_log2) {
+    CopyLeanKernel(__grid_constant__ const Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
   if constexpr (kScanInCopy) {
     CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2, LaterWriterTokensInCopy{b});

@@ -55,21 +55,29 @@ __device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) 
 // beside the pair's own indices; answer(false), asked after the copy's first loads are issued,
 // votes over the CTA: 0 where no later pair writes the block, -1 where one does or more later
 // pairs exist than the CTA has threads; answer(true) is then the whole scan.
+// The whole scan as a call of its own, so that the registers it needs are saved around the call
+// on the rare path that makes it, not taken from the copy's hot path (where they spilled). `b`
+// must be the kernel's __grid_constant__ parameter (no copy of it is made for the call).
+__device__ __noinline__ int32_t LaterWriterTokensCall(const Batch& b, uint32_t i) {
+  return LaterWriterTokens(b, i);
+}
+
 struct LaterWriterTokensInCopy {
   const Batch& b;
   __device__ __forceinline__ auto operator()(uint32_t i) const {
-    const int64_t j = int64_t{i} + 1 + threadIdx.x;
+    // 32-bit: the lean copy takes at most kLeanResidentCtas pairs.
+    const uint32_t j = i + 1 + threadIdx.x;
     const int32_t later = j < b.num_pairs ? b.dst_idx[j] : -1;
     const Batch& batch = b;
     return [&batch, i, later](bool whole_scan) {
-      if (whole_scan) return LaterWriterTokens(batch, i);
+      if (whole_scan) return LaterWriterTokensCall(batch, i);
       int32_t s = -1, d = -1;
       if (i < batch.num_pairs) {
         s = batch.src_idx[i];
         d = batch.dst_idx[i];
       }
       const bool valid = s >= 0 && s < batch.src_blocks && d >= 0 && d < batch.dst_blocks;
-      const bool beyond = int64_t{i} + 1 + kThreads < batch.num_pairs;  // the same for the CTA
+      const bool beyond = i + 1 + kThreads < batch.num_pairs;  // the same for the CTA
       return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
     };
   }

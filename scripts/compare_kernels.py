@@ -43,7 +43,7 @@ def compile_cubin(ffi_dir: pathlib.Path, out: pathlib.Path, arch: str) -> None:
 
 
 def kernel_code(cubin: pathlib.Path) -> dict[str, bytes]:
-    """The .text sections of a cubin by name, the anonymous namespace's hash normalised."""
+    """The .text sections of a cubin by name, the anonymous namespace's hashes normalised."""
     listing = subprocess.run(["readelf", "-SW", str(cubin)], capture_output=True, text=True,
                              check=True).stdout
     data = cubin.read_bytes()
@@ -52,7 +52,10 @@ def kernel_code(cubin: pathlib.Path) -> dict[str, bytes]:
         m = re.search(r"\]\s+(\.text\.\S+)\s+\S+\s+\S+\s+([0-9a-f]+)\s+([0-9a-f]+)", line)
         if m:
             offset, size = int(m.group(2), 16), int(m.group(3), 16)
-            name = re.sub(r"_GLOBAL__N__[0-9a-f]+_", "ANON_", m.group(1))
+            # The anonymous namespace's name holds two hashes, which change with the file's
+            # text (e.g. _GLOBAL__N__e79f4fe4_18_block_copy_cuda_cu_8e7a2786).
+            name = re.sub(r"_GLOBAL__N__[0-9a-f]+_(\d+_\w+?_cu_)[0-9a-f]{8}", r"ANON_\1",
+                          m.group(1))
             sections[name] = data[offset:offset + size]
     return sections
 
