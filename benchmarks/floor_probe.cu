@@ -159,13 +159,13 @@ __global__ void __launch_bounds__(kvxfer::kThreads, 8)
     kvxfer::CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,
                                      kvxfer::LaterWriterTokensInCopy{b});
   } else if constexpr (kStart == LeanStart::kScanFirst) {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair) {
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair, int64_t, int64_t) {
       const int32_t start = kvxfer::LaterWriterTokens(b, pair);
       return [start](bool) { return start < 0 ? 0 : start; };  // never -1: v27's code
     });
   } else {
     kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                                  [](uint32_t) { return [](bool) { return 0; }; });
+                                  [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
   }
 }
 

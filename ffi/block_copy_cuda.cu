@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kThreads, 8)
     CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2, LaterWriterTokensInCopy{b});
   } else {
     CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                          [](uint32_t) { return [](bool) { return 0; }; });
+                          [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
   }
 }
 

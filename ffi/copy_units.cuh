@@ -378,8 +378,8 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
 // Thread `t` of the lean copy's grid (LeanShapeFor): pair t >> pair_threads_log2, run and lane
 // from the rest. Copies tokens [start, n) of that run, where start is the tokens a later pair
 // writes anyway, asked in steps so that finding it stands beside the copy's first loads rather
-// than before them (v30): `begin(pair)`, called by every thread right after the pair's own
-// indices are loaded, returns `answer`; answer(false), called by every thread (also those with
+// than before them (v30): `begin(pair, s, d)`, called by every thread right after the pair's
+// own indices are loaded (s, d: those indices, -1 past the batch's end), returns `answer`; answer(false), called by every thread (also those with
 // nothing to copy) after the first loads are issued, gives start, or -1 where only the whole
 // scan can tell (the same for every thread of the CTA: in the kernel that scans itself the
 // answer is a barrier of the CTA, whose threads all copy one pair). Then answer(true) gives it,
@@ -401,7 +401,7 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
     d = b.dst_idx[pair];
     tokens = b.num_tokens[pair];
   }
-  const auto answer = begin(pair);
+  const auto answer = begin(pair, s, d);
   uint32_t per_run = 0;  // the vectors of this thread's run that the pair copies
   const V* __restrict__ src = nullptr;
   V* __restrict__ dst = nullptr;

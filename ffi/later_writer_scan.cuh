@@ -64,18 +64,14 @@ __device__ __noinline__ int32_t LaterWriterTokensCall(const Batch& b, uint32_t i
 
 struct LaterWriterTokensInCopy {
   const Batch& b;
-  __device__ __forceinline__ auto operator()(uint32_t i) const {
+  // s, d: pair i's own indices as the copy loaded them (-1 past the batch's end).
+  __device__ __forceinline__ auto operator()(uint32_t i, int64_t s, int64_t d) const {
     // 32-bit: the lean copy takes at most kLeanResidentCtas pairs.
     const uint32_t j = i + 1 + threadIdx.x;
     const int32_t later = j < b.num_pairs ? b.dst_idx[j] : -1;
     const Batch& batch = b;
-    return [&batch, i, later](bool whole_scan) {
+    return [&batch, i, s, d, later](bool whole_scan) {
       if (whole_scan) return LaterWriterTokensCall(batch, i);
-      int32_t s = -1, d = -1;
-      if (i < batch.num_pairs) {
-        s = batch.src_idx[i];
-        d = batch.dst_idx[i];
-      }
       const bool valid = s >= 0 && s < batch.src_blocks && d >= 0 && d < batch.dst_blocks;
       const bool beyond = i + 1 + kThreads < batch.num_pairs;  // the same for the CTA
       return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};

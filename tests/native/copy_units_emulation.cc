@@ -169,7 +169,7 @@ void Emulate(const Batch& b, bool reverse) {
       const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
       // As the GPU's scan answers: -1 first where a later pair writes the same block (the
       // copy then asks for the whole scan and loads its first vectors again), else 0.
-      const auto begin = [&](uint32_t pair) {
+      const auto begin = [&](uint32_t pair, int64_t, int64_t) {
         const int32_t tokens = kvxfer::SupersededTokens(b, pair);
         return [tokens](bool whole_scan) { return whole_scan || tokens == 0 ? tokens : -1; };
       };
