@@ -379,9 +379,9 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
 // from the rest. Copies tokens [start, n) of that run, where start is the tokens a later pair
 // writes anyway, asked in steps so that finding it stands beside the copy's first loads rather
 // than before them (v30): `begin(pair, s, d)`, called by every thread right after the pair's
-// own indices are loaded (s, d: those indices, -1 past the batch's end), returns `answer`; answer(false), called by every thread (also those with
-// nothing to copy) after the first loads are issued, gives start, or -1 where only the whole
-// scan can tell (the same for every thread of the CTA: in the kernel that scans itself the
+// own indices are loaded (s, d: those indices, -1 past the batch's end), returns `answer`;
+// answer(false), called by every thread (also those with nothing to copy) after the first loads
+// are issued, gives start, or -1 where only the whole scan can tell (the same for every thread of the CTA: in the kernel that scans itself the
 // answer is a barrier of the CTA, whose threads all copy one pair). Then answer(true) gives it,
 // and the first loads are issued again, so that the vectors in flight are not held across the
 // whole scan (holding them took 48 registers a thread, v26's "B", or spilled at 32).
