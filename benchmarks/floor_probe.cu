@@ -35,7 +35,9 @@
 //   library lean    the handler's lean kernel (CopyLeanKernel), as it copies a partial batch
 //                   with distinct destinations promised; "library lean scan" as it copies the
 //                   same batch by default, each CTA scanning for later writers of its pair.
-//                   "lean scan first": the scan answered before the first loads (v26-v29).
+//                   "lean scan early" and "lean scan first": its two forms, the scan
+//                   answered beside the first two loads (v31) or before them (v27); the
+//                   handler picks the first for batches of at most two CTAs an SM.
 // The indexed variants are checked against a host reference once.
 #include <cuda_runtime.h>
 
@@ -145,24 +147,26 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
   }
 }
 
-// How the lean copy finds where to start: it need not (CopyLeanKernel<false> of
-// ffi/block_copy_cuda.cu, distinct destinations promised), by the CTA's scan for later writers
-// beside its first loads (CopyLeanKernel<true>, the default copy, v30), or by that scan before
-// its first loads (v26-v29).
-enum class LeanStart { kNone, kScan, kScanFirst };
+// How the lean copy finds where to start: it need not (CopyLeanKernel<false, false> of
+// ffi/block_copy_cuda.cu, distinct destinations promised), or by the CTA's scan for later
+// writers (the default copy): beside its first two loads (kScanEarly: CopyLeanKernel<true,
+// true>, v31), or before its first loads (kScanFirst: CopyLeanKernel<true, false>, v27). kScan:
+// the form that the handler picks for the batch (LeanShape::early_loads).
+enum class LeanStart { kNone, kScan, kScanEarly, kScanFirst };
 
 template <LeanStart kStart>
 __global__ void __launch_bounds__(kvxfer::kThreads, 8)
-    LibraryLean(__grid_constant__ const kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
+    LibraryLean(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
-  if constexpr (kStart == LeanStart::kScan) {
+  if constexpr (kStart == LeanStart::kScanEarly) {
     kvxfer::CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,
                                      kvxfer::LaterWriterTokensInCopy{b});
   } else if constexpr (kStart == LeanStart::kScanFirst) {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair, int64_t, int64_t) {
-      const int32_t start = kvxfer::LaterWriterTokens(b, pair);
-      return [start](bool) { return start < 0 ? 0 : start; };  // never -1: v27's code
-    });
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                                  [&](uint32_t pair, int64_t, int64_t) {
+                                    const int32_t start = kvxfer::LaterWriterTokens(b, pair);
+                                    return [start](bool) { return start < 0 ? 0 : start; };
+                                  });
   } else {
     kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
                                   [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
@@ -173,6 +177,7 @@ __global__ void __launch_bounds__(kvxfer::kThreads, 8)
 const std::pair<LeanStart, std::string> kLeanRows[] = {
     {LeanStart::kNone, "library lean"},
     {LeanStart::kScan, "library lean scan"},
+    {LeanStart::kScanEarly, "lean scan early"},
     {LeanStart::kScanFirst, "lean scan first"},
 };
 
@@ -182,7 +187,10 @@ bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, LeanStart start) {
   b.scan_in_copy = start != LeanStart::kNone;
   kvxfer::LeanShape lean;
   if (!kvxfer::LeanShapeFor(b, 16, 0, &lean)) return false;
-  const auto copy = start == LeanStart::kScan        ? LibraryLean<LeanStart::kScan>
+  if (start == LeanStart::kScan) {
+    start = lean.early_loads ? LeanStart::kScanEarly : LeanStart::kScanFirst;
+  }
+  const auto copy = start == LeanStart::kScanEarly   ? LibraryLean<LeanStart::kScanEarly>
                     : start == LeanStart::kScanFirst ? LibraryLean<LeanStart::kScanFirst>
                                                      : LibraryLean<LeanStart::kNone>;
   copy<<<static_cast<unsigned>(lean.ctas), kvxfer::kThreads, 0, stream>>>(

@@ -50,18 +50,18 @@ __device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) 
   return m;
 }
 
+// The whole scan as a call of its own, so that the registers it needs are saved around the call
+// on the rare path that makes it, not taken from the copy's hot path (where they spilled). The
+// batch by value: the call's copy of it is made there too.
+__device__ __noinline__ int32_t LaterWriterTokensCall(Batch b, uint32_t i) {
+  return LaterWriterTokens(b, i);
+}
+
 // LaterWriterTokens in the steps of CopyLeanThread's `begin` (a kThreads-thread CTA, all of
 // whose threads copy pair `i`): begin loads the one later destination that this thread checks,
 // beside the pair's own indices; answer(false), asked after the copy's first loads are issued,
 // votes over the CTA: 0 where no later pair writes the block, -1 where one does or more later
 // pairs exist than the CTA has threads; answer(true) is then the whole scan.
-// The whole scan as a call of its own, so that the registers it needs are saved around the call
-// on the rare path that makes it, not taken from the copy's hot path (where they spilled). `b`
-// must be the kernel's __grid_constant__ parameter (no copy of it is made for the call).
-__device__ __noinline__ int32_t LaterWriterTokensCall(const Batch& b, uint32_t i) {
-  return LaterWriterTokens(b, i);
-}
-
 struct LaterWriterTokensInCopy {
   const Batch& b;
   // s, d: pair i's own indices as the copy loaded them (-1 past the batch's end).
