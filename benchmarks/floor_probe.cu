@@ -35,9 +35,9 @@
 //   library lean    the handler's lean kernel (CopyLeanKernel), as it copies a partial batch
 //                   with distinct destinations promised; "library lean scan" as it copies the
 //                   same batch by default, each CTA scanning for later writers of its pair.
-//                   The scan's cost taken apart: "lean +barrier" (a bare barrier of the CTA
-//                   where the scan stands) and "lean +scan loads" (the scan's loads, a vote of
-//                   each warp, no barrier; right only for distinct destinations).
+//                   "lean scan early" and "lean scan first": its two forms, the scan
+//                   answered beside the first two loads (v31) or before them (v27); the
+//                   handler picks the first for batches of at most two CTAs an SM.
 // The indexed variants are checked against a host reference once.
 #include <cuda_runtime.h>
 
@@ -147,37 +147,29 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
   }
 }
 
-// What the lean copy does before it copies (its `start`): nothing (CopyLeanKernel<false> of
-// ffi/block_copy_cuda.cu, distinct destinations promised), the CTA's scan for later writers
-// (CopyLeanKernel<true>, the default copy), or, to take the scan's cost apart, a bare barrier of
-// the CTA, or the scan's loads with a vote of each warp and no barrier (a probe only: right for
-// this probe's distinct destinations, not for a batch with duplicates).
-enum class LeanStart { kNone, kScan, kBarrier, kScanLoads };
+// How the lean copy finds where to start: it need not (CopyLeanKernel<false, false> of
+// ffi/block_copy_cuda.cu, distinct destinations promised), or by the CTA's scan for later
+// writers (the default copy): beside its first two loads (kScanEarly: CopyLeanKernel<true,
+// true>, v31), or before its first loads (kScanFirst: CopyLeanKernel<true, false>, v27). kScan:
+// the form that the handler picks for the batch (LeanShape::early_loads).
+enum class LeanStart { kNone, kScan, kScanEarly, kScanFirst };
 
 template <LeanStart kStart>
 __global__ void __launch_bounds__(kvxfer::kThreads, 8)
     LibraryLean(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
-  if constexpr (kStart == LeanStart::kScan) {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair) {
-      return kvxfer::LaterWriterTokens(b, pair);
-    });
-  } else if constexpr (kStart == LeanStart::kBarrier) {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) {
-      __syncthreads();
-      return 0;
-    });
-  } else if constexpr (kStart == LeanStart::kScanLoads) {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [&](uint32_t pair) {
-      const int32_t d = pair < b.num_pairs ? b.dst_idx[pair] : -1;
-      bool written_again = false;
-      for (int64_t j = pair + 1 + threadIdx.x; j < b.num_pairs; j += kvxfer::kThreads) {
-        written_again |= b.dst_idx[j] == d;
-      }
-      return __any_sync(0xffffffffu, written_again) ? b.g.tokens : 0;
-    });
+  if constexpr (kStart == LeanStart::kScanEarly) {
+    kvxfer::CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,
+                                     kvxfer::LaterWriterTokensInCopy{b});
+  } else if constexpr (kStart == LeanStart::kScanFirst) {
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                                  [&](uint32_t pair, int64_t, int64_t) {
+                                    const int32_t start = kvxfer::LaterWriterTokens(b, pair);
+                                    return [start](bool) { return start < 0 ? 0 : start; };
+                                  });
   } else {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) { return 0; });
+    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                                  [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
   }
 }
 
@@ -185,8 +177,8 @@ __global__ void __launch_bounds__(kvxfer::kThreads, 8)
 const std::pair<LeanStart, std::string> kLeanRows[] = {
     {LeanStart::kNone, "library lean"},
     {LeanStart::kScan, "library lean scan"},
-    {LeanStart::kBarrier, "lean +barrier"},
-    {LeanStart::kScanLoads, "lean +scan loads"},
+    {LeanStart::kScanEarly, "lean scan early"},
+    {LeanStart::kScanFirst, "lean scan first"},
 };
 
 // Launches the lean kernel as LaunchWith does (the scan only where LeanShapeFor takes a batch
@@ -195,9 +187,11 @@ bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, LeanStart start) {
   b.scan_in_copy = start != LeanStart::kNone;
   kvxfer::LeanShape lean;
   if (!kvxfer::LeanShapeFor(b, 16, 0, &lean)) return false;
-  const auto copy = start == LeanStart::kScan        ? LibraryLean<LeanStart::kScan>
-                    : start == LeanStart::kBarrier   ? LibraryLean<LeanStart::kBarrier>
-                    : start == LeanStart::kScanLoads ? LibraryLean<LeanStart::kScanLoads>
+  if (start == LeanStart::kScan) {
+    start = lean.early_loads ? LeanStart::kScanEarly : LeanStart::kScanFirst;
+  }
+  const auto copy = start == LeanStart::kScanEarly   ? LibraryLean<LeanStart::kScanEarly>
+                    : start == LeanStart::kScanFirst ? LibraryLean<LeanStart::kScanFirst>
                                                      : LibraryLean<LeanStart::kNone>;
   copy<<<static_cast<unsigned>(lean.ctas), kvxfer::kThreads, 0, stream>>>(
       b, lean.pair_threads_log2, lean.lanes_log2);

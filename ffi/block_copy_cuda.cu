@@ -72,16 +72,23 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
 }
 
 // LeanShapeFor's batches: one thread per (pair, run, lane); 8 CTAs per SM at most 32 registers.
-// kScanInCopy: every CTA lies within one pair and scans for its later writers itself.
-template <bool kScanInCopy>
+// kScanInCopy: every CTA lies within one pair and scans for its later writers itself: before its
+// first loads (v27), or, with kEarlyLoads (LeanShape::early_loads), beside its first two (v31).
+template <bool kScanInCopy, bool kEarlyLoads>
 __global__ void __launch_bounds__(kThreads, 8)
     CopyLeanKernel(Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
-  if constexpr (kScanInCopy) {
+  if constexpr (kScanInCopy && kEarlyLoads) {
+    CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2, LaterWriterTokensInCopy{b});
+  } else if constexpr (kScanInCopy) {
     CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                          [&](uint32_t pair) { return LaterWriterTokens(b, pair); });
+                          [&](uint32_t pair, int64_t, int64_t) {
+                            const int32_t start = LaterWriterTokens(b, pair);
+                            return [start](bool) { return start < 0 ? 0 : start; };  // >= 0
+                          });
   } else {
-    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, [](uint32_t) { return 0; });
+    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                          [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
   }
 }
 
@@ -115,7 +122,9 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 template <typename V>
 void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
   if (LeanShape lean; LeanShapeFor(b, sizeof(V), max_ctas, &lean)) {  // 16-byte vectors only
-    const auto copy = b.scan_in_copy ? CopyLeanKernel<true> : CopyLeanKernel<false>;
+    const auto copy = !b.scan_in_copy     ? CopyLeanKernel<false, false>
+                      : lean.early_loads ? CopyLeanKernel<true, true>
+                                         : CopyLeanKernel<true, false>;
     copy<<<static_cast<unsigned>(lean.ctas), kThreads, 0, stream>>>(b, lean.pair_threads_log2,
                                                                     lean.lanes_log2);
     return;

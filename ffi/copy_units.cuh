@@ -343,6 +343,10 @@ struct LeanShape {
   int pair_threads_log2 = 0;  // P = 2^pair_threads_log2 threads per pair
   int lanes_log2 = 0;         // G = 2^lanes_log2 lanes per run
   int64_t ctas = 0;           // the grid: num_pairs * P threads in CTAs of kThreads
+  // The copy that scans itself issues its first loads before the scan answers (v30-v31): where
+  // the grid holds at most two CTAs an SM (v30 gained 3-7 points at 256 x 16 KiB, 256 CTAs, and
+  // lost 6-12 at 256 x 64 KiB, 1,024 CTAs, eight an SM).
+  bool early_loads = false;
 };
 // H200: 132 SMs x 8 CTAs of kThreads threads at <= 32 registers a thread.
 constexpr int64_t kLeanResidentCtas = 1056;
@@ -371,19 +375,24 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
   // With P >= kThreads, num_pairs <= ctas <= 1,056: each CTA's scan reads at most that many
   // later pairs.
   if (b.scan_in_copy && (int64_t{1} << p) < kThreads) return false;
-  *shape = {p, lanes, ctas};
+  *shape = {p, lanes, ctas, b.scan_in_copy && ctas <= kLeanResidentCtas / 4};
   return true;
 }
 
 // Thread `t` of the lean copy's grid (LeanShapeFor): pair t >> pair_threads_log2, run and lane
-// from the rest. Copies tokens [start(pair), n) of that run, where start(pair) is the tokens a
-// later pair writes anyway. Every thread calls start(pair), also those with nothing to copy:
-// in the kernel that scans itself it is the scan, a barrier of the CTA (whose threads all copy
-// one pair). It answers before the first loads: loading first and holding the vectors across
-// the scan took 48 registers a thread and was no faster (v26).
-template <typename V, typename Start>
+// from the rest. Copies tokens [start, n) of that run, where start is the tokens a later pair
+// writes anyway, asked in steps: `begin(pair, s, d)`, called by every thread right after the
+// pair's own indices are loaded (s, d: those indices, -1 past the batch's end), returns
+// `answer`; answer(false), called by every thread (also those with nothing to copy) after the
+// first kEarlyLoads loads are issued, gives start, or -1 where only the whole scan can tell (the
+// same for every thread of the CTA: in the kernel that scans itself the answer is a barrier of
+// the CTA, whose threads all copy one pair). Then answer(true) gives it, and those loads are
+// issued again, so that the vectors in flight are not held across the whole scan (holding them
+// took 48 registers a thread, v26's "B", or spilled at 32). The scan's two forms: all of it in
+// begin, before any load (v27), or one load in begin and the vote in answer (v31).
+template <typename V, int kEarlyLoads = kUnroll, typename Begin>
 KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_threads_log2,
-                                         int lanes_log2, Start start) {
+                                         int lanes_log2, Begin begin) {
   const uint32_t pair = t >> pair_threads_log2;
   const uint32_t rank = t & ((1u << pair_threads_log2) - 1);
   const uint32_t run = rank >> lanes_log2, lane = rank & ((1u << lanes_log2) - 1);
@@ -397,7 +406,7 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
     d = b.dst_idx[pair];
     tokens = b.num_tokens[pair];
   }
-  const uint32_t from = static_cast<uint32_t>(start(pair)) * row_vectors;
+  const auto answer = begin(pair, s, d);
   uint32_t per_run = 0;  // the vectors of this thread's run that the pair copies
   const V* __restrict__ src = nullptr;
   V* __restrict__ dst = nullptr;
@@ -412,9 +421,22 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
   V v[kUnroll];
   uint32_t base = lane;
 #pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
+  for (int k = 0; k < kEarlyLoads; ++k) {
     if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
   }
+  int32_t start = answer(false);
+  if (start < 0) {  // rare: a later pair writes the same block, or the batch is long
+    start = answer(true);
+#pragma unroll
+    for (int k = 0; k < kEarlyLoads; ++k) {
+      if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
+    }
+  }
+#pragma unroll
+  for (int k = kEarlyLoads; k < kUnroll; ++k) {
+    if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
+  }
+  const uint32_t from = static_cast<uint32_t>(start) * row_vectors;
   while (base < per_run) {
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {

@@ -50,4 +50,33 @@ __device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) 
   return m;
 }
 
+// The whole scan as a call of its own, so that the registers it needs are saved around the call
+// on the rare path that makes it, not taken from the copy's hot path (where they spilled). The
+// batch by value: the call's copy of it is made there too.
+__device__ __noinline__ int32_t LaterWriterTokensCall(Batch b, uint32_t i) {
+  return LaterWriterTokens(b, i);
+}
+
+// LaterWriterTokens in the steps of CopyLeanThread's `begin` (a kThreads-thread CTA, all of
+// whose threads copy pair `i`): begin loads the one later destination that this thread checks,
+// beside the pair's own indices; answer(false), asked after the copy's first loads are issued,
+// votes over the CTA: 0 where no later pair writes the block, -1 where one does or more later
+// pairs exist than the CTA has threads; answer(true) is then the whole scan.
+struct LaterWriterTokensInCopy {
+  const Batch& b;
+  // s, d: pair i's own indices as the copy loaded them (-1 past the batch's end).
+  __device__ __forceinline__ auto operator()(uint32_t i, int64_t s, int64_t d) const {
+    // 32-bit: the lean copy takes at most kLeanResidentCtas pairs.
+    const uint32_t j = i + 1 + threadIdx.x;
+    const int32_t later = j < b.num_pairs ? b.dst_idx[j] : -1;
+    const Batch& batch = b;
+    return [&batch, i, s, d, later](bool whole_scan) {
+      if (whole_scan) return LaterWriterTokensCall(batch, i);
+      const bool valid = s >= 0 && s < batch.src_blocks && d >= 0 && d < batch.dst_blocks;
+      const bool beyond = i + 1 + kThreads < batch.num_pairs;  // the same for the CTA
+      return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
+    };
+  }
+};
+
 }  // namespace kvxfer

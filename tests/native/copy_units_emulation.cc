@@ -162,13 +162,24 @@ std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
 // it; otherwise units of kSmallUnitThreads threads where SmallUnits says so (a large partial
 // batch without the fused scan), or of kThreads.
 template <typename V>
-void Emulate(const Batch& b, bool reverse) {
+void Emulate(const Batch& b, bool reverse, bool other_lean_form) {
   if (kvxfer::LeanShape lean; kvxfer::LeanShapeFor(b, sizeof(V), /*max_ctas=*/0, &lean)) {
     const int64_t threads = lean.ctas * kvxfer::kThreads;
     for (int64_t k = 0; k < threads; ++k) {
       const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
-      kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2,
-                                [&](uint32_t pair) { return kvxfer::SupersededTokens(b, pair); });
+      // As the GPU's scan answers: -1 first where a later pair writes the same block (the
+      // copy then asks for the whole scan and loads its first vectors again), else 0.
+      const auto begin = [&](uint32_t pair, int64_t, int64_t) {
+        const int32_t tokens = kvxfer::SupersededTokens(b, pair);
+        return [tokens](bool whole_scan) { return whole_scan || tokens == 0 ? tokens : -1; };
+      };
+      // CopyLeanKernel<true, true> (LeanShape::early_loads): its first two loads before the
+      // answer; other_lean_form runs the scanning copy's other form for the same batch.
+      if (b.scan_in_copy && lean.early_loads != other_lean_form) {
+        kvxfer::CopyLeanThread<V, 2>(b, t, lean.pair_threads_log2, lean.lanes_log2, begin);
+      } else {
+        kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2, begin);
+      }
     }
     return;
   }
@@ -297,13 +308,14 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   // claims (as after ClaimLastWritersKernel), copy engines, where no two pairs write one block
   // kernel reverse with no scan at all (unique_dst_indices=True: the lean copy), and the kernel
   // that scans itself in reverse (forward, a pair that ignored the scan would still lose to the
-  // later writer).
-  for (int mode = 0; mode < 6; ++mode) {
+  // later writer), in the lean copy's form that the handler picks and in its other form.
+  for (int mode = 0; mode < 7; ++mode) {
     const bool reverse = mode != 0 && mode != 3, claims = mode == 2, dma = mode == 3;
-    const bool unique = mode == 4, fused = mode == 0 || mode == 5;
+    const bool unique = mode == 4, fused = mode == 0 || mode >= 5;
     if ((dma || claims || unique) && c.gather) continue;
     if (unique && HasDuplicateDestinations(c)) continue;
-    const char* name = mode == 5 ? "reverse, scanning itself"
+    const char* name = mode == 6   ? "reverse, scanning itself, other lean form"
+                       : mode == 5 ? "reverse, scanning itself"
                        : unique ? "reverse, no scan"
                        : dma  ? "copy engines"
                        : claims ? "reverse, claims"
@@ -332,7 +344,7 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
       RunDmaPlan(b, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
     } else {
-      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse); });
+      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse, mode == 6); });
     }
     if (!dst.GuardsIntact() || !src.GuardsIntact()) {
       return "a write outside the pools (" + std::string(name) + ")";
