@@ -154,23 +154,11 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
 // the form that the handler picks for the batch (LeanShape::early_loads).
 enum class LeanStart { kNone, kScan, kScanEarly, kScanFirst };
 
-template <LeanStart kStart>
+// CopyLeanKernel of ffi/block_copy_cuda.cu.
+template <bool kScanInCopy, bool kEarlyLoads>
 __global__ void __launch_bounds__(kvxfer::kThreads, 8)
     LibraryLean(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
-  const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
-  if constexpr (kStart == LeanStart::kScanEarly) {
-    kvxfer::CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,
-                                     kvxfer::LaterWriterTokensInCopy{b});
-  } else if constexpr (kStart == LeanStart::kScanFirst) {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                                  [&](uint32_t pair, int64_t, int64_t) {
-                                    const int32_t start = kvxfer::LaterWriterTokens(b, pair);
-                                    return [start](bool) { return start < 0 ? 0 : start; };
-                                  });
-  } else {
-    kvxfer::CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                                  [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
-  }
+  kvxfer::CopyLeanKernelBody<kScanInCopy, kEarlyLoads>(b, pair_threads_log2, lanes_log2);
 }
 
 // The floor probe's rows of the lean kernel.
@@ -190,9 +178,9 @@ bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, LeanStart start) {
   if (start == LeanStart::kScan) {
     start = lean.early_loads ? LeanStart::kScanEarly : LeanStart::kScanFirst;
   }
-  const auto copy = start == LeanStart::kScanEarly   ? LibraryLean<LeanStart::kScanEarly>
-                    : start == LeanStart::kScanFirst ? LibraryLean<LeanStart::kScanFirst>
-                                                     : LibraryLean<LeanStart::kNone>;
+  const auto copy = start == LeanStart::kScanEarly   ? LibraryLean<true, true>
+                    : start == LeanStart::kScanFirst ? LibraryLean<true, false>
+                                                     : LibraryLean<false, false>;
   copy<<<static_cast<unsigned>(lean.ctas), kvxfer::kThreads, 0, stream>>>(
       b, lean.pair_threads_log2, lean.lanes_log2);
   return true;
@@ -397,9 +385,10 @@ int main(int argc, char** argv) {
                    Library<kvxfer::kSmallUnitThreads>
                        <<<kPairs, kvxfer::kSmallUnitThreads, 0, timer.stream>>>(lb, 1);
                  }));
-          for (const auto& [start, name] : kLeanRows) {
+          for (const auto& row : kLeanRows) {
+            const LeanStart start = row.first;
             if (!LaunchLibraryLean(timer.stream, lb, start)) continue;  // declined: no row
-            report(name + how,
+            report(row.second + how,
                    PerCopy(timer, issue, [&] { LaunchLibraryLean(timer.stream, lb, start); }));
           }
         }
@@ -430,8 +419,8 @@ int main(int argc, char** argv) {
         LaunchLibrary(0, lb);
         return true;
       });
-      for (const auto& [start, name] : kLeanRows) {
-        check([&] { return LaunchLibraryLean(0, lb, start); });
+      for (const auto& row : kLeanRows) {
+        check([&] { return LaunchLibraryLean(0, lb, row.first); });
       }
 #endif
     }

@@ -72,24 +72,10 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
 }
 
 // LeanShapeFor's batches: one thread per (pair, run, lane); 8 CTAs per SM at most 32 registers.
-// kScanInCopy: every CTA lies within one pair and scans for its later writers itself: before its
-// first loads (v27), or, with kEarlyLoads (LeanShape::early_loads), beside its first two (v31).
 template <bool kScanInCopy, bool kEarlyLoads>
 __global__ void __launch_bounds__(kThreads, 8)
     CopyLeanKernel(Batch b, int pair_threads_log2, int lanes_log2) {
-  const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
-  if constexpr (kScanInCopy && kEarlyLoads) {
-    CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2, LaterWriterTokensInCopy{b});
-  } else if constexpr (kScanInCopy) {
-    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                          [&](uint32_t pair, int64_t, int64_t) {
-                            const int32_t start = LaterWriterTokens(b, pair);
-                            return [start](bool) { return start < 0 ? 0 : start; };  // >= 0
-                          });
-  } else {
-    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                          [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
-  }
+  CopyLeanKernelBody<kScanInCopy, kEarlyLoads>(b, pair_threads_log2, lanes_log2);
 }
 
 // Grid: ceil(num_pairs / kThreads) of kThreads. last[d]: the greatest valid pair writing d, or

@@ -65,6 +65,11 @@ KVXFER_HOST_DEVICE inline int64_t PairTokens(const Batch& b, int64_t pair) {
   return b.whole_blocks ? b.g.tokens : TokensToCopy(b.num_tokens[pair], b.g);
 }
 
+// The slot of `side`'s pool that pair `pair` reads or writes: its block `index` (idx[pair]), or
+// its own slot where the side is a staging buffer laid out by pair.
+KVXFER_DEVICE_INLINE int64_t SlotAt(const Side& side, int64_t pair, int64_t index) {
+  return side.by_pair ? pair : index;
+}
 KVXFER_DEVICE_INLINE int64_t SlotOf(const Side& side, const int32_t* idx, int64_t pair) {
   return side.by_pair ? pair : idx[pair];
 }
@@ -226,8 +231,8 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
     pitch = g.tokens * g.row_bytes;
     offset = start * g.row_bytes;
   }
-  char* dst = b.dst.data + (b.dst.by_pair ? pair : d) * g.block_bytes + offset;  // SlotOf
-  const char* src = b.src.data + (b.src.by_pair ? pair : s) * g.block_bytes + offset;
+  char* dst = b.dst.data + SlotAt(b.dst, pair, d) * g.block_bytes + offset;
+  const char* src = b.src.data + SlotAt(b.src, pair, s) * g.block_bytes + offset;
   CopyRuns<V, kUnitThreads>(dst, src, runs, run_bytes, pitch, cta * kUnitThreads + thread,
                             units_per_pair * kUnitThreads);
 }
@@ -413,9 +418,8 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
   if (run < b.g.outer && IndicesInRange(b, s, d)) {
     per_run = static_cast<uint32_t>(TokensToCopy(tokens, b.g)) * row_vectors;
     const uint32_t first = run * static_cast<uint32_t>(b.g.tokens) * row_vectors;
-    src = reinterpret_cast<const V*>(b.src.data + (b.src.by_pair ? pair : s) * b.g.block_bytes) +
-          first;
-    dst = reinterpret_cast<V*>(b.dst.data + (b.dst.by_pair ? pair : d) * b.g.block_bytes) + first;
+    src = reinterpret_cast<const V*>(b.src.data + SlotAt(b.src, pair, s) * b.g.block_bytes) + first;
+    dst = reinterpret_cast<V*>(b.dst.data + SlotAt(b.dst, pair, d) * b.g.block_bytes) + first;
   }
   const uint32_t lanes = 1u << lanes_log2;
   V v[kUnroll];

@@ -32,7 +32,9 @@ __device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) 
   for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
     written_again |= b.dst_idx[j] == d;
   }
-  const bool valid = s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;  // PairValid
+  // IndicesInRange, written out: calling it (int64 arguments) changes the machine code of the
+  // kernels that inline this scan, by 128 bytes, untested on a GPU.
+  const bool valid = s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;
   if (!__syncthreads_or(valid && written_again)) return 0;
   int32_t m = 0;
   for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
@@ -72,11 +74,33 @@ struct LaterWriterTokensInCopy {
     const Batch& batch = b;
     return [&batch, i, s, d, later](bool whole_scan) {
       if (whole_scan) return LaterWriterTokensCall(batch, i);
-      const bool valid = s >= 0 && s < batch.src_blocks && d >= 0 && d < batch.dst_blocks;
+      const bool valid = IndicesInRange(batch, s, d);
       const bool beyond = i + 1 + kThreads < batch.num_pairs;  // the same for the CTA
       return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
     };
   }
 };
+
+// CopyLeanKernel's body (block_copy_cuda.cu; the floor probe's lean rows run it too): thread
+// blockIdx.x * kThreads + threadIdx.x of the lean copy (CopyLeanThread). kScanInCopy: every CTA
+// lies within one pair and scans for its later writers itself: before its first loads (v27), or,
+// with kEarlyLoads (LeanShape::early_loads), beside its first two (v31).
+template <bool kScanInCopy, bool kEarlyLoads>
+__device__ __forceinline__ void CopyLeanKernelBody(const Batch& b, int pair_threads_log2,
+                                                   int lanes_log2) {
+  const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
+  if constexpr (kScanInCopy && kEarlyLoads) {
+    CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2, LaterWriterTokensInCopy{b});
+  } else if constexpr (kScanInCopy) {
+    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                          [&](uint32_t pair, int64_t, int64_t) {
+                            const int32_t start = LaterWriterTokens(b, pair);
+                            return [start](bool) { return start < 0 ? 0 : start; };  // >= 0
+                          });
+  } else {
+    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
+                          [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
+  }
+}
 
 }  // namespace kvxfer
