@@ -380,23 +380,24 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
   // With P >= kThreads, num_pairs <= ctas <= 1,056: each CTA's scan reads at most that many
   // later pairs.
   if (b.scan_in_copy && (int64_t{1} << p) < kThreads) return false;
-  *shape = {p, lanes, ctas, b.scan_in_copy && ctas <= kLeanResidentCtas / 4};
+  *shape = {p, lanes, ctas, b.scan_in_copy};
   return true;
 }
 
 // Thread `t` of the lean copy's grid (LeanShapeFor): pair t >> pair_threads_log2, run and lane
 // from the rest. Copies tokens [start, n) of that run, where start is the tokens a later pair
-// writes anyway, asked in steps: `begin(pair, s, d)`, called by every thread right after the
+// writes anyway, asked in two steps: `begin(pair, s, d)`, called by every thread right after the
 // pair's own indices are loaded (s, d: those indices, -1 past the batch's end), returns
-// `answer`; answer(false), called by every thread (also those with nothing to copy) after the
-// first kEarlyLoads loads are issued, gives start, or -1 where only the whole scan can tell (the
-// same for every thread of the CTA: in the kernel that scans itself the answer is a barrier of
-// the CTA, whose threads all copy one pair). Then answer(true) gives it, and those loads are
-// issued again, so that the vectors in flight are not held across the whole scan (holding them
-// took 48 registers a thread, v26's "B", or spilled at 32). The scan's two forms: all of it in
-// begin, before any load (v27), or one load in begin and the vote in answer (v31).
+// `answer`; answer(), called by every thread (also those with nothing to copy) after the first
+// kEarlyLoads loads are issued, gives start, or -1 where it cannot tell cheaply. Then the thread
+// stores nothing and returns false, and the caller copies the pair again in a form whose answer
+// is always the start (the same for every thread of the CTA: in the kernels that scan
+// themselves the answer is a barrier of the CTA, whose threads all copy one pair). The scan's
+// two forms: all of it in begin, before any load (v27), or one load in begin and the vote in
+// answer (v31). Holding the first loads across the whole scan took 48 registers a thread (v26's
+// "B"); a call of the whole scan on the rare path made the hot path spill to local memory (v32).
 template <typename V, int kEarlyLoads = kUnroll, typename Begin>
-KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_threads_log2,
+KVXFER_DEVICE_INLINE bool CopyLeanThread(const Batch& b, uint32_t t, int pair_threads_log2,
                                          int lanes_log2, Begin begin) {
   const uint32_t pair = t >> pair_threads_log2;
   const uint32_t rank = t & ((1u << pair_threads_log2) - 1);
@@ -428,14 +429,8 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
   for (int k = 0; k < kEarlyLoads; ++k) {
     if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
   }
-  int32_t start = answer(false);
-  if (start < 0) {  // rare: a later pair writes the same block, or the batch is long
-    start = answer(true);
-#pragma unroll
-    for (int k = 0; k < kEarlyLoads; ++k) {
-      if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
-    }
-  }
+  const int32_t start = answer();
+  if (start < 0) return false;  // rare: a later pair writes the same block, or the batch is long
 #pragma unroll
   for (int k = kEarlyLoads; k < kUnroll; ++k) {
     if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
@@ -453,6 +448,7 @@ KVXFER_DEVICE_INLINE void CopyLeanThread(const Batch& b, uint32_t t, int pair_th
       if (base + k * lanes < per_run) v[k] = src[base + k * lanes];
     }
   }
+  return true;
 }
 
 // One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart

@@ -52,18 +52,11 @@ __device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) 
   return m;
 }
 
-// The whole scan as a call of its own, so that the registers it needs are saved around the call
-// on the rare path that makes it, not taken from the copy's hot path (where they spilled). The
-// batch by value: the call's copy of it is made there too.
-__device__ __noinline__ int32_t LaterWriterTokensCall(Batch b, uint32_t i) {
-  return LaterWriterTokens(b, i);
-}
-
-// LaterWriterTokens in the steps of CopyLeanThread's `begin` (a kThreads-thread CTA, all of
-// whose threads copy pair `i`): begin loads the one later destination that this thread checks,
-// beside the pair's own indices; answer(false), asked after the copy's first loads are issued,
-// votes over the CTA: 0 where no later pair writes the block, -1 where one does or more later
-// pairs exist than the CTA has threads; answer(true) is then the whole scan.
+// The scan in the steps of CopyLeanThread's `begin` (a kThreads-thread CTA, all of whose
+// threads copy pair `i`): begin loads the one later destination that this thread checks, beside
+// the pair's own indices; answer(), asked after the copy's first loads are issued, votes over the
+// CTA: 0 where no later pair writes the block, -1 (ask LaterWriterTokens) where one does or more
+// later pairs exist than the CTA has threads.
 struct LaterWriterTokensInCopy {
   const Batch& b;
   // s, d: pair i's own indices as the copy loaded them (-1 past the batch's end).
@@ -72,8 +65,7 @@ struct LaterWriterTokensInCopy {
     const uint32_t j = i + 1 + threadIdx.x;
     const int32_t later = j < b.num_pairs ? b.dst_idx[j] : -1;
     const Batch& batch = b;
-    return [&batch, i, s, d, later](bool whole_scan) {
-      if (whole_scan) return LaterWriterTokensCall(batch, i);
+    return [&batch, i, s, d, later]() {
       const bool valid = IndicesInRange(batch, s, d);
       const bool beyond = i + 1 + kThreads < batch.num_pairs;  // the same for the CTA
       return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
@@ -84,22 +76,26 @@ struct LaterWriterTokensInCopy {
 // CopyLeanKernel's body (block_copy_cuda.cu; the floor probe's lean rows run it too): thread
 // blockIdx.x * kThreads + threadIdx.x of the lean copy (CopyLeanThread). kScanInCopy: every CTA
 // lies within one pair and scans for its later writers itself: before its first loads (v27), or,
-// with kEarlyLoads (LeanShape::early_loads), beside its first two (v31).
+// with kEarlyLoads (LeanShape::early_loads), beside its first two (v31), falling back to the
+// first form where that scan cannot tell (rare; every thread of the CTA together).
 template <bool kScanInCopy, bool kEarlyLoads>
 __device__ __forceinline__ void CopyLeanKernelBody(const Batch& b, int pair_threads_log2,
                                                    int lanes_log2) {
   const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
+  const auto whole_scan = [&](uint32_t pair, int64_t, int64_t) {
+    const int32_t start = LaterWriterTokens(b, pair);
+    return [start]() { return start < 0 ? 0 : start; };  // never gives up
+  };
   if constexpr (kScanInCopy && kEarlyLoads) {
-    CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2, LaterWriterTokensInCopy{b});
+    if (!CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,
+                                  LaterWriterTokensInCopy{b})) {
+      CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, whole_scan);
+    }
   } else if constexpr (kScanInCopy) {
-    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                          [&](uint32_t pair, int64_t, int64_t) {
-                            const int32_t start = LaterWriterTokens(b, pair);
-                            return [start](bool) { return start < 0 ? 0 : start; };  // >= 0
-                          });
+    CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2, whole_scan);
   } else {
     CopyLeanThread<uint4>(b, t, pair_threads_log2, lanes_log2,
-                          [](uint32_t, int64_t, int64_t) { return [](bool) { return 0; }; });
+                          [](uint32_t, int64_t, int64_t) { return []() { return 0; }; });
   }
 }
 

@@ -167,18 +167,26 @@ void Emulate(const Batch& b, bool reverse, bool other_lean_form) {
     const int64_t threads = lean.ctas * kvxfer::kThreads;
     for (int64_t k = 0; k < threads; ++k) {
       const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
-      // As the GPU's scan answers: -1 first where a later pair writes the same block (the
-      // copy then asks for the whole scan and loads its first vectors again), else 0.
-      const auto begin = [&](uint32_t pair, int64_t, int64_t) {
+      // As the GPU's scans answer: the early form's -1 where a later pair writes the same
+      // block (its copy then stores nothing, and the whole scan's form copies the pair), else
+      // 0; the whole scan's form the tokens written later.
+      const auto early_scan = [&](uint32_t pair, int64_t, int64_t) {
         const int32_t tokens = kvxfer::SupersededTokens(b, pair);
-        return [tokens](bool whole_scan) { return whole_scan || tokens == 0 ? tokens : -1; };
+        return [tokens]() { return tokens == 0 ? 0 : -1; };
       };
+      const auto whole_scan = [&](uint32_t pair, int64_t, int64_t) {
+        const int32_t tokens = kvxfer::SupersededTokens(b, pair);
+        return [tokens]() { return tokens; };
+      };
+      const int p = lean.pair_threads_log2, lanes = lean.lanes_log2;
       // CopyLeanKernel<true, true> (LeanShape::early_loads): its first two loads before the
       // answer; other_lean_form runs the scanning copy's other form for the same batch.
       if (b.scan_in_copy && lean.early_loads != other_lean_form) {
-        kvxfer::CopyLeanThread<V, 2>(b, t, lean.pair_threads_log2, lean.lanes_log2, begin);
+        if (!kvxfer::CopyLeanThread<V, 2>(b, t, p, lanes, early_scan)) {
+          kvxfer::CopyLeanThread<V>(b, t, p, lanes, whole_scan);
+        }
       } else {
-        kvxfer::CopyLeanThread<V>(b, t, lean.pair_threads_log2, lean.lanes_log2, begin);
+        kvxfer::CopyLeanThread<V>(b, t, p, lanes, whole_scan);
       }
     }
     return;
