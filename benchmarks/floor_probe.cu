@@ -34,10 +34,9 @@
 //                   per pair).
 //   library lean    the handler's lean kernel (CopyLeanKernel), as it copies a partial batch
 //                   with distinct destinations promised; "library lean scan" as it copies the
-//                   same batch by default, each CTA scanning for later writers of its pair.
-//                   "lean scan early" and "lean scan first": its two forms, the scan
-//                   answered beside the first two loads (v31) or before them (v27); the
-//                   handler picks the first for batches of at most two CTAs an SM.
+//                   same batch by default, each CTA scanning for later writers of its pair
+//                   and voting after its first two loads (v33); "lean scan first" with the
+//                   whole scan before its first loads instead (v27, the fallback's form).
 // The indexed variants are checked against a host reference once.
 #include <cuda_runtime.h>
 
@@ -149,12 +148,12 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
 
 // How the lean copy finds where to start: it need not (CopyLeanKernel<false, false> of
 // ffi/block_copy_cuda.cu, distinct destinations promised), or by the CTA's scan for later
-// writers (the default copy): beside its first two loads (kScanEarly: CopyLeanKernel<true,
-// true>, v31), or before its first loads (kScanFirst: CopyLeanKernel<true, false>, v27). kScan:
-// the form that the handler picks for the batch (LeanShape::early_loads). kEarlyBarrier
-// (probe only): the early form's barrier with no scan (does a CTA barrier after the first loads
-// cost at eight CTAs an SM? 10:44: no, 4.07 us against 4.01 at 64 KiB T/2).
-enum class LeanStart { kNone, kScan, kScanEarly, kScanFirst, kEarlyBarrier };
+// writers (the default copy): voting after its first two loads (kScan: CopyLeanKernel<true,
+// true>, v33, the handler's), or before its first loads (kScanFirst: CopyLeanKernel<true,
+// false>, v27). kEarlyBarrier (probe only): the first form's barrier with no scan (does a CTA
+// barrier after the first loads cost at eight CTAs an SM? 10:43: no, 4.07 us against 4.01 at
+// 64 KiB T/2).
+enum class LeanStart { kNone, kScan, kScanFirst, kEarlyBarrier };
 
 // CopyLeanKernel of ffi/block_copy_cuda.cu.
 template <bool kScanInCopy, bool kEarlyLoads>
@@ -180,7 +179,6 @@ __global__ void __launch_bounds__(kvxfer::kThreads, 8)
 const std::pair<LeanStart, std::string> kLeanRows[] = {
     {LeanStart::kNone, "library lean"},
     {LeanStart::kScan, "library lean scan"},
-    {LeanStart::kScanEarly, "lean scan early"},
     {LeanStart::kScanFirst, "lean scan first"},
     {LeanStart::kEarlyBarrier, "lean early +barrier"},
 };
@@ -191,10 +189,7 @@ bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, LeanStart start) {
   b.scan_in_copy = start != LeanStart::kNone;
   kvxfer::LeanShape lean;
   if (!kvxfer::LeanShapeFor(b, 16, 0, &lean)) return false;
-  if (start == LeanStart::kScan) {
-    start = lean.early_loads ? LeanStart::kScanEarly : LeanStart::kScanFirst;
-  }
-  const auto copy = start == LeanStart::kScanEarly      ? LibraryLean<true, true>
+  const auto copy = start == LeanStart::kScan           ? LibraryLean<true, true>
                     : start == LeanStart::kScanFirst    ? LibraryLean<true, false>
                     : start == LeanStart::kEarlyBarrier ? ProbeLeanEarlyBarrier
                                                         : LibraryLean<false, false>;

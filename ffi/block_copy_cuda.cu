@@ -72,6 +72,8 @@ __global__ void __launch_bounds__(kCtaThreads) CopyPairsKernel(Batch b, int64_t 
 }
 
 // LeanShapeFor's batches: one thread per (pair, run, lane); 8 CTAs per SM at most 32 registers.
+// The handler launches <false, false> (nothing to scan) and <true, true> (the scan's vote after
+// the first loads); the floor probe also times <true, false>, the whole scan before them.
 template <bool kScanInCopy, bool kEarlyLoads>
 __global__ void __launch_bounds__(kThreads, 8)
     CopyLeanKernel(Batch b, int pair_threads_log2, int lanes_log2) {
@@ -108,9 +110,7 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
 template <typename V>
 void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas) {
   if (LeanShape lean; LeanShapeFor(b, sizeof(V), max_ctas, &lean)) {  // 16-byte vectors only
-    const auto copy = !b.scan_in_copy     ? CopyLeanKernel<false, false>
-                      : lean.early_loads ? CopyLeanKernel<true, true>
-                                         : CopyLeanKernel<true, false>;
+    const auto copy = b.scan_in_copy ? CopyLeanKernel<true, true> : CopyLeanKernel<false, false>;
     copy<<<static_cast<unsigned>(lean.ctas), kThreads, 0, stream>>>(b, lean.pair_threads_log2,
                                                                     lean.lanes_log2);
     return;

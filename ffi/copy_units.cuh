@@ -343,15 +343,13 @@ inline bool SmallUnits(const Batch& b, int64_t max_ctas) {
 // scan fused in) device to device: 256 x 64 KiB T/2 67-70 -> 69-73 %, T-1 88-92 -> 95-100 %;
 // n = 1 (not a target) 7 -> 5.5 %. v27, the scan's loads issued in the same memory latency as
 // the pair's own (before the branch on its indices, where v26 had them after): 64 KiB T/2
-// 72 -> 73-78 %, 16 KiB T/2 56-57 -> 59-64 %.
+// 72 -> 73-78 %, 16 KiB T/2 56-57 -> 59-64 %. v33, the first two loads issued before the scan's
+// vote, with no spill on the hot path (later_writer_scan.cuh's CopyLeanKernelBody): graph
+// replay, T/2, 64 KiB 4.68 -> 4.46 us a copy, 16 KiB 2.66 -> 2.42.
 struct LeanShape {
   int pair_threads_log2 = 0;  // P = 2^pair_threads_log2 threads per pair
   int lanes_log2 = 0;         // G = 2^lanes_log2 lanes per run
   int64_t ctas = 0;           // the grid: num_pairs * P threads in CTAs of kThreads
-  // The copy that scans itself issues its first loads before the scan answers (v30-v31): where
-  // the grid holds at most two CTAs an SM (v30 gained 3-7 points at 256 x 16 KiB, 256 CTAs, and
-  // lost 6-12 at 256 x 64 KiB, 1,024 CTAs, eight an SM).
-  bool early_loads = false;
 };
 // H200: 132 SMs x 8 CTAs of kThreads threads at <= 32 registers a thread.
 constexpr int64_t kLeanResidentCtas = 1056;
@@ -380,7 +378,7 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
   // With P >= kThreads, num_pairs <= ctas <= 1,056: each CTA's scan reads at most that many
   // later pairs.
   if (b.scan_in_copy && (int64_t{1} << p) < kThreads) return false;
-  *shape = {p, lanes, ctas, b.scan_in_copy};
+  *shape = {p, lanes, ctas};
   return true;
 }
 

@@ -75,9 +75,9 @@ struct LaterWriterTokensInCopy {
 
 // CopyLeanKernel's body (block_copy_cuda.cu; the floor probe's lean rows run it too): thread
 // blockIdx.x * kThreads + threadIdx.x of the lean copy (CopyLeanThread). kScanInCopy: every CTA
-// lies within one pair and scans for its later writers itself: before its first loads (v27), or,
-// with kEarlyLoads (LeanShape::early_loads), beside its first two (v31), falling back to the
-// first form where that scan cannot tell (rare; every thread of the CTA together).
+// lies within one pair and scans for its later writers itself: with kEarlyLoads, by a vote after
+// its first two loads (v33), falling back to the whole scan where that cannot tell (rare; every
+// thread of the CTA together); without, by the whole scan before its first loads (v27).
 template <bool kScanInCopy, bool kEarlyLoads>
 __device__ __forceinline__ void CopyLeanKernelBody(const Batch& b, int pair_threads_log2,
                                                    int lanes_log2) {

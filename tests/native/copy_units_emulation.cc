@@ -179,9 +179,9 @@ void Emulate(const Batch& b, bool reverse, bool other_lean_form) {
         return [tokens]() { return tokens; };
       };
       const int p = lean.pair_threads_log2, lanes = lean.lanes_log2;
-      // CopyLeanKernel<true, true> (LeanShape::early_loads): its first two loads before the
-      // answer; other_lean_form runs the scanning copy's other form for the same batch.
-      if (b.scan_in_copy && lean.early_loads != other_lean_form) {
+      // CopyLeanKernel<true, true>, the handler's copy that scans itself: its first two loads
+      // before the answer; other_lean_form runs its fallback form alone (<true, false>).
+      if (b.scan_in_copy && !other_lean_form) {
         if (!kvxfer::CopyLeanThread<V, 2>(b, t, p, lanes, early_scan)) {
           kvxfer::CopyLeanThread<V>(b, t, p, lanes, whole_scan);
         }
