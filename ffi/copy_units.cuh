@@ -393,7 +393,7 @@ inline bool LeanShapeFor(const Batch& b, int vector_bytes, int64_t max_ctas, Lea
 // is always the start (the same for every thread of the CTA: in the kernels that scan
 // themselves the answer is a barrier of the CTA, whose threads all copy one pair). The scan's
 // two forms: all of it in begin, before any load (v27), or one load in begin and the vote in
-// answer (v31). Holding the first loads across the whole scan took 48 registers a thread (v26's
+// answer (v33). Holding the first loads across the whole scan took 48 registers a thread (v26's
 // "B"); a call of the whole scan on the rare path made the hot path spill to local memory (v32).
 template <typename V, int kEarlyLoads = kUnroll, typename Begin>
 KVXFER_DEVICE_INLINE bool CopyLeanThread(const Batch& b, uint32_t t, int pair_threads_log2,

@@ -162,7 +162,7 @@ std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
 // it; otherwise units of kSmallUnitThreads threads where SmallUnits says so (a large partial
 // batch without the fused scan), or of kThreads.
 template <typename V>
-void Emulate(const Batch& b, bool reverse, bool other_lean_form) {
+void Emulate(const Batch& b, bool reverse, bool fallback_form_only) {
   if (kvxfer::LeanShape lean; kvxfer::LeanShapeFor(b, sizeof(V), /*max_ctas=*/0, &lean)) {
     const int64_t threads = lean.ctas * kvxfer::kThreads;
     for (int64_t k = 0; k < threads; ++k) {
@@ -180,8 +180,9 @@ void Emulate(const Batch& b, bool reverse, bool other_lean_form) {
       };
       const int p = lean.pair_threads_log2, lanes = lean.lanes_log2;
       // CopyLeanKernel<true, true>, the handler's copy that scans itself: its first two loads
-      // before the answer; other_lean_form runs its fallback form alone (<true, false>).
-      if (b.scan_in_copy && !other_lean_form) {
+      // before the answer; fallback_form_only runs its fallback form (the whole scan first)
+      // for every pair.
+      if (b.scan_in_copy && !fallback_form_only) {
         if (!kvxfer::CopyLeanThread<V, 2>(b, t, p, lanes, early_scan)) {
           kvxfer::CopyLeanThread<V>(b, t, p, lanes, whole_scan);
         }
@@ -316,13 +317,13 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   // claims (as after ClaimLastWritersKernel), copy engines, where no two pairs write one block
   // kernel reverse with no scan at all (unique_dst_indices=True: the lean copy), and the kernel
   // that scans itself in reverse (forward, a pair that ignored the scan would still lose to the
-  // later writer), in the lean copy's form that the handler picks and in its other form.
+  // later writer), as the handler's lean copy runs and in its fallback form alone.
   for (int mode = 0; mode < 7; ++mode) {
     const bool reverse = mode != 0 && mode != 3, claims = mode == 2, dma = mode == 3;
     const bool unique = mode == 4, fused = mode == 0 || mode >= 5;
     if ((dma || claims || unique) && c.gather) continue;
     if (unique && HasDuplicateDestinations(c)) continue;
-    const char* name = mode == 6   ? "reverse, scanning itself, other lean form"
+    const char* name = mode == 6   ? "reverse, scanning itself, fallback form"
                        : mode == 5 ? "reverse, scanning itself"
                        : unique ? "reverse, no scan"
                        : dma  ? "copy engines"
