@@ -1,5 +1,5 @@
 // The duplicate scan of the copy kernels that find their pairs' later writers themselves (the
-// fused kernels, CopyLeanKernel<true>) and of SupersededTokensKernel: CUDA device code, so not in
+// fused kernels, CopyLeanKernel<true, *>) and of SupersededTokensKernel: CUDA device code, so not in
 // copy_units.cuh, which the host emulation compiles (it takes the scan's answers from an
 // in-order reference instead). Shared by block_copy_cuda.cu and benchmarks/floor_probe.cu.
 #pragma once

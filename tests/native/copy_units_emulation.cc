@@ -164,21 +164,21 @@ std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
 template <typename V>
 void Emulate(const Batch& b, bool reverse, bool fallback_form_only) {
   if (kvxfer::LeanShape lean; kvxfer::LeanShapeFor(b, sizeof(V), /*max_ctas=*/0, &lean)) {
+    // As the GPU's scans answer: the early form's -1 where a later pair writes the same block
+    // (its copy then stores nothing, and the whole scan's form copies the pair), else 0; the
+    // whole scan's form the tokens written later.
+    const auto early_scan = [&](uint32_t pair, int64_t, int64_t) {
+      const int32_t tokens = kvxfer::SupersededTokens(b, pair);
+      return [tokens]() { return tokens == 0 ? 0 : -1; };
+    };
+    const auto whole_scan = [&](uint32_t pair, int64_t, int64_t) {
+      const int32_t tokens = kvxfer::SupersededTokens(b, pair);
+      return [tokens]() { return tokens; };
+    };
+    const int p = lean.pair_threads_log2, lanes = lean.lanes_log2;
     const int64_t threads = lean.ctas * kvxfer::kThreads;
     for (int64_t k = 0; k < threads; ++k) {
       const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
-      // As the GPU's scans answer: the early form's -1 where a later pair writes the same
-      // block (its copy then stores nothing, and the whole scan's form copies the pair), else
-      // 0; the whole scan's form the tokens written later.
-      const auto early_scan = [&](uint32_t pair, int64_t, int64_t) {
-        const int32_t tokens = kvxfer::SupersededTokens(b, pair);
-        return [tokens]() { return tokens == 0 ? 0 : -1; };
-      };
-      const auto whole_scan = [&](uint32_t pair, int64_t, int64_t) {
-        const int32_t tokens = kvxfer::SupersededTokens(b, pair);
-        return [tokens]() { return tokens; };
-      };
-      const int p = lean.pair_threads_log2, lanes = lean.lanes_log2;
       // CopyLeanKernel<true, true>, the handler's copy that scans itself: its first two loads
       // before the answer; fallback_form_only runs its fallback form (the whole scan first)
       // for every pair.
@@ -314,8 +314,8 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   const bool whole_hint = all_whole && (rng() & 1);
 
   // kernel forward, kernel reverse (both with the scan's answers), kernel reverse with the
-  // claims (as after ClaimLastWritersKernel), copy engines, where no two pairs write one block
-  // kernel reverse with no scan at all (unique_dst_indices=True: the lean copy), and the kernel
+  // claims (as after ClaimLastWritersKernel), copy engines; where no two pairs write one block,
+  // kernel reverse with no scan at all (unique_dst_indices=True: the lean copy); and the kernel
   // that scans itself in reverse (forward, a pair that ignored the scan would still lose to the
   // later writer), as the handler's lean copy runs and in its fallback form alone.
   for (int mode = 0; mode < 7; ++mode) {
