@@ -9,7 +9,8 @@
 #   probe: benchmarks/kernel_probe.cu (launch shapes of the copy kernel, no JAX);
 #   partial-probe: benchmarks/partial_probe.cu (ways to copy partial blocks, no JAX);
 #   floor-probe: benchmarks/floor_probe.cu (how fast any copy of a small d2d batch can be, no JAX);
-#   pipeline: scripts/pipeline_probe.py (wall clock vs calls in flight, gaps between executions).
+#   pipeline: scripts/pipeline_probe.py (wall clock vs calls in flight, gaps between executions;
+#   its options in $PIPELINE_ARGS).
 #   profile: scripts/profile_manager.py (the manager's host time); trace: the same with --trace
 #   (the verb's host events under the profiler). sharded: the bench's
 #   sharded-pool section over all GPUs; demo-tp: the demo tensor-parallel over 2 GPUs (both need
@@ -88,7 +89,7 @@ if has floor-probe; then
 fi
 if has pipeline; then
   t=$(date +%s)
-  python3 scripts/pipeline_probe.py > "$OUT/pipeline-probe.txt" 2> "$OUT/pipeline-probe.log"
+  python3 scripts/pipeline_probe.py ${PIPELINE_ARGS:-} > "$OUT/pipeline-probe.txt" 2> "$OUT/pipeline-probe.log"
   summary+=("pipeline probe: exit $? ($(( $(date +%s) - t )) s)")
   cat "$OUT/pipeline-probe.txt"
 fi

@@ -10,7 +10,10 @@ splits each sample into:
     start to the last one's end, and the idle gaps between consecutive copies, split into gaps
     inside one call and gaps between calls; and the GPU events other than ours in that span.
 
-    python scripts/pipeline_probe.py [--sizes 256K,4M] [--directions d2h,h2d,d2d]
+    python scripts/pipeline_probe.py [--sizes 256K,4M] [--directions d2h,h2d,d2d] [--host-events]
+
+--host-events adds, from the same trace, the host's events (XLA's TraceMe scopes and the CUDA
+API calls CUPTI records) per call by name: where the host's time per chained copy goes.
 """
 
 from __future__ import annotations
@@ -30,13 +33,25 @@ from jax_kvxfer.bench.core import gpu_stream_events, traced_profile
 BLOCKS = 256
 
 
-def traced(call, calls: int) -> list[tuple[int, int, str]]:
-    """The GPU stream events of `calls` calls (the results of all but the last are donated)."""
+def traced(call, calls: int) -> tuple[list[tuple[int, int, str]], dict[str, list[int]]]:
+    """The GPU stream events of `calls` calls (the results of all but the last are donated),
+    and the host's events by name (metadata after '#' dropped): [count, total ns]."""
     profile = traced_profile(lambda: jax.block_until_ready([call() for _ in range(calls)][-1]))
-    return gpu_stream_events(profile) if profile is not None else []
+    if profile is None:
+        return [], {}
+    host: dict[str, list[int]] = {}
+    for plane in profile.planes:
+        if plane.name.startswith("/host"):
+            for line in plane.lines:
+                for e in line.events:
+                    entry = host.setdefault(e.name.split("#")[0][:70], [0, 0])
+                    entry[0] += 1
+                    entry[1] += e.duration_ns
+    return gpu_stream_events(profile), host
 
 
-def probe(direction: str, size: int, k: int, rng: np.random.Generator) -> None:
+def probe(direction: str, size: int, k: int, rng: np.random.Generator,
+          host_events: bool = False) -> None:
     geom = geometry_for(size)
     dev = jax.devices()[0]
     dsh = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
@@ -77,7 +92,11 @@ def probe(direction: str, size: int, k: int, rng: np.random.Generator) -> None:
 
     print(f"{direction} {size >> 10:5d}K k={k:2d}: " + ", ".join(cells)
           + f"; host dispatch {host_us:.0f} us/call")
-    events = traced(call, 8)
+    events, host_by_name = traced(call, 8)
+    if host_events:
+        print("    host events per call (count, us; nested scopes overlap):")
+        for name, (count, ns) in sorted(host_by_name.items(), key=lambda x: -x[1][1])[:25]:
+            print(f"      {count / 8:7.2f} x {ns / 8e3:9.1f} us  {name}")
     ours = [(a, b) for a, b, name in events if "kvxfer" in name]
     if not ours:
         print("    no kernels of ours in the trace")
@@ -110,6 +129,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="256K,4M")
     ap.add_argument("--directions", default="d2h,h2d,d2d")
     ap.add_argument("--chains", default="1,4", help="copies per jitted call")
+    ap.add_argument("--host-events", action="store_true",
+                    help="the host's traced events per call, by name")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"# pipeline probe on {jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -117,7 +138,7 @@ def main() -> None:
     for size in (parse_size(s) for s in args.sizes.split(",")):
         for d in args.directions.split(","):
             for k in (int(c) for c in args.chains.split(",")):
-                probe(d, size, k, rng)
+                probe(d, size, k, rng, args.host_events)
 
 
 if __name__ == "__main__":
