@@ -153,7 +153,15 @@ __global__ void __launch_bounds__(kUnitThreads) Library(kvxfer::Batch b, int64_t
 // false>, v27). kEarlyBarrier (probe only): the first form's barrier with no scan (does a CTA
 // barrier after the first loads cost at eight CTAs an SM? 10:43: no, 4.07 us against 4.01 at
 // 64 KiB T/2).
-enum class LeanStart { kNone, kScan, kScanFirst, kEarlyBarrier };
+// kEarlyOneLater and kEarlyReplicated (probe only): the v33 vote with its later destination
+// loaded from one address per CTA (dst_idx[pair + 1]: a broadcast, one sector a warp), or from
+// a copy of dst_idx[pair + 1 + t] laid out per pair (no two CTAs read the same line): is the
+// scan's cost its load's latency, or every CTA reading the same few lines of dst_idx? Both
+// answer as the real vote does for the probe's distinct destinations.
+enum class LeanStart { kNone, kScan, kScanFirst, kEarlyBarrier, kEarlyOneLater, kEarlyReplicated };
+
+// kEarlyReplicated's array: [pair][t] = dst_idx[pair + 1 + t] (-1 past the batch), set up in main.
+__device__ const int32_t* g_replicated_later = nullptr;
 
 // CopyLeanKernel of ffi/block_copy_cuda.cu.
 template <bool kScanInCopy, bool kEarlyLoads>
@@ -169,6 +177,35 @@ struct EarlyBarrierOnly {
   }
 };
 
+// CopyLeanThread's `begin` for kEarlyOneLater / kEarlyReplicated: the v33 vote with the later
+// destination loaded as described above.
+template <bool kReplicated>
+struct EarlyVoteProbe {
+  const kvxfer::Batch& b;
+  __device__ __forceinline__ auto operator()(uint32_t i, int64_t s, int64_t d) const {
+    const uint32_t j = i + 1 + (kReplicated ? threadIdx.x : 0);
+    const int32_t later = j >= b.num_pairs    ? -1
+                          : kReplicated       ? g_replicated_later[i * kvxfer::kThreads + threadIdx.x]
+                                              : b.dst_idx[j];
+    const kvxfer::Batch& batch = b;
+    return [&batch, i, s, d, later]() {
+      const bool valid = kvxfer::IndicesInRange(batch, s, d);
+      const bool beyond = i + 1 + kvxfer::kThreads < batch.num_pairs;
+      return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
+    };
+  }
+};
+
+template <bool kReplicated>
+__global__ void __launch_bounds__(kvxfer::kThreads, 8)
+    ProbeLeanEarlyVote(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
+  const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
+  if (!kvxfer::CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,
+                                        EarlyVoteProbe<kReplicated>{b})) {
+    __trap();  // distinct destinations: the vote always answers 0
+  }
+}
+
 __global__ void __launch_bounds__(kvxfer::kThreads, 8)
     ProbeLeanEarlyBarrier(kvxfer::Batch b, int pair_threads_log2, int lanes_log2) {
   const uint32_t t = blockIdx.x * kvxfer::kThreads + threadIdx.x;
@@ -181,6 +218,8 @@ const std::pair<LeanStart, std::string> kLeanRows[] = {
     {LeanStart::kScan, "library lean scan"},
     {LeanStart::kScanFirst, "lean scan first"},
     {LeanStart::kEarlyBarrier, "lean early +barrier"},
+    {LeanStart::kEarlyOneLater, "lean early vote 1 later"},
+    {LeanStart::kEarlyReplicated, "lean early vote replicated"},
 };
 
 // Launches the lean kernel as LaunchWith does (the scan only where LeanShapeFor takes a batch
@@ -192,6 +231,8 @@ bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, LeanStart start) {
   const auto copy = start == LeanStart::kScan           ? LibraryLean<true, true>
                     : start == LeanStart::kScanFirst    ? LibraryLean<true, false>
                     : start == LeanStart::kEarlyBarrier ? ProbeLeanEarlyBarrier
+                    : start == LeanStart::kEarlyOneLater    ? ProbeLeanEarlyVote<false>
+                    : start == LeanStart::kEarlyReplicated  ? ProbeLeanEarlyVote<true>
                                                         : LibraryLean<false, false>;
   copy<<<static_cast<unsigned>(lean.ctas), kvxfer::kThreads, 0, stream>>>(
       b, lean.pair_threads_log2, lean.lanes_log2);
@@ -318,6 +359,16 @@ int main(int argc, char** argv) {
   }
   int* d_si = probe::ToDevice(std::vector<int>(ix.src, ix.src + kPairs));
   int* d_di = probe::ToDevice(std::vector<int>(ix.dst, ix.dst + kPairs));
+#ifdef KVXFER_PROBE_LIBRARY
+  {
+    std::vector<int> later(size_t{kPairs} * kvxfer::kThreads, -1);
+    for (int i = 0; i < kPairs; ++i)
+      for (int t = 0; i + 1 + t < kPairs && t < kvxfer::kThreads; ++t)
+        later[size_t{i} * kvxfer::kThreads + t] = ix.dst[i + 1 + t];
+    const int* d_later = probe::ToDevice(later);
+    CHECK(cudaMemcpyToSymbol(g_replicated_later, &d_later, sizeof(d_later)));
+  }
+#endif
   probe::Timer timer = probe::MakeTimer(repeats);
   int failures = 0;
 
