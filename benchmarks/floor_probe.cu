@@ -37,6 +37,10 @@
 //                   same batch by default, each CTA scanning for later writers of its pair
 //                   and voting after its first two loads (v33); "lean scan first" with the
 //                   whole scan before its first loads instead (v27, the fallback's form).
+//                   Probe only: "lean early +barrier" (a bare barrier where the vote is),
+//                   "lean early vote 1 later" and "lean early vote replicated" (the vote with
+//                   its later destination loaded by broadcast, or from a copy per pair): where
+//                   the scan's cost goes (LeanStart below).
 // The indexed variants are checked against a host reference once.
 #include <cuda_runtime.h>
 
