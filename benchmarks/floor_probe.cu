@@ -188,9 +188,10 @@ struct EarlyVoteProbe {
   const kvxfer::Batch& b;
   __device__ __forceinline__ auto operator()(uint32_t i, int64_t s, int64_t d) const {
     const uint32_t j = i + 1 + (kReplicated ? threadIdx.x : 0);
-    const int32_t later = j >= b.num_pairs    ? -1
-                          : kReplicated       ? g_replicated_later[i * kvxfer::kThreads + threadIdx.x]
-                                              : b.dst_idx[j];
+    const int32_t later =
+        j >= b.num_pairs ? -1
+        : kReplicated    ? g_replicated_later[i * kvxfer::kThreads + threadIdx.x]
+                         : b.dst_idx[j];
     const kvxfer::Batch& batch = b;
     return [&batch, i, s, d, later]() {
       const bool valid = kvxfer::IndicesInRange(batch, s, d);
@@ -232,12 +233,12 @@ bool LaunchLibraryLean(cudaStream_t stream, kvxfer::Batch b, LeanStart start) {
   b.scan_in_copy = start != LeanStart::kNone;
   kvxfer::LeanShape lean;
   if (!kvxfer::LeanShapeFor(b, 16, 0, &lean)) return false;
-  const auto copy = start == LeanStart::kScan           ? LibraryLean<true, true>
-                    : start == LeanStart::kScanFirst    ? LibraryLean<true, false>
-                    : start == LeanStart::kEarlyBarrier ? ProbeLeanEarlyBarrier
+  const auto copy = start == LeanStart::kScan               ? LibraryLean<true, true>
+                    : start == LeanStart::kScanFirst        ? LibraryLean<true, false>
+                    : start == LeanStart::kEarlyBarrier     ? ProbeLeanEarlyBarrier
                     : start == LeanStart::kEarlyOneLater    ? ProbeLeanEarlyVote<false>
                     : start == LeanStart::kEarlyReplicated  ? ProbeLeanEarlyVote<true>
-                                                        : LibraryLean<false, false>;
+                                                            : LibraryLean<false, false>;
   copy<<<static_cast<unsigned>(lean.ctas), kvxfer::kThreads, 0, stream>>>(
       b, lean.pair_threads_log2, lean.lanes_log2);
   return true;
