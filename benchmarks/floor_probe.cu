@@ -193,11 +193,7 @@ struct EarlyVoteProbe {
         : kReplicated    ? g_replicated_later[i * kvxfer::kThreads + threadIdx.x]
                          : b.dst_idx[j];
     const kvxfer::Batch& batch = b;
-    return [&batch, i, s, d, later]() {
-      const bool valid = kvxfer::IndicesInRange(batch, s, d);
-      const bool beyond = i + 1 + kvxfer::kThreads < batch.num_pairs;
-      return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
-    };
+    return [&batch, i, s, d, later]() { return kvxfer::LaterWriterVote(batch, i, s, d, later); };
   }
 };
 

@@ -52,11 +52,21 @@ __device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) 
   return m;
 }
 
+// The vote of LaterWriterTokensInCopy's answer over a kThreads-thread CTA copying pair `i` (s, d:
+// its indices), each thread holding the destination of one later pair (`later`, -1 for none):
+// 0 where no later pair writes the block, -1 where one does or more later pairs exist than the
+// CTA has threads. (benchmarks/floor_probe.cu times it with `later` loaded otherwise.)
+__device__ __forceinline__ int32_t LaterWriterVote(const Batch& b, uint32_t i, int64_t s,
+                                                   int64_t d, int32_t later) {
+  const bool valid = IndicesInRange(b, s, d);
+  const bool beyond = i + 1 + kThreads < b.num_pairs;  // the same for the CTA
+  return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
+}
+
 // The scan in the steps of CopyLeanThread's `begin` (a kThreads-thread CTA, all of whose
 // threads copy pair `i`): begin loads the one later destination that this thread checks, beside
-// the pair's own indices; answer(), asked after the copy's first loads are issued, votes over the
-// CTA: 0 where no later pair writes the block, -1 (ask LaterWriterTokens) where one does or more
-// later pairs exist than the CTA has threads.
+// the pair's own indices; answer(), asked after the copy's first loads are issued, is the CTA's
+// vote (LaterWriterVote): -1 sends the pair to LaterWriterTokens.
 struct LaterWriterTokensInCopy {
   const Batch& b;
   // s, d: pair i's own indices as the copy loaded them (-1 past the batch's end).
@@ -65,11 +75,7 @@ struct LaterWriterTokensInCopy {
     const uint32_t j = i + 1 + threadIdx.x;
     const int32_t later = j < b.num_pairs ? b.dst_idx[j] : -1;
     const Batch& batch = b;
-    return [&batch, i, s, d, later]() {
-      const bool valid = IndicesInRange(batch, s, d);
-      const bool beyond = i + 1 + kThreads < batch.num_pairs;  // the same for the CTA
-      return __syncthreads_or((valid && later == d) || beyond) ? int32_t{-1} : int32_t{0};
-    };
+    return [&batch, i, s, d, later]() { return LaterWriterVote(batch, i, s, d, later); };
   }
 };
 
