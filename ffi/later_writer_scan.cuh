@@ -32,10 +32,7 @@ __device__ __forceinline__ int32_t LaterWriterTokens(const Batch& b, int64_t i) 
   for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
     written_again |= b.dst_idx[j] == d;
   }
-  // IndicesInRange, written out: calling it (int64 arguments) changes the machine code of the
-  // kernels that inline this scan, by 128 bytes, untested on a GPU.
-  const bool valid = s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;
-  if (!__syncthreads_or(valid && written_again)) return 0;
+  if (!__syncthreads_or(IndicesInRange(b, s, d) && written_again)) return 0;
   int32_t m = 0;
   for (int64_t j = i + 1 + threadIdx.x; j < b.num_pairs; j += kThreads) {
     if (b.dst_idx[j] != d) continue;
@@ -89,8 +86,8 @@ __device__ __forceinline__ void CopyLeanKernelBody(const Batch& b, int pair_thre
                                                    int lanes_log2) {
   const uint32_t t = blockIdx.x * kThreads + threadIdx.x;
   const auto whole_scan = [&](uint32_t pair, int64_t, int64_t) {
-    const int32_t start = LaterWriterTokens(b, pair);
-    return [start]() { return start < 0 ? 0 : start; };  // never gives up
+    const int32_t start = LaterWriterTokens(b, pair);  // >= 0: never sends the pair back
+    return [start]() { return start; };
   };
   if constexpr (kScanInCopy && kEarlyLoads) {
     if (!CopyLeanThread<uint4, 2>(b, t, pair_threads_log2, lanes_log2,
