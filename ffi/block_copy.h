@@ -160,6 +160,15 @@ auto BindJoinCopy(Binding&& binding) {
       .template Attr<bool>("wait");
 }
 
+// A lane copy's attributes (the manager's copies beside compute; see block_copy_cuda.cu).
+template <typename Binding>
+auto BindLaneAttrs(Binding&& binding) {
+  return std::move(binding).template Attr<int64_t>("lane")  // 0: offloads, 1: onboards
+      .template Attr<int64_t>("wait_lane")              // the lane waits for this one first, or -1
+      .template Attr<int64_t>("stream_wait_lane")       // XLA's stream waits for it first, or -1
+      .template Attr<bool>("whole_blocks");             // every pair copies whole blocks
+}
+
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole
 // bytes (odd size_per_head of a 4-bit type) only ever copy whole blocks.
 KVXFER_HOST_DEVICE inline int64_t TokensToCopy(int32_t n, const PoolGeometry& g) {

@@ -18,27 +18,28 @@ void CopyBlockPrefix(char* dst, const char* src, int64_t n, const PoolGeometry& 
   for (int64_t r = 0; r < g.outer; ++r) std::memcpy(dst + r * pitch, src + r * pitch, n * g.row_bytes);
 }
 
-ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
-                        ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                        ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                        bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
+// The copy on buffers as XLA hands them over. `staging` (bytes, or null): room for every pair's
+// source block, needed where source and result are one buffer and a block may be both read
+// and written (`hazard_free` false); the pairs apply in order, so the last pair writing a
+// token wins.
+ffi::Error CopyPairs(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
+                     ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                     ffi::AnyBuffer out, bool hazard_free, size_t superseded_count,
+                     char* staging, size_t staging_bytes) {
   PoolGeometry g;
   int64_t num_pairs = 0;
-  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
+  if (auto err = CheckPools(dst, src, out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
       err.failure()) {
     return err;
   }
   const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
-  char* out_data = static_cast<char*>(out->untyped_data());
+  char* out_data = static_cast<char*>(out.untyped_data());
   if (out_data != dst.untyped_data()) {  // XLA did not alias: start from dst's contents
     std::memcpy(out_data, dst.untyped_data(), dst_blocks * g.block_bytes);
   }
   const char* src_data = static_cast<const char*>(src.untyped_data());
   const bool stage = src_data == out_data && !hazard_free;
-  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded->element_count(),
-                                 staging->element_count());
+  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded_count, staging_bytes);
       err.failure()) {
     return err;
   }
@@ -51,25 +52,31 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
 
   // Every pair reads the source as it was before the call. When the source is the pool being
   // written and a block may be both read and written, read the sources out first.
-  char* staged = reinterpret_cast<char*>(staging->typed_data());
   if (stage) {
     for (int64_t i = 0; i < num_pairs; ++i) {
-      if (valid(i)) std::memcpy(staged + i * g.block_bytes, src_data + si[i] * g.block_bytes, g.block_bytes);
+      if (valid(i)) std::memcpy(staging + i * g.block_bytes, src_data + si[i] * g.block_bytes, g.block_bytes);
     }
   }
-  // Pairs apply in order, so the last pair writing a token wins (`unique_dst`, which lets the
-  // GPU skip its duplicate scan, the GPU's grid cap and its choice of copy engines change
-  // nothing here; `whole_blocks` only promises what num_tokens says).
-  (void)unique_dst;
-  (void)max_ctas;
-  (void)dma;
-  (void)whole_blocks;
   for (int64_t i = 0; i < num_pairs; ++i) {
     if (!valid(i)) continue;
-    const char* from = stage ? staged + i * g.block_bytes : src_data + si[i] * g.block_bytes;
+    const char* from = stage ? staging + i * g.block_bytes : src_data + si[i] * g.block_bytes;
     CopyBlockPrefix(out_data + di[i] * g.block_bytes, from, TokensToCopy(nt[i], g), g);
   }
   return ffi::Error::Success();
+}
+
+// `unique_dst` (which lets the GPU skip its duplicate scan), the GPU's grid cap and its choice
+// of copy engines change nothing here; `whole_blocks` only promises what num_tokens says.
+ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
+                        ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                        ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::Buffer<ffi::S32>> superseded,
+                        ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
+                        bool /*unique_dst*/, int64_t /*max_ctas*/, bool /*dma*/,
+                        bool /*whole_blocks*/) {
+  return CopyPairs(dst, src, src_idx, dst_idx, num_tokens, *out, hazard_free,
+                   superseded->element_count(), reinterpret_cast<char*>(staging->typed_data()),
+                   staging->element_count());
 }
 
 // Copies within one pool. One operand rather than the same array passed twice: XLA would copy
@@ -110,6 +117,32 @@ ffi::Error BlockCopyJoinCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<
                       hazard_free, unique_dst, max_ctas, dma, whole_blocks);
 }
 
+// The manager's lane copies (block_copy_cuda.cu) and their join. The CPU has no lanes: a lane
+// copy is done when its call is, in pair order, which is what the manager's runs need (no pair
+// reads a slot that an earlier pair of the run writes), and the join only hands the array on.
+ffi::Error LaneCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
+                       ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t /*lane*/, int64_t /*wait_lane*/,
+                       int64_t /*stream_wait_lane*/, bool /*whole_blocks*/) {
+  return CopyPairs(dst, src, src_idx, dst_idx, num_tokens, *out, true,
+                   src_idx.element_count(), nullptr, 0);
+}
+
+ffi::Error LaneCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
+                             ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t lane, int64_t wait_lane,
+                             int64_t stream_wait_lane, bool whole_blocks) {
+  return LaneCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, lane, wait_lane,
+                     stream_wait_lane, whole_blocks);
+}
+
+ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out) {
+  if (out->untyped_data() != array.untyped_data()) {
+    std::memcpy(out->untyped_data(), array.untyped_data(), array.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu,
@@ -121,6 +154,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu,
                               BindJoinCopy(ffi::Ffi::Bind()
                                                .Arg<ffi::AnyBuffer>()    // dst pool
                                                .Arg<ffi::AnyBuffer>()));  // src pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCpu, LaneCopyCpu,
+                              BindLaneAttrs(BindIndices(ffi::Ffi::Bind()
+                                                            .Arg<ffi::AnyBuffer>()    // dst pool
+                                                            .Arg<ffi::AnyBuffer>())   // src pool
+                                                .Ret<ffi::AnyBuffer>()));  // new dst pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu,
+                              BindLaneAttrs(BindIndices(ffi::Ffi::Bind()
+                                                            .Arg<ffi::AnyBuffer>())   // pool
+                                                .Ret<ffi::AnyBuffer>()));  // new pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind()
@@ -148,6 +195,9 @@ NB_MODULE(_kvxfer_cpu, m) {
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
     d["jax_kvxfer_block_copy_fork"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCpu));
     d["jax_kvxfer_block_copy_join"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCpu));
+    d["jax_kvxfer_lane_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyCpu));
+    d["jax_kvxfer_lane_copy_within"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCpu));
+    d["jax_kvxfer_join_lanes"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kJoinLanesCpu));
     return d;
   });
 }

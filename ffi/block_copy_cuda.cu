@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -198,40 +199,47 @@ cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
   return cudaSuccess;
 }
 
+// Enqueues PlanDmaCopies' copies on `stream`. With distinct destinations they may run in any
+// order (one batch); when two pairs write one block, or with `in_order` (a copy within one
+// pool, where a pair may overwrite a block that an earlier pair reads), every copy is enqueued
+// on its own, in pair order: the later pair wins on the tokens it writes, as with the kernel,
+// and every read comes before the later writes.
+cudaError_t EnqueueDmaCopies(cudaStream_t stream, const Batch& b, bool in_order) {
+  std::vector<DmaCopy> copies;
+  in_order = PlanDmaCopies(b, &copies) || in_order;
+  cudaError_t err = cudaSuccess;
+  if (in_order) {
+    for (size_t k = 0; k < copies.size() && err == cudaSuccess; ++k) {
+      err = EnqueueOne(stream, copies[k]);
+    }
+    return err;
+  }
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (const DmaCopy& c : copies) {
+    if (c.height != 1) {
+      if (err = EnqueueOne(stream, c); err != cudaSuccess) return err;
+      continue;
+    }
+    dsts.push_back(c.dst);
+    srcs.push_back(c.src);
+    sizes.push_back(c.width);
+  }
+  return EnqueueBatch(stream, dsts, srcs, sizes);
+}
+
 // Enqueues the batch on the copy engines and returns true, or returns false having enqueued
-// nothing when the batch does not qualify (see the top of this file). The copies are
-// PlanDmaCopies': with distinct destinations they may run in any order (one batch); when two
-// pairs write one block, every copy is enqueued on its own, in pair order, so the later pair
-// wins on the tokens it writes, as with the kernel.
+// nothing when the batch does not qualify (see the top of this file).
 bool TryDma(cudaStream_t stream, const Batch& b, ffi::Error* error) {
   if (!IsHostMemory(b.src_idx) || !IsHostMemory(b.dst_idx) ||
       (!b.whole_blocks && !IsHostMemory(b.num_tokens)) ||
       IsHostMemory(b.dst.data) == IsHostMemory(b.src.data)) {
     return false;
   }
-  std::vector<DmaCopy> copies;
-  const bool duplicates = PlanDmaCopies(b, &copies);
-  cudaError_t err = cudaSuccess;
-  if (duplicates) {
-    for (size_t k = 0; k < copies.size() && err == cudaSuccess; ++k) {
-      err = EnqueueOne(stream, copies[k]);
-    }
-  } else {
-    std::vector<void*> dsts;
-    std::vector<const void*> srcs;
-    std::vector<size_t> sizes;
-    for (const DmaCopy& c : copies) {
-      if (c.height != 1) {
-        if (err = EnqueueOne(stream, c); err != cudaSuccess) break;
-        continue;
-      }
-      dsts.push_back(c.dst);
-      srcs.push_back(c.src);
-      sizes.push_back(c.width);
-    }
-    if (err == cudaSuccess) err = EnqueueBatch(stream, dsts, srcs, sizes);
+  if (cudaError_t err = EnqueueDmaCopies(stream, b, false); err != cudaSuccess) {
+    *error = CudaError(err, "block copy on the copy engines");
   }
-  if (err != cudaSuccess) *error = CudaError(err, "block copy on the copy engines");
   dma_batches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -483,6 +491,198 @@ ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "join the side stream");
 }
 
+// -- transfer lanes: the manager's copies beside compute ------------------------------------
+//
+// TensorRT-LLM's discipline for JAX. Each device has two lanes, streams of the library's own:
+// lane 0 carries offloads (device -> pinned host), lane 1 onboards and copies within the GPU
+// pool. A lane copy is one custom call on XLA's stream that returns once its copy is enqueued
+// on the lane, behind everything XLA's stream had before it (an event), so it reads what
+// earlier work wrote; XLA's later work (the model step) runs beside it. JoinLanes, on XLA's
+// stream, makes everything after it wait for both lanes: the manager's sync_transfers.
+//
+// What the lane reads after this call returns must outlive XLA's idea of the call:
+//  - an offload's source blocks are snapshotted first, on XLA's stream, into a buffer of the
+//    lanes' own memory pool (freed in the lane's order once copied), so the step may overwrite
+//    them at once;
+//  - the indices are read here, on the host (the copy engines are handed addresses), so the
+//    plan's buffer is free when the call returns;
+//  - the pools themselves stay alive: the manager holds them until a join (manager.py).
+// The lanes copy with the copy engines only, so they take no SMs from the step.
+// Across lanes, the manager asks for a wait (wait_lane) where one lane's copy touches slots
+// that the other's pending copies touch, and for XLA's stream to wait (stream_wait_lane) where
+// a snapshot reads blocks that lane 1 is still writing.
+
+constexpr int kLanes = 2;
+
+struct DeviceLanes {
+  std::mutex mu;  // handlers for one device may run on several threads
+  cudaStream_t stream[kLanes] = {};
+  cudaEvent_t done[kLanes] = {};  // the last copy enqueued on each lane
+  cudaEvent_t ready = nullptr;    // where XLA's stream was when a lane copy was enqueued
+  cudaMemPool_t staging = nullptr;
+};
+
+std::mutex lanes_mu;
+auto* lanes_by_device = new std::unordered_map<int, DeviceLanes*>;  // never destroyed
+
+ffi::Error LanesFor(cudaStream_t stream, int* device, DeviceLanes** lanes) {
+  std::mutex& mu = lanes_mu;
+  auto* by_device = lanes_by_device;
+  if (cudaError_t err = cudaStreamGetDevice(stream, device); err != cudaSuccess) {
+    return CudaError(err, "cudaStreamGetDevice");
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceLanes*& entry = (*by_device)[*device];
+  if (entry != nullptr) {
+    *lanes = entry;
+    return ffi::Error::Success();
+  }
+  ScopedDevice on_device(*device);
+  auto* made = new DeviceLanes;
+  cudaError_t err = cudaSuccess;
+  for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
+    err = cudaStreamCreateWithFlags(&made->stream[i], cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&made->done[i], cudaEventDisableTiming);
+  }
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&made->ready, cudaEventDisableTiming);
+  if (err == cudaSuccess) {
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = *device;
+    err = cudaMemPoolCreate(&made->staging, &props);
+  }
+  if (err == cudaSuccess) {
+    // Keep freed snapshots for the next ones instead of returning them to the driver at
+    // every synchronization: the pool then holds at most the largest batch in flight.
+    uint64_t keep = UINT64_MAX;
+    err = cudaMemPoolSetAttribute(made->staging, cudaMemPoolAttrReleaseThreshold, &keep);
+  }
+  if (err != cudaSuccess) return CudaError(err, "creating the transfer lanes");  // leaks `made`
+  entry = made;
+  *lanes = made;
+  return ffi::Error::Success();
+}
+
+ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
+                    ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                    ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
+                    int64_t lane, int64_t wait_lane, int64_t stream_wait_lane,
+                    bool whole_blocks) {
+  PoolGeometry g;
+  int64_t num_pairs = 0;
+  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
+      err.failure()) {
+    return err;
+  }
+  auto lane_ok = [](int64_t l, bool optional) { return (optional && l < 0) || (l >= 0 && l < kLanes); };
+  if (!lane_ok(lane, false) || !lane_ok(wait_lane, true) || !lane_ok(stream_wait_lane, true)) {
+    return ffi::Error::InvalidArgument("jax_kvxfer lane copy: lane numbers must be 0 or 1");
+  }
+  if (!IsHostMemory(src_idx.typed_data()) || !IsHostMemory(dst_idx.typed_data()) ||
+      (!whole_blocks && !IsHostMemory(num_tokens.typed_data()))) {
+    return ffi::Error::InvalidArgument(
+        "jax_kvxfer lane copy: the indices must be in pinned host memory (the manager's plan "
+        "ring), where the handler reads them");
+  }
+  int device = 0;
+  DeviceLanes* lanes = nullptr;
+  if (auto err = LanesFor(stream, &device, &lanes); err.failure()) return err;
+  ScopedDevice on_device(device);
+  const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
+  char* out_data = static_cast<char*>(out->untyped_data());
+  const bool within = src.untyped_data() == dst.untyped_data();
+  std::lock_guard<std::mutex> lock(lanes->mu);
+  cudaError_t err = cudaSuccess;
+  if (stream_wait_lane >= 0) err = cudaStreamWaitEvent(stream, lanes->done[stream_wait_lane], 0);
+  if (err == cudaSuccess && out_data != dst.untyped_data() && dst_blocks > 0) {
+    // XLA did not alias: start from dst's contents, and copy within the result.
+    err = cudaMemcpyAsync(out_data, dst.untyped_data(), dst_blocks * g.block_bytes,
+                          cudaMemcpyDefault, stream);
+  }
+  if (err != cudaSuccess) return CudaError(err, "lane copy: before the copy");
+  if (num_pairs == 0 || dst_blocks == 0 || src_blocks == 0 || g.block_bytes == 0) {
+    return ffi::Error::Success();
+  }
+  Batch b{{out_data, false},
+          {within ? out_data : static_cast<char*>(src.untyped_data()), false},
+          src_idx.typed_data(),
+          dst_idx.typed_data(),
+          num_tokens.typed_data(),
+          nullptr,
+          num_pairs,
+          src_blocks,
+          dst_blocks,
+          g};
+  b.whole_blocks = whole_blocks;
+  const cudaStream_t lane_stream = lanes->stream[lane];
+  void* snapshot = nullptr;
+  if (!within && !IsHostMemory(b.src.data)) {
+    // An offload: gather the source blocks on XLA's stream (a device-to-device copy, a small
+    // part of the transfer's time), then copy the gathered blocks to the host on the lane.
+    err = cudaMallocFromPoolAsync(&snapshot, num_pairs * g.block_bytes, lanes->staging, stream);
+    if (err != cudaSuccess) {
+      // No room for a snapshot: copy on XLA's stream instead, after both lanes (the copy
+      // must come after the pending ones), ordered like any other op from then on.
+      (void)cudaGetLastError();
+      err = cudaSuccess;
+      for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
+        err = cudaStreamWaitEvent(stream, lanes->done[i], 0);
+      }
+      if (err == cudaSuccess) err = EnqueueDmaCopies(stream, b, false);
+      dma_batches.fetch_add(1, std::memory_order_relaxed);
+      return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy (in line)");
+    }
+    Batch gather = b;
+    gather.dst = {static_cast<char*>(snapshot), true};
+    if (auto launched = Launch(stream, gather, 0); launched.failure()) {
+      (void)cudaFreeAsync(snapshot, stream);
+      return launched;
+    }
+    b.src = {static_cast<char*>(snapshot), true};
+  }
+  err = cudaEventRecord(lanes->ready, stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(lane_stream, lanes->ready, 0);
+  if (err == cudaSuccess && wait_lane >= 0 && wait_lane != lane) {
+    err = cudaStreamWaitEvent(lane_stream, lanes->done[wait_lane], 0);
+  }
+  if (err == cudaSuccess) err = EnqueueDmaCopies(lane_stream, b, within);
+  if (snapshot != nullptr) {
+    // Freed in the lane's order even if enqueueing failed: nothing may leak.
+    cudaError_t freed = cudaFreeAsync(snapshot, err == cudaSuccess ? lane_stream : stream);
+    if (err == cudaSuccess) err = freed;
+  }
+  if (err == cudaSuccess) err = cudaEventRecord(lanes->done[lane], lane_stream);
+  dma_batches.fetch_add(1, std::memory_order_relaxed);
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy");
+}
+
+ffi::Error LaneCopyWithin(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
+                          ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t lane, int64_t wait_lane,
+                          int64_t stream_wait_lane, bool whole_blocks) {
+  return LaneCopy(stream, pool, pool, src_idx, dst_idx, num_tokens, out, lane, wait_lane,
+                  stream_wait_lane, whole_blocks);
+}
+
+// XLA's stream waits for everything enqueued on both lanes of its device so far.
+ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out) {
+  int device = 0;
+  DeviceLanes* lanes = nullptr;
+  if (auto err = LanesFor(stream, &device, &lanes); err.failure()) return err;
+  ScopedDevice on_device(device);
+  std::lock_guard<std::mutex> lock(lanes->mu);
+  cudaError_t err = cudaSuccess;
+  for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
+    err = cudaStreamWaitEvent(stream, lanes->done[i], 0);
+  }
+  if (err == cudaSuccess && out->untyped_data() != array.untyped_data()) {
+    err = cudaMemcpyAsync(out->untyped_data(), array.untyped_data(), array.size_bytes(),
+                          cudaMemcpyDefault, stream);
+  }
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "join the transfer lanes");
+}
+
 }  // namespace
 
 // The kernel-only targets may be recorded into a CUDA graph (XLA's command buffers, which then
@@ -519,6 +719,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyNoGraphCuda, BlockCopyCuda<false>,
                                                              .Arg<ffi::AnyBuffer>()    // dst pool
                                                              .Arg<ffi::AnyBuffer>()));  // src pool
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCuda, LaneCopy,
+                              BindLaneAttrs(BindIndices(ffi::Ffi::Bind()
+                                                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                            .Arg<ffi::AnyBuffer>()     // dst pool
+                                                            .Arg<ffi::AnyBuffer>())    // src pool
+                                                .Ret<ffi::AnyBuffer>()));  // new dst pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCuda, LaneCopyWithin,
+                              BindLaneAttrs(BindIndices(ffi::Ffi::Bind()
+                                                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                            .Arg<ffi::AnyBuffer>())    // pool
+                                                .Ret<ffi::AnyBuffer>()));  // new pool
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()    // any array: a pool
+                                  .Ret<ffi::AnyBuffer>());  // the same, aliased
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinNoGraphCuda, BlockCopyWithinCuda<false>,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
                                                              .Arg<ffi::AnyBuffer>()));  // pool
@@ -540,8 +759,28 @@ NB_MODULE(_kvxfer_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCuda));
     d["jax_kvxfer_block_copy_join"] =
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCuda));
+    d["jax_kvxfer_lane_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyCuda));
+    d["jax_kvxfer_lane_copy_within"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCuda));
+    d["jax_kvxfer_join_lanes"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kJoinLanesCuda));
     return d;
   });
+  m.def("wait_lanes", []() {
+    std::vector<cudaStream_t> streams;
+    {
+      std::lock_guard<std::mutex> lock(kvxfer::lanes_mu);
+      for (auto& [device, lanes] : *kvxfer::lanes_by_device) {
+        for (cudaStream_t s : lanes->stream) streams.push_back(s);
+      }
+    }
+    nb::gil_scoped_release released;
+    for (cudaStream_t s : streams) {
+      if (cudaError_t err = cudaStreamSynchronize(s); err != cudaSuccess) {
+        throw std::runtime_error(std::string("jax_kvxfer: waiting for the transfer lanes: ") +
+                                 cudaGetErrorString(err));
+      }
+    }
+  }, "Blocks until every copy enqueued on the transfer lanes so far is done.");
   m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },
         "How many batches the CUDA handlers have copied on the copy engines (for tests).");
 }

@@ -478,18 +478,19 @@ inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
     written[d] = true;
     const int64_t n = PairTokens(b, i);
     const bool whole = n == g.tokens;
-    if (whole && last_whole && s == last_s + 1 && d == last_d + 1) {
+    const int64_t from = b.src.by_pair ? i : s;  // a staged source holds pair i's block at i
+    if (whole && last_whole && from == last_s + 1 && d == last_d + 1) {
       copies.back().width += static_cast<size_t>(g.block_bytes);
     } else if (whole) {
-      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
+      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + from * g.block_bytes,
                         static_cast<size_t>(g.block_bytes), 0, 1});
     } else {
-      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + s * g.block_bytes,
+      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + from * g.block_bytes,
                         static_cast<size_t>(n * g.row_bytes),
                         static_cast<size_t>(g.tokens * g.row_bytes),
                         static_cast<size_t>(g.outer)});
     }
-    last_s = s;
+    last_s = from;
     last_d = d;
     last_whole = whole;
   }

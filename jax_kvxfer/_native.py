@@ -19,6 +19,11 @@ BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst
 BLOCK_COPY_NOGRAPH_TARGET = "jax_kvxfer_block_copy_nograph"
 BLOCK_COPY_WITHIN_NOGRAPH_TARGET = "jax_kvxfer_block_copy_within_nograph"
 
+# The manager's copies beside compute (lanes.py): (dst, src, ...) and (pool, ...), and the join.
+LANE_COPY_TARGET = "jax_kvxfer_lane_copy"
+LANE_COPY_WITHIN_TARGET = "jax_kvxfer_lane_copy_within"
+JOIN_LANES_TARGET = "jax_kvxfer_join_lanes"
+
 HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None
 """True when this build carries the CUDA handlers (built with a CUDA compiler present)."""
 
@@ -36,3 +41,9 @@ def require_cuda_handlers() -> None:
             "jax_kvxfer was built without its CUDA handlers, so it cannot run on a GPU. Rebuild "
             "on a machine with nvcc: pip install --no-build-isolation -C cmake.define.KVXFER_CUDA=ON ."
         )
+
+
+def wait_lanes() -> None:
+    """Blocks until every copy enqueued on the transfer lanes of every GPU is done."""
+    if _kvxfer_cuda is not None:
+        _kvxfer_cuda.wait_lanes()

@@ -82,6 +82,49 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
                      tokens=tokens, whole=whole, direction=direction, unique_dst=unique_dst)
 
 
+def check_index_batch(src: Any, dst: Any, num_tokens: Any, src_primary: bool,
+                      dst_primary: bool, num_primary: int, num_secondary: int,
+                      tokens_per_block: int) -> PairBatch:
+    """The batch of slot-index arrays `src` -> `dst` (every source in one memory, every
+    destination in one: True for primary), checked; the errors name `src`, `dst` and
+    `num_tokens` and the first bad entry."""
+    columns = []
+    for name, values, primary in (("src", src, src_primary), ("dst", dst, dst_primary)):
+        if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+            raise TypeError(f"{name} must be a 1-D array or sequence of slot indices, "
+                            f"got {type(values).__name__}")
+        array = np.asarray(values)
+        if array.size == 0:
+            array = array.astype(np.int64).reshape(-1)
+        if array.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+        limit = num_primary if primary else num_secondary
+        memory = "primary" if primary else "secondary"
+        bad = np.flatnonzero((array < 0) | (array >= limit))
+        if bad.size:
+            if limit == 0:
+                raise ValueError(f"{name} indexes the secondary pool, but the pools have 0 "
+                                 "secondary blocks")
+            i = int(bad[0])
+            raise IndexError(f"{name}[{i}] is {int(array[i])}, outside the {memory} pool's "
+                             f"0..{limit - 1}")
+        columns.append(array.astype(np.int64))
+    if len(columns[0]) != len(columns[1]):
+        raise ValueError(f"src has {len(columns[0])} entries but dst has {len(columns[1])}; "
+                         "give one destination per source")
+    n = len(columns[0])
+    if isinstance(num_tokens, np.ndarray) and num_tokens.ndim == 0:
+        num_tokens = num_tokens[()]  # a NumPy scalar: one count for every pair
+    tokens = _check_tokens(num_tokens, n)
+    whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
+    return PairBatch(src=columns[0], src_primary=np.full(n, src_primary),
+                     dst=columns[1], dst_primary=np.full(n, dst_primary), tokens=tokens,
+                     whole=whole, direction=(src_primary, dst_primary) if n else None,
+                     unique_dst=len(np.unique(columns[1])) == n)
+
+
 def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None:
     """Raises the error of the first bad pair, naming it; returns if every pair is fine."""
     for i, pair in enumerate(pairs):

@@ -1,9 +1,12 @@
 """The transfer manager: onboard/offload/copy blocks between primary and secondary pools.
 
-TensorRT-LLM orders its transfers with two side streams and CUDA events. Here every transfer
-consumes the pool arrays it touches and produces new ones (the destination is donated and
-updated in place), so JAX's own buffer dependencies order the copies exactly as the calls were
-made; `pending_transfers` makes that bookkeeping visible and `sync_transfers` waits for it.
+Every transfer consumes the pool arrays it touches and produces new ones (the destination is
+donated and updated in place), so JAX's own buffer dependencies order the dispatches exactly as
+the calls were made. On a GPU the copies themselves run on the transfer lanes (lanes.py),
+TensorRT-LLM's side streams: beside the model step, joined by `sync_transfers`. The manager
+tracks which slots the lanes' pending copies touch, and has a lane wait for the other (or XLA's
+stream for a lane) only where two copies touch one slot. `pending_transfers` makes that
+bookkeeping visible.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .batch import PairBatch, check_batch, split_runs
+from .batch import PairBatch, check_batch, check_index_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
+from .lanes import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, join_call, lane_copy_call
 from .ops import (
-    DMA_AUTO_MIN_BLOCK_BYTES,
     HOST_COPY_CTAS,
     IndexFacts,
     block_copy_call,
@@ -110,6 +113,34 @@ def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan
     return tuple(r[0] for r in results), tuple(r[1] for r in results), tokens
 
 
+def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane, whole):
+    pools = tuple(lane_copy_call(d, s, plan[0], plan[1], plan[2], lane=lane, wait_lane=wait_lane,
+                                 stream_wait_lane=stream_wait_lane, whole_blocks=whole)
+                  for d, s in zip(dsts, srcs))
+    return pools, token
+
+
+def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole):
+    pools = tuple(lane_copy_call(p, p, plan[0], plan[1], plan[2], lane=lane, wait_lane=wait_lane,
+                                 stream_wait_lane=stream_wait_lane, whole_blocks=whole)
+                  for p in pools)
+    return pools, token
+
+
+def _join_impl(arrays):
+    return tuple(join_call(a) for a in arrays)
+
+
+_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole")
+_lane_across = jax.jit(_lane_across_impl, donate_argnums=(0, 3), static_argnames=_LANE_STATIC)
+_lane_within = jax.jit(_lane_within_impl, donate_argnums=(0, 2), static_argnames=_LANE_STATIC)
+_lane_across_undonated = jax.jit(_lane_across_impl, donate_argnums=3,
+                                 static_argnames=_LANE_STATIC)
+_lane_within_undonated = jax.jit(_lane_within_impl, donate_argnums=2,
+                                 static_argnames=_LANE_STATIC)
+_join = jax.jit(_join_impl, donate_argnums=0)
+_join_undonated = jax.jit(_join_impl)
+
 _STATIC = ("facts", "mesh", "specs")
 _copy_across = jax.jit(_copy_across_impl, donate_argnums=(0, 3),
                        static_argnames=_STATIC + ("dma", "whole"))
@@ -191,13 +222,12 @@ class KVCacheTransferManager:
             False: send them as NumPy arrays, which JAX moves to the device with each call.
             Both copy the same; the ring relies on JAX handing a pinned_host array's own
             buffer to the custom call, so False is the way out should a JAX version not.
-          dma: how offloads and onboards move the blocks on a GPU. True: with the copy engines
-            (`copy_blocks(..., dma=True)`; the handler reads the plan from the ring as it
-            enqueues the copies); needs plan_ring=True and pools on one device. False: with
-            the copy kernel. "auto" (default): the copy engines for a run that copies whole
-            blocks of at least DMA_AUTO_MIN_BLOCK_BYTES (ops.py: why) in a pool whose copy
-            they can take (GPU, plan ring, one device), the kernel otherwise. Copies within
-            the GPU pool always use the kernel.
+          dma: how the blocks move on a GPU. True or "auto" (default): on the transfer lanes
+            with the copy engines, beside the model step (lanes.py), where the pools are on one
+            device and the plan ring is on; "auto" falls back to the copy kernel on XLA's
+            stream for sharded pools or plan_ring=False, True raises there. False: the copy
+            kernel on XLA's stream, in line with compute (no lanes; copies within the
+            secondary pool always go this way).
         """
         check_dma_choice(dma)
         if isinstance(pools, KVCacheBlockPool):
@@ -237,17 +267,15 @@ class KVCacheTransferManager:
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
         ring_sharding = PlanRing.sharding_for(first.sharding("device")) if plan_ring else None
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
-        # "auto" chooses the copy engines only where they can read the plan: on a GPU, from
-        # the ring, for pools on one device.
-        dma_possible = (self._plans is not None and first.mesh is None
-                        and first.device.platform == "gpu")
-        # For a run between the two memories, per pool: whether its copy takes the copy
-        # engines, by whether the run copies whole blocks (fixed here: it is on every call's path).
-        self._dma_per_pool = {
-            whole: ((dma,) * len(self._pools) if dma != "auto" else
-                    tuple(dma_possible and whole and p.block_nbytes >= DMA_AUTO_MIN_BLOCK_BYTES
-                          for p in self._pools))
-            for whole in (False, True)}
+        # The transfer lanes (lanes.py), and per slot whether a pending lane copy touches it:
+        # lane 1 writes primary slots and reads secondary ones, lane 0 writes secondary ones
+        # (its reads of primary slots are over once its snapshot is taken, on XLA's stream).
+        self._lanes = dma is not False and self._plans is not None and first.mesh is None
+        self._lanes_async = self._lanes and first.device.platform == "gpu"
+        self._lanes_pending = False
+        self._onboard_writes = np.zeros(first.num_primary_blocks, np.bool_)
+        self._onboard_reads = np.zeros(first.num_secondary_blocks, np.bool_)
+        self._offload_writes = np.zeros(first.num_secondary_blocks, np.bool_)
 
     @property
     def pools(self) -> tuple[KVCacheBlockPool, ...]:
@@ -294,6 +322,27 @@ class KVCacheTransferManager:
         """Batched `onboard`; arguments as for `offload_blocks`."""
         self._transfer("onboard", pairs, num_tokens)
 
+    def offload_indices(self, src: Any, dst: Any,
+                        num_tokens: None | int | Sequence[int] | np.ndarray = None) -> None:
+        """`offload_blocks` for engines that hold slots in arrays: primary slots `src[i]` ->
+        secondary slots `dst[i]`.
+
+        Args:
+          src, dst: integer NumPy arrays (or sequences) of one length.
+          num_tokens: None (whole blocks), an int for every pair, or one per pair.
+
+        Raises:
+          TypeError, ValueError, IndexError: naming `src`, `dst` or `num_tokens`; nothing is
+          copied.
+        """
+        self._transfer_indices("offload", src, dst, num_tokens, True, False)
+
+    def onboard_indices(self, src: Any, dst: Any,
+                        num_tokens: None | int | Sequence[int] | np.ndarray = None) -> None:
+        """`onboard_blocks` for slot arrays: secondary slots `src[i]` -> primary slots
+        `dst[i]`. Arguments and errors as for `offload_indices`."""
+        self._transfer_indices("onboard", src, dst, num_tokens, False, True)
+
     def offload_and_onboard(self, offload_pairs: Sequence[tuple[KVCacheBlock, KVCacheBlock]],
                             onboard_pairs: Sequence[tuple[KVCacheBlock, KVCacheBlock]],
                             offload_tokens: None | int | Sequence[int] = None,
@@ -319,7 +368,9 @@ class KVCacheTransferManager:
         with self._lock:
             off = self._checked("offload", offload_pairs, offload_tokens)
             on = self._checked("onboard", onboard_pairs, onboard_tokens)
-            if len(off) and len(on) and self._one_run_each_way(off, on):
+            # On the lanes both directions run at once anyway (lane 1 waits for lane 0 only
+            # where an onboard reads a slot that an offload writes).
+            if len(off) and len(on) and not self._lanes and self._one_run_each_way(off, on):
                 self._dispatch_both_ways(off, on)
                 self._count(off)
                 self._count(on)
@@ -329,17 +380,26 @@ class KVCacheTransferManager:
                 if len(batch):
                     self._issue(op, batch)
 
-    def sync_transfers(self) -> None:
-        """Waits until every transfer issued so far is done and the pools' arrays are ready.
+    def sync_transfers(self, block: bool = True) -> None:
+        """The step boundary: every later use of the pools sees every transfer issued so far.
 
         TensorRT-LLM: `syncTransfers`. Clears `pending_transfers`.
+
+        Args:
+          block: also wait on the host until the transfers are done and the pools' arrays
+            ready. False: return at once; the GPU makes everything dispatched later on XLA's
+            stream wait for the transfers (a serving loop that keeps dispatching ahead).
         """
         with self._lock:
-            arrays = [a for p in self._pools for a in (p.primary, p.secondary) if a is not None]
-            jax.block_until_ready([a for a in arrays if not a.is_deleted()])
+            if self._lanes_pending:
+                self._join_lanes()
             self._issued.clear()
-            if self._plans is not None:
-                self._plans.all_done()
+            if block:
+                arrays = [a for p in self._pools for a in (p.primary, p.secondary)
+                          if a is not None]
+                jax.block_until_ready([a for a in arrays if not a.is_deleted()])
+                if self._plans is not None:
+                    self._plans.all_done()
 
     @property
     def pending_transfers(self) -> Mapping[Slot, PendingTransfer]:
@@ -375,22 +435,36 @@ class KVCacheTransferManager:
             if len(batch):
                 self._issue(op, batch)
 
+    def _transfer_indices(self, op: str, src: Any, dst: Any, num_tokens: Any,
+                          src_primary: bool, dst_primary: bool) -> None:
+        with self._lock:
+            first = self._pools[0]
+            batch = check_index_batch(src, dst, num_tokens, src_primary, dst_primary,
+                                      first.num_primary_blocks, first.num_secondary_blocks,
+                                      first.tokens_per_block)
+            if len(batch):
+                self._check_live(op, batch)
+                self._issue(op, batch)
+
     def _checked(self, op: str, pairs: Sequence[Any], num_tokens: Any) -> PairBatch:
         """The batch, checked against every pool; raises before anything is dispatched."""
         first = self._pools[0]
         batch = check_batch(pairs, num_tokens, first.num_primary_blocks,
                             first.num_secondary_blocks, first.tokens_per_block)
-        if not len(batch):
-            return batch
+        if len(batch):
+            self._check_live(op, batch)
+        return batch
+
+    def _check_live(self, op: str, batch: PairBatch) -> None:
+        """Byte rows for partial copies, and every array live, before anything is dispatched."""
         if not batch.whole:
             for pool in self._pools:
                 check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
         memories = (set(batch.direction) if batch.direction is not None else
                     set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist()))
-        for pool in self._pools:  # every array must be live before anything is dispatched
+        for pool in self._pools:
             for is_primary in memories:
                 pool.current(is_primary, op)
-        return batch
 
     def _issue(self, op: str, batch: PairBatch) -> None:
         runs = split_runs(batch)
@@ -428,8 +502,7 @@ class KVCacheTransferManager:
         hosts = tuple(p.current(False, "transfer") for p in self._pools)
         slots = (off_slot, on_slot)
         args = (gpus, hosts, tuple(off_plan), tuple(on_plan))
-        whole = off.whole and on.whole
-        kw = {"facts": facts, "plan": plan, "dma": self._dma_per_pool[whole], **self._static}
+        kw = {"facts": facts, "plan": plan, **self._static}
         try:
             new_gpus, new_hosts, tokens = _both_ways(*args, _tokens(slots), **kw)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
@@ -443,8 +516,13 @@ class KVCacheTransferManager:
 
     def _dispatch(self, run: PairBatch) -> None:
         """One jitted copy per pool for a run of one direction."""
-        plan_arg, slot = self._plan_arrays(run)
         src_primary, dst_primary = run.direction  # a run has one (split_runs)
+        if self._lanes and (src_primary or dst_primary):
+            self._dispatch_on_lane(run)
+            return
+        if self._lanes_pending:  # a copy on XLA's stream comes after the lanes' copies
+            self._join_lanes()
+        plan_arg, slot = self._plan_arrays(run)
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
             facts = index_facts(run.src, run.dst, dsts[0].shape[0], dsts[0].shape[0])
@@ -456,8 +534,6 @@ class KVCacheTransferManager:
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
         static = dict(self._static, facts=facts, whole=run.whole)
-        if src_primary != dst_primary:
-            static["dma"] = self._dma_per_pool[run.whole]
         try:
             results, (token,) = donated(*args, _tokens((slot,)), **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
@@ -472,6 +548,79 @@ class KVCacheTransferManager:
                 pool._primary = result
             else:
                 pool._secondary = result
+
+    def _dispatch_on_lane(self, run: PairBatch) -> None:
+        """One jitted lane copy per pool for a run with a primary side (lanes.py)."""
+        src_primary, dst_primary = run.direction
+        wait_lane = stream_wait_lane = NO_LANE
+        if not dst_primary:  # an offload
+            lane = OFFLOAD_LANE
+            if self._onboard_reads[run.dst].any():  # overwrites what an onboard still reads
+                wait_lane = ONBOARD_LANE
+            if self._onboard_writes[run.src].any():  # snapshots what an onboard still writes
+                stream_wait_lane = ONBOARD_LANE
+        else:  # an onboard, or a copy within the GPU pool
+            lane = ONBOARD_LANE
+            if not src_primary and self._offload_writes[run.src].any():
+                wait_lane = OFFLOAD_LANE  # reads what an offload still writes
+        plan_arg, slot = self._plan_arrays(run)
+        dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
+        static = {"lane": lane, "wait_lane": wait_lane, "stream_wait_lane": stream_wait_lane,
+                  "whole": run.whole}
+        if src_primary == dst_primary:
+            args = (dsts, plan_arg)
+            donated, undonated = _lane_within, _lane_within_undonated
+        else:
+            args = (dsts, tuple(p.current(src_primary, "transfer") for p in self._pools),
+                    plan_arg)
+            donated, undonated = _lane_across, _lane_across_undonated
+        try:
+            results, (token,) = donated(*args, _tokens((slot,)), **static)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
+            if "external reference" not in str(e):
+                raise
+            # from the user: offload_blocks -> _transfer -> _issue -> _dispatch -> ... -> here
+            _warn_not_in_place("primary" if dst_primary else "secondary", stacklevel=7)
+            results, (token,) = undonated(*args, _tokens((slot,), True), **static)
+        _dispatched((slot,), (token,))
+        # The arrays the lane still uses after this call: what it writes, and an onboard's
+        # source (an offload's source was snapshotted). On the CPU a lane copy is done already.
+        held = (("primary",) if src_primary else ("primary", "secondary")) if dst_primary \
+            else ("secondary",)
+        for pool, result in zip(self._pools, results):
+            if dst_primary:
+                pool._primary = result
+            else:
+                pool._secondary = result
+            if self._lanes_async:
+                pool.hold_for_lanes(held)
+        if dst_primary:
+            self._onboard_writes[run.dst] = True
+            if not src_primary:
+                self._onboard_reads[run.src] = True
+        else:
+            self._offload_writes[run.dst] = True
+        self._lanes_pending = True
+
+    def _join_lanes(self) -> None:
+        """XLA's stream waits for both lanes (one dispatch): every later copy and step comes
+        after the lanes' pending copies, so no slot is pending any more."""
+        arrays = tuple(a for p in self._pools for a in (p.primary, p.secondary) if a is not None)
+        try:
+            joined = _join(arrays)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            if "external reference" not in str(e):
+                raise
+            joined = _join_undonated(arrays)  # copies a pool that a NumPy view pins
+        it = iter(joined)
+        for pool in self._pools:
+            pool._primary = next(it)
+            if pool._secondary is not None:
+                pool._secondary = next(it)
+            pool.release_lanes()
+        for mask in (self._onboard_writes, self._onboard_reads, self._offload_writes):
+            mask[:] = False
+        self._lanes_pending = False
 
     def _count(self, run: PairBatch) -> None:
         """Adds a run of one direction to the statistics."""

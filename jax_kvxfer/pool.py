@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .lanes import wait_lanes
 from .limits import check_fits
 from .ops import check_byte_rows, check_memory_space, dtype_bits
 
@@ -50,8 +51,17 @@ def to_numpy(array: jax.Array) -> np.ndarray:
     viewed array cannot be donated, so the next transfer into it would copy the whole pool.
     Reading through a fresh device copy avoids that.
     """
+    # The transfer lanes write pools behind XLA's back (lanes.py): wait for the copies that the
+    # dispatches making `array` enqueued.
+    jax.block_until_ready(array)
+    wait_lanes()
     fresh = jax.device_put(array, array.sharding.with_memory_kind("device"), may_alias=False)
     return np.array(fresh)  # writable, and no view of the fresh copy outlives this call
+
+
+def _buffers(array: jax.Array) -> list[int]:
+    """The addresses of an array's device buffers (one per shard)."""
+    return [shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards]
 
 
 def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
@@ -109,6 +119,9 @@ class KVCacheBlockPool:
         self.device = device if device is not None else jax.devices()[0]
         self._primary: jax.Array | None = None
         self._secondary: jax.Array | None = None
+        # While the manager's transfer lanes may still read or write the arrays' buffers
+        # (until its sync_transfers): their addresses, which an assigned array must keep.
+        self._lane_buffers: dict[str, list[int]] | None = None
 
     @classmethod
     def create(cls, *, num_layers: int, num_kv_heads: int, size_per_head: int,
@@ -210,6 +223,12 @@ class KVCacheBlockPool:
     def _checked(self, name: str, value: Any, num_blocks: int, memory_kind: str) -> jax.Array:
         if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
             raise TypeError(f"pool.{name} must be a concrete jax.Array, got {type(value).__name__}")
+        held = self._lane_buffers
+        if held is not None and name in held and _buffers(value) != held[name]:
+            raise ValueError(
+                f"pool.{name}: transfers into or out of this pool are still in flight, and the "
+                "new array is another buffer, which would miss them; donate the pool to the "
+                "function that returns it (updated in place), or call sync_transfers() first")
         expected = (num_blocks, *self.block_shape)
         if tuple(value.shape) != expected or value.dtype != self.dtype:
             raise ValueError(f"pool.{name} must be {self.dtype}{list(expected)}, "
@@ -224,6 +243,18 @@ class KVCacheBlockPool:
                              f"{self.sharding(memory_kind)}, got {value.sharding}")
         check_memory_space(f"pool.{name}", value)
         return value
+
+    def hold_for_lanes(self, names: tuple[str, ...]) -> None:
+        """Called by the manager as it enqueues lane copies that use these arrays ("primary",
+        "secondary") on a GPU: until `release_lanes`, only an array in the same buffers may be
+        assigned to them."""
+        held = self._lane_buffers = self._lane_buffers or {}
+        for name in names:
+            held[name] = _buffers(getattr(self, f"_{name}"))
+
+    def release_lanes(self) -> None:
+        """Called by the manager once XLA's stream has joined the lanes."""
+        self._lane_buffers = None
 
     def current(self, is_primary: bool, what: str) -> jax.Array:
         """The live primary or secondary array, with a clear error if it was deleted or absent."""

@@ -61,6 +61,10 @@ Other sections:
                  annotated to two GPU streams of their own.
   sharded        pools sharded by KV heads over 1, 2 and all devices, the same shard per device:
                  aggregate manager offload/onboard bandwidth vs N x the one-device figure.
+  step           the manager's offloads and onboards (512 MiB) beside a compute-bound jitted
+                 step of 40 ms or more: the step's added time and the ratio to the serial bound;
+                 then 1,024 x 64 KiB offload/onboard + sync against a contiguous copy, and the
+                 return time of a 64-pair call (beside_step.py).
 
 Results: JSON (written after every section, so a run that is cut short still leaves data) and a
 PNG plot (when matplotlib imports) in `--out`; a ratio table on stdout; progress on stderr.
@@ -74,6 +78,7 @@ from typing import Any
 
 import jax
 
+from .beside_step import BesideStepMixin
 from .bidirectional import BidirectionalMixin
 from .config import (
     SWEEP_PATHS,
@@ -111,7 +116,7 @@ __all__ = [
 
 
 class Bench(SweepMixin, HostOverheadMixin, OverlapMixin, BidirectionalMixin, ShardedMixin,
-            ReportMixin, BenchCore):
+            BesideStepMixin, ReportMixin, BenchCore):
     """The benchmark: `BenchCore`'s state plus one mixin per section and the report."""
 
 
@@ -140,6 +145,8 @@ def _run(bench: Bench) -> int:
             need.append(cfg.overlap_bytes)
         if "bidir" in cfg.only:
             need.append(cfg.bidir_blocks * cfg.bidir_block)
+        if "step" in cfg.only:
+            need.append(cfg.step_overhead_blocks * 64 * 1024)
         bench.cupy.arena_hint = max(need, default=0)
     if "host" in cfg.only:
         bench.run_host_overhead()
@@ -149,6 +156,8 @@ def _run(bench: Bench) -> int:
         bench.run_overlap()
     if "sharded" in cfg.only:
         bench.run_sharded()
+    if "step" in cfg.only:
+        bench.run_beside_step()
     if cfg.only & set(SWEEP_PATHS):
         bench.run_sweep()
     bench.save()

@@ -16,7 +16,7 @@ ITEMSIZE = 2
 DIRECTIONS = ("d2h", "h2d", "d2d")
 SWEEP_PATHS = ("ceiling", "ours", "unique", "dma", "manager", "eager", "xla", "naive",
                "trtllm")
-SECTIONS = ("host", "overlap", "bidir", "sharded")
+SECTIONS = ("host", "overlap", "bidir", "sharded", "step")
 ALL_ONLY = SWEEP_PATHS + SECTIONS
 
 # block bytes -> (layers, kv_factor, heads, tokens_per_block, size_per_head), bf16
@@ -147,6 +147,9 @@ class Config:
     sharded_block: int
     sharded_blocks: int
     sharded_calls: int
+    step_bytes: int  # the step section: bytes of each transfer beside the step
+    step_ms: float  # the step's length alone, at least
+    step_overhead_blocks: int  # 64 KiB blocks per call of its host-overhead figures
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -178,6 +181,11 @@ def parse_args(argv: list[str]) -> Config:
                    "(default 2G; --quick 1M)")
     p.add_argument("--matmul-dim", type=int, default=None,
                    help="square bf16 matmul size of the compute step (default 8192; --quick 64)")
+    p.add_argument("--step-bytes", default=None, help="bytes of each manager transfer in the "
+                   "step section (default 512M; --quick 4M)")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="the step section's compute step lasts at least this long alone "
+                        "(default 40; --quick 1)")
     a = p.parse_args(argv)
 
     q = a.quick
@@ -234,4 +242,7 @@ def parse_args(argv: list[str]) -> Config:
         sharded_block=(16 * KiB if q else 1 * MiB),
         sharded_blocks=(16 if q else 256),
         sharded_calls=(2 if q else 8),
+        step_bytes=parse_size(a.step_bytes) if a.step_bytes else (4 * MiB if q else 512 * MiB),
+        step_ms=a.step_ms or (1.0 if q else 40.0),
+        step_overhead_blocks=(32 if q else 1024),
     )

@@ -1,0 +1,64 @@
+"""Transfer lanes: the manager's copies beside compute, as TensorRT-LLM's side streams do.
+
+Each GPU has two lanes, streams of the library's own: lane 0 carries offloads (device ->
+pinned host), lane 1 onboards (pinned host -> device) and copies within the GPU pool. A lane
+copy is a custom call on XLA's stream that enqueues its copy on the lane behind everything XLA's
+stream had before it, and returns; XLA's later work, the model step, runs beside the copy. The
+lanes move blocks with the GPU's copy engines, so they take no SMs from the step. `join` makes
+XLA's stream wait for both lanes: everything after it sees every copy done.
+
+Who keeps what safe (the manager, manager.py, uses these):
+- an offload snapshots its source blocks on XLA's stream before the lane copies them, so compute
+  may overwrite the source blocks at once;
+- the handler reads the block indices on the host as it enqueues (the plan ring's pinned_host
+  arrays), so nothing XLA owns is read after the call;
+- the lanes wait for each other where the manager says one lane's copy touches slots that the
+  other's pending copies touch, and XLA's stream waits for lane 1 before snapshotting blocks
+  that lane 1 is still writing;
+- until a join, compute must not read or write the blocks that onboards and copies within the
+  GPU pool write (nor the sources of the latter): the caller's side of the bargain, as with
+  TensorRT-LLM's `syncTransfers`.
+
+On the CPU a lane copy is done when its call is, and a join hands its array on.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from . import _native
+
+OFFLOAD_LANE = 0
+ONBOARD_LANE = 1
+NO_LANE = -1
+
+
+def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
+                   wait_lane: int = NO_LANE, stream_wait_lane: int = NO_LANE,
+                   whole_blocks: bool = False):
+    """The copy of `copy_blocks` (same pair semantics, `src_pool is dst_pool` within one pool)
+    enqueued on `lane`. The indices must be pinned_host arrays whose values are written before
+    the dispatch (the manager's plan ring). wait_lane: the lane first waits for that lane's
+    pending copies; stream_wait_lane: XLA's stream waits for that lane first (NO_LANE: none)."""
+    within = src_pool is dst_pool
+    target = _native.LANE_COPY_WITHIN_TARGET if within else _native.LANE_COPY_TARGET
+    call = jax.ffi.ffi_call(target, jax.typeof(dst_pool), input_output_aliases={0: 0},
+                            vmap_method="sequential")
+    pools = (dst_pool,) if within else (dst_pool, src_pool)
+    return call(*pools, src_idx, dst_idx, tokens, lane=np.int64(lane),
+                wait_lane=np.int64(wait_lane), stream_wait_lane=np.int64(stream_wait_lane),
+                whole_blocks=np.bool_(whole_blocks))
+
+
+def join_call(array):
+    """`array`, handed on once XLA's stream has waited for both lanes of its device."""
+    call = jax.ffi.ffi_call(_native.JOIN_LANES_TARGET, jax.typeof(array),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(array)
+
+
+def wait_lanes() -> None:
+    """Blocks the host until every copy enqueued on the lanes so far is done (no-op on CPU)."""
+    if _native.HAS_CUDA_HANDLERS:
+        _native.wait_lanes()

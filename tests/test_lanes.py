@@ -1,0 +1,237 @@
+"""The manager's transfers beside compute (the lanes): who keeps which hazard away.
+
+On a GPU the lanes run the copies on streams of the library's own while XLA's stream goes on;
+the blocks here are large enough (1 MiB, tens of them) that a copy is still in flight when the
+next step runs, so a missing wait shows as wrong data. On the CPU a lane copy is done when its
+call is: the same tests then check the manager's bookkeeping and the semantics.
+Every check compares with a NumPy shadow of the pools.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvxfer as kvx
+
+ON_GPU = jax.default_backend() == "gpu"
+# 1 MiB blocks on a GPU (a batch of 64 takes ~1.2 ms over PCIe), small ones on the CPU
+GEOMETRY = dict(num_layers=4, num_kv_heads=8, size_per_head=128, tokens_per_block=64) if ON_GPU \
+    else dict(num_layers=2, num_kv_heads=2, size_per_head=8, tokens_per_block=8)
+NB = 64
+T = GEOMETRY["tokens_per_block"]
+
+
+def P(i: int) -> kvx.KVCacheBlock:
+    return kvx.KVCacheBlock(i, i, True)
+
+
+def S(i: int) -> kvx.KVCacheBlock:
+    return kvx.KVCacheBlock(i, i, False)
+
+
+@pytest.fixture
+def pool(rng):
+    pool = kvx.KVCacheBlockPool.create(**GEOMETRY, dtype=jnp.float32, num_primary_blocks=2 * NB,
+                                       num_secondary_blocks=2 * NB)
+    shape = pool.primary.shape
+    pool.primary = jax.device_put(rng.standard_normal(shape, np.float32), pool.sharding("device"))
+    pool.secondary = jax.device_put(rng.standard_normal(shape, np.float32),
+                                    pool.sharding("pinned_host"))
+    return pool
+
+
+def shadow(pool):
+    return kvx.to_numpy(pool.primary), kvx.to_numpy(pool.secondary)
+
+
+# A step that writes every primary block in place, as a model step writes its new tokens.
+overwrite = jax.jit(lambda a: a * 2.0 + 1.0, donate_argnums=0)
+# A step that reads primary blocks, as attention does.
+read_blocks = jax.jit(lambda a, i: a[i] * 1.0)
+
+
+def test_offload_sources_may_be_overwritten_at_once(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    src, dst = rng.permutation(NB), rng.permutation(NB)
+    mgr.offload_indices(src, dst)
+    pool.primary = overwrite(pool.primary)  # beside the offload, no sync
+    mgr.sync_transfers(block=False)
+    sec[dst] = prim[src]  # the offload saw the blocks as they were
+    got_prim, got_sec = shadow(pool)
+    np.testing.assert_array_equal(got_sec, sec)
+    np.testing.assert_array_equal(got_prim, prim * 2.0 + 1.0)
+
+
+def test_a_step_after_sync_reads_the_onboarded_blocks(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    src, dst = rng.permutation(NB), rng.permutation(NB) + NB
+    mgr.onboard_indices(src, dst)
+    mgr.sync_transfers(block=False)  # on the GPU: XLA's stream waits for the lane
+    got = read_blocks(pool.primary, jnp.asarray(dst))
+    np.testing.assert_array_equal(np.asarray(got), sec[src])
+
+
+def test_onboard_reads_what_a_pending_offload_wrote(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    slots = rng.permutation(2 * NB)[:NB]
+    mgr.offload_indices(np.arange(NB), slots)
+    mgr.onboard_indices(slots, np.arange(NB) + NB)  # lane 1 waits for lane 0
+    mgr.sync_transfers()
+    sec[slots] = prim[:NB]
+    prim[NB:] = prim[:NB]
+    got_prim, got_sec = shadow(pool)
+    np.testing.assert_array_equal(got_sec, sec)
+    np.testing.assert_array_equal(got_prim, prim)
+
+
+def test_offload_waits_for_the_onboard_reading_its_destination(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    slots = rng.permutation(2 * NB)[:NB]
+    mgr.onboard_indices(slots, np.arange(NB))
+    mgr.offload_indices(np.arange(NB) + NB, slots)  # overwrites what the onboard reads
+    mgr.sync_transfers()
+    prim[:NB] = sec[slots]
+    sec[slots] = prim[NB:]
+    got_prim, got_sec = shadow(pool)
+    np.testing.assert_array_equal(got_prim, prim)
+    np.testing.assert_array_equal(got_sec, sec)
+
+
+def test_offload_snapshots_after_the_onboard_writing_its_source(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    mgr.onboard_indices(np.arange(NB), np.arange(NB))
+    mgr.offload_indices(np.arange(NB), np.arange(NB) + NB)  # evicts the blocks just onboarded
+    mgr.sync_transfers()
+    prim[:NB] = sec[:NB]
+    sec[NB:] = sec[:NB]
+    got_prim, got_sec = shadow(pool)
+    np.testing.assert_array_equal(got_prim, prim)
+    np.testing.assert_array_equal(got_sec, sec)
+
+
+def test_partial_copy_reads_the_pending_onboard(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    mgr.onboard_indices(np.arange(NB), np.arange(NB))
+    n = T // 2
+    for i in range(4):  # copy-on-partial-reuse of blocks still being onboarded
+        mgr.onboard(P(i), P(NB + i), num_tokens=n)
+    mgr.sync_transfers()
+    prim[:NB] = sec[:NB]
+    prim[NB:NB + 4, :, :, :, :n] = sec[:4, :, :, :, :n]
+    np.testing.assert_array_equal(shadow(pool)[0], prim)
+
+
+def test_partial_offloads_and_onboards_on_the_lanes(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    tokens = rng.integers(-1, T + 2, NB)
+    src, dst = rng.permutation(NB), rng.permutation(2 * NB)[:NB]
+    mgr.offload_indices(src, dst, tokens)
+    mgr.onboard_indices(dst[::-1].copy(), src + NB, tokens[::-1].copy())
+    mgr.sync_transfers()
+    for s, d, n in zip(src, dst, tokens):
+        n = T if n <= 0 or n >= T else n
+        sec[d, :, :, :, :n] = prim[s, :, :, :, :n]
+    for s, d, n in zip(dst[::-1], src + NB, tokens[::-1]):
+        n = T if n <= 0 or n >= T else n
+        prim[d, :, :, :, :n] = sec[s, :, :, :, :n]
+    got_prim, got_sec = shadow(pool)
+    np.testing.assert_array_equal(got_sec, sec)
+    np.testing.assert_array_equal(got_prim, prim)
+
+
+def test_unsynced_transfers_are_complete_for_to_numpy(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    mgr.offload_indices(np.arange(NB), np.arange(NB))
+    sec[:NB] = prim[:NB]
+    np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), sec)  # no sync at all
+
+
+@pytest.mark.skipif(not ON_GPU, reason="on the CPU a lane copy is done when its call returns")
+def test_assigning_another_buffer_while_an_onboard_is_in_flight_raises(pool, rng):
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    mgr.onboard_indices(np.arange(NB), np.arange(NB))
+    fresh = jax.jit(lambda a: a + 0.0)(pool.primary)  # not donated: another buffer
+    kept = pool.primary
+    with pytest.raises(ValueError, match="still in flight"):
+        pool.primary = fresh
+    assert pool.primary is kept  # the pool is unchanged
+    mgr.sync_transfers()
+    prim[:NB] = sec[:NB]
+    np.testing.assert_array_equal(kvx.to_numpy(pool.primary), prim)
+    pool.primary = fresh  # after the join any array may be assigned
+    assert pool.primary is fresh
+
+
+def test_in_line_manager_is_exact_too(pool, rng):
+    """dma=False keeps every copy on XLA's stream (no lanes): same results."""
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool], dma=False)
+    src, dst = rng.permutation(NB), rng.permutation(NB)
+    mgr.offload_indices(src, dst)
+    pool.primary = overwrite(pool.primary)
+    mgr.onboard_indices(dst, src + NB)
+    mgr.sync_transfers()
+    sec[dst] = prim[src]
+    prim = prim * 2.0 + 1.0
+    prim[src + NB] = sec[dst]
+    got_prim, got_sec = shadow(pool)
+    np.testing.assert_array_equal(got_sec, sec)
+    np.testing.assert_array_equal(got_prim, prim)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m: m.offload_indices([0, 1], [0]), ValueError, "src has 2 entries but dst has 1"),
+    (lambda m: m.offload_indices([0, 2 * NB], [0, 1]), IndexError, r"src\[1\] is"),
+    (lambda m: m.onboard_indices([0, -1], [0, 1]), IndexError, r"src\[1\] is -1"),
+    (lambda m: m.onboard_indices([0, 1], [0.5, 1]), TypeError, "dst must hold integers"),
+    (lambda m: m.onboard_indices([[0]], [[1]]), ValueError, "src must be 1-D"),
+    (lambda m: m.offload_indices("01", [0, 1]), TypeError, "src must be a 1-D array"),
+    (lambda m: m.offload_indices([0, 1], [0, 1], [1]), ValueError, "num_tokens has 1 entries"),
+    (lambda m: m.offload_indices([0, 1], [0, 1], [1, 1.5]), TypeError, r"num_tokens\[1\]"),
+])
+def test_index_api_bad_input_names_the_argument_and_changes_nothing(pool, call, error, match):
+    before = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    with pytest.raises(error, match=match):
+        call(mgr)
+    assert not mgr.pending_transfers
+    mgr.sync_transfers()
+    for got, want in zip(shadow(pool), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_index_api_matches_the_pair_verbs(rng):
+    """offload_indices / onboard_indices against offload_blocks / onboard_blocks on twin pools:
+    same data, statistics and pending records."""
+    twins = []
+    for _ in range(2):
+        p = kvx.KVCacheBlockPool.create(**GEOMETRY, dtype=jnp.float32, num_primary_blocks=16,
+                                        num_secondary_blocks=16)
+        twins.append(p)
+    data = np.random.default_rng(7).standard_normal(twins[0].primary.shape, np.float32)
+    for p in twins:
+        p.primary = jax.device_put(data, p.sharding("device"))
+    src, dst, tokens = rng.permutation(16)[:8], rng.permutation(16)[:8], rng.integers(0, T, 8)
+    a, b = (kvx.KVCacheTransferManager([p]) for p in twins)
+    a.offload_indices(src, dst, tokens)
+    a.onboard_indices(dst, src[::-1].copy())
+    b.offload_blocks([(P(s), S(d)) for s, d in zip(src, dst)], [int(n) for n in tokens])
+    b.onboard_blocks([(S(s), P(d)) for s, d in zip(dst, src[::-1])])
+    assert a.pending_transfers == b.pending_transfers
+    assert a.get_and_reset_transfer_stats() == b.get_and_reset_transfer_stats()
+    a.sync_transfers()
+    b.sync_transfers()
+    for x, y in zip(shadow(twins[0]), shadow(twins[1])):
+        np.testing.assert_array_equal(x, y)
