@@ -175,7 +175,13 @@ cudaError_t EnqueueOne(cudaStream_t stream, const DmaCopy& c) {
                            stream);
 }
 
-// Contiguous copies in any order, as one batch where the runtime has batched copies.
+// Copies per batch call. The runtime spends about 0.8 us of host time per copy of a batch
+// before any of it starts (H200, CUDA 13); in batches of this many the copy engines start
+// after the first and then run while the host enqueues the rest, so a batch of small blocks
+// costs the larger of the two times instead of their sum.
+constexpr size_t kCopiesPerBatchCall = 64;
+
+// Contiguous copies in any order, as batches where the runtime has batched copies.
 cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
                          std::vector<const void*>& srcs, std::vector<size_t>& sizes) {
   if (sizes.empty()) return cudaSuccess;
@@ -184,8 +190,13 @@ cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
     cudaMemcpyAttributes attr = {};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // earlier work may write the source
     size_t attr_index = 0;
-    cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(),
-                                           &attr, &attr_index, 1, stream);
+    cudaError_t err = cudaSuccess;
+    for (size_t k = 0; k < sizes.size() && err == cudaSuccess; k += kCopiesPerBatchCall) {
+      const size_t count = std::min(kCopiesPerBatchCall, sizes.size() - k);
+      err = cudaMemcpyBatchAsync(dsts.data() + k, srcs.data() + k, sizes.data() + k, count,
+                                 &attr, &attr_index, 1, stream);
+      if (k == 0 && (err == cudaErrorNotSupported || err == cudaErrorInvalidValue)) break;
+    }
     if (err != cudaErrorNotSupported && err != cudaErrorInvalidValue) return err;
     (void)cudaGetLastError();  // no batched copies here: one copy each, below
   }

@@ -257,8 +257,13 @@ class Run:
         self.pairs_done += len(pairs)
 
     def user_write(self) -> None:
-        """User code overwrites a primary block right away (donated), between transfers."""
-        index = int(self.rng.integers(self.cfg.num_primary))
+        """User code overwrites a primary block right away (donated), between transfers: any
+        block but those that onboards or copies within the GPU pool write before the next sync
+        (the caller's side of the lanes' bargain, lanes.py), an offload's sources included."""
+        free = [i for i in range(self.cfg.num_primary) if not self.pending.get((i, True), [0, 0])[1]]
+        if not free:
+            return
+        index = int(self.rng.choice(free))
         for pool, arrays in zip(self.pools, self.shadow):
             value = random_bits(self.rng, pool.block_shape, pool.dtype)
             pool.primary = _user_write_donated(pool.primary, np.int32(index), value)
@@ -302,7 +307,8 @@ class Run:
 
     def sync_and_check(self) -> bool:
         self.check_bookkeeping()
-        self.manager.sync_transfers()
+        # half the syncs return at once (the GPU joins the lanes); reading back waits anyway
+        self.manager.sync_transfers(block=bool(self.rng.random() < 0.5))
         self.syncs += 1
         if self.manager.pending_transfers:
             self.bookkeeping_errors += 1

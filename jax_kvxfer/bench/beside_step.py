@@ -175,7 +175,13 @@ class BesideStepMixin:
         for name, pairs, verb in (("offload", _pairs(src, dst, True), mgr.offload_blocks),
                                   ("onboard", _pairs(dst, src, False), mgr.onboard_blocks)):
             t = self._timed(lambda: (verb(pairs), mgr.sync_transfers()))
-            rec[name] = {"s": t, "gbps": total / t / 1e9}
+            returns = []  # the host's part: how long the call takes to return
+            for _ in range(self.cfg.repeats):
+                t0 = time.perf_counter()
+                verb(pairs)
+                returns.append(time.perf_counter() - t0)
+                mgr.sync_transfers()
+            rec[name] = {"s": t, "gbps": total / t / 1e9, "returns_s": _median(returns)}
         rec["ceiling"] = self._contiguous_ceiling(total)
         for name in ("offload", "onboard"):
             ceiling = rec["ceiling"].get("d2h" if name == "offload" else "h2d")
