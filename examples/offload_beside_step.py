@@ -2,7 +2,7 @@
 
 One jitted function runs the model step on GPU stream 2 and offloads blocks to the pinned-host
 pool on stream 1 with `dma=True`, so the copy takes no SM from the step (on an H200 a 2 GiB
-offload added 3 % or less to a 45 ms matmul step; benchmarks/NOTES.md, v7). The block indices
+offload added 3 % or less to a 45 ms matmul step). The block indices
 are jit arguments in pinned_host memory, written on the host before the call: the copy
 engines' handler reads them there as it enqueues the copies. On a CPU the same code runs, with
 the streams and the copy engines ignored.

@@ -136,7 +136,8 @@ ffi::Error LaneCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
                      stream_wait_lane, whole_blocks);
 }
 
-ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
+                        int64_t /*lanes*/) {
   if (out->untyped_data() != array.untyped_data()) {
     std::memcpy(out->untyped_data(), array.untyped_data(), array.size_bytes());
   }
@@ -167,7 +168,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu,
                                                 .Ret<ffi::AnyBuffer>()));  // new pool
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("lanes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind()

@@ -531,7 +531,62 @@ struct DeviceLanes {
   cudaEvent_t done[kLanes] = {};  // the last copy enqueued on each lane
   cudaEvent_t ready = nullptr;    // where XLA's stream was when a lane copy was enqueued
   cudaMemPool_t staging = nullptr;
+  // Timed event pairs around what the lanes cost XLA's stream (a join's wait, a snapshot),
+  // recorded there and summed once both have completed (ExposedSeconds).
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exposed;
+  std::vector<cudaEvent_t> spare_events;
+  double exposed_seconds = 0;  // of the pairs summed so far
 };
+
+// Adds the completed pairs' times to exposed_seconds and frees their events for reuse.
+void SumExposed(DeviceLanes* lanes) {
+  auto& pairs = lanes->exposed;
+  size_t kept = 0;
+  for (auto& [before, after] : pairs) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, before, after) == cudaSuccess) {
+      lanes->exposed_seconds += ms * 1e-3;
+      lanes->spare_events.push_back(before);
+      lanes->spare_events.push_back(after);
+    } else {
+      (void)cudaGetLastError();  // not complete yet: cudaErrorNotReady
+      pairs[kept++] = {before, after};
+    }
+  }
+  pairs.resize(kept);
+}
+
+// An event pair for `exposed` (reused once summed); null events where creation failed.
+std::pair<cudaEvent_t, cudaEvent_t> TimingPair(DeviceLanes* lanes) {
+  if (lanes->exposed.size() >= 256) SumExposed(lanes);  // bounded, whoever reads the sum
+  cudaEvent_t pair[2] = {nullptr, nullptr};
+  for (cudaEvent_t& e : pair) {
+    if (!lanes->spare_events.empty()) {
+      e = lanes->spare_events.back();
+      lanes->spare_events.pop_back();
+    } else if (cudaEventCreate(&e) != cudaSuccess) {
+      e = nullptr;
+    }
+  }
+  return {pair[0], pair[1]};
+}
+
+// Records `work` between the two events of a timing pair on `stream`.
+template <typename Work>
+cudaError_t Exposed(DeviceLanes* lanes, cudaStream_t stream, Work&& work) {
+  auto [before, after] = TimingPair(lanes);
+  if (before != nullptr) (void)cudaEventRecord(before, stream);
+  cudaError_t err = work();
+  if (after != nullptr) (void)cudaEventRecord(after, stream);
+  if (before != nullptr && after != nullptr) {
+    lanes->exposed.emplace_back(before, after);
+  } else {
+    for (cudaEvent_t e : {before, after}) {
+      if (e != nullptr) lanes->spare_events.push_back(e);
+    }
+  }
+  return err;
+}
 
 std::mutex lanes_mu;
 auto* lanes_by_device = new std::unordered_map<int, DeviceLanes*>;  // never destroyed
@@ -646,7 +701,12 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
     }
     Batch gather = b;
     gather.dst = {static_cast<char*>(snapshot), true};
-    if (auto launched = Launch(stream, gather, 0); launched.failure()) {
+    ffi::Error launched = ffi::Error::Success();
+    (void)Exposed(lanes, stream, [&] {
+      launched = Launch(stream, gather, 0);
+      return cudaSuccess;
+    });
+    if (launched.failure()) {
       (void)cudaFreeAsync(snapshot, stream);
       return launched;
     }
@@ -676,17 +736,22 @@ ffi::Error LaneCopyWithin(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<
                   stream_wait_lane, whole_blocks);
 }
 
-// XLA's stream waits for everything enqueued on both lanes of its device so far.
-ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out) {
+// XLA's stream waits for everything enqueued so far on the lanes of its device that `lanes`
+// names (bit i: lane i).
+ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t lane_mask) {
   int device = 0;
   DeviceLanes* lanes = nullptr;
   if (auto err = LanesFor(stream, &device, &lanes); err.failure()) return err;
   ScopedDevice on_device(device);
   std::lock_guard<std::mutex> lock(lanes->mu);
-  cudaError_t err = cudaSuccess;
-  for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
-    err = cudaStreamWaitEvent(stream, lanes->done[i], 0);
-  }
+  cudaError_t err = Exposed(lanes, stream, [&] {
+    cudaError_t waited = cudaSuccess;
+    for (int i = 0; i < kLanes && waited == cudaSuccess; ++i) {
+      if (lane_mask & (int64_t{1} << i)) waited = cudaStreamWaitEvent(stream, lanes->done[i], 0);
+    }
+    return waited;
+  });
   if (err == cudaSuccess && out->untyped_data() != array.untyped_data()) {
     err = cudaMemcpyAsync(out->untyped_data(), array.untyped_data(), array.size_bytes(),
                           cudaMemcpyDefault, stream);
@@ -747,7 +812,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()    // any array: a pool
-                                  .Ret<ffi::AnyBuffer>());  // the same, aliased
+                                  .Ret<ffi::AnyBuffer>()    // the same, aliased
+                                  .Attr<int64_t>("lanes"));  // bit i: wait for lane i
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinNoGraphCuda, BlockCopyWithinCuda<false>,
                               BindIndicesResultsAndAttrs(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -792,6 +858,31 @@ NB_MODULE(_kvxfer_cuda, m) {
       }
     }
   }, "Blocks until every copy enqueued on the transfer lanes so far is done.");
+  m.def("lanes_idle", []() {
+    std::lock_guard<std::mutex> lock(kvxfer::lanes_mu);
+    for (auto& [device, lanes] : *kvxfer::lanes_by_device) {
+      for (cudaEvent_t e : lanes->done) {
+        if (cudaEventQuery(e) != cudaSuccess) {
+          (void)cudaGetLastError();  // cudaErrorNotReady is not an error to keep
+          return false;
+        }
+      }
+    }
+    return true;
+  }, "Whether every copy enqueued on the transfer lanes so far is done (does not wait).");
+  m.def("take_exposed_seconds", []() {
+    double seconds = 0;  // pairs still running count at the next call
+    std::lock_guard<std::mutex> lock(kvxfer::lanes_mu);
+    for (auto& [device, lanes] : *kvxfer::lanes_by_device) {
+      std::lock_guard<std::mutex> lanes_lock(lanes->mu);
+      kvxfer::ScopedDevice on_device(device);
+      kvxfer::SumExposed(lanes);
+      seconds += lanes->exposed_seconds;
+      lanes->exposed_seconds = 0;
+    }
+    return seconds;
+  }, "Seconds XLA's streams spent on the lanes' account (waits at joins, offload snapshots) in "
+     "the timed work that has completed since the last call.");
   m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },
         "How many batches the CUDA handlers have copied on the copy engines (for tests).");
 }

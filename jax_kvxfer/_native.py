@@ -41,9 +41,3 @@ def require_cuda_handlers() -> None:
             "jax_kvxfer was built without its CUDA handlers, so it cannot run on a GPU. Rebuild "
             "on a machine with nvcc: pip install --no-build-isolation -C cmake.define.KVXFER_CUDA=ON ."
         )
-
-
-def wait_lanes() -> None:
-    """Blocks until every copy enqueued on the transfer lanes of every GPU is done."""
-    if _kvxfer_cuda is not None:
-        _kvxfer_cuda.wait_lanes()

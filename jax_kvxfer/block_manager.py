@@ -219,14 +219,18 @@ class BlockManager:
 
     # -- step boundary and introspection ----------------------------------------------------
 
-    def sync_transfers(self) -> None:
-        """Issues the queued transfers and waits for them (the step boundary).
+    def sync_transfers(self, block: bool = True) -> None:
+        """Issues the queued transfers and joins them (the step boundary).
 
         TensorRT-LLM: `syncTransfers` after allocation, before the forward pass.
+
+        Args:
+          block: wait on the host until they are done; False: return at once, the GPU makes
+            the next step wait for the onboards it reads (KVCacheTransferManager.sync_transfers).
         """
         t0 = time.perf_counter()
         self._issue()
-        self.transfer_manager.sync_transfers()
+        self.transfer_manager.sync_transfers(block=block)
         self._stats.transfer_seconds += time.perf_counter() - t0
 
     @property

@@ -2,8 +2,8 @@
 
 Two `copy_blocks` calls between the same two pools, each reading the pool the other writes,
 make XLA copy both pools whole first (it cannot order them otherwise), and one custom call
-cannot alias both pools when one is in pinned_host memory (XLA's host offloader rejects it;
-benchmarks/NOTES.md, v6b). So the two directions are two custom calls, `new_b = fork(b, a)` then
+cannot alias both pools when one is in pinned_host memory (XLA's host offloader rejects it).
+So the two directions are two custom calls, `new_b = fork(b, a)` then
 `new_a = join(a, new_b)`: the second reads the first's result, XLA sees no cycle and copies no
 pool, and that equals reading `b` as it was as long as no block is written by one direction and
 read by the other (the plan below checks). On a GPU the fork's copy runs on a side stream of its

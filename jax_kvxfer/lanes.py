@@ -51,14 +51,25 @@ def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
                 whole_blocks=np.bool_(whole_blocks))
 
 
-def join_call(array):
-    """`array`, handed on once XLA's stream has waited for both lanes of its device."""
+def join_call(array, lanes: tuple[int, ...] = (OFFLOAD_LANE, ONBOARD_LANE)):
+    """`array`, handed on once XLA's stream has waited for these lanes of its device."""
     call = jax.ffi.ffi_call(_native.JOIN_LANES_TARGET, jax.typeof(array),
                             input_output_aliases={0: 0}, vmap_method="sequential")
-    return call(array)
+    return call(array, lanes=np.int64(sum(1 << lane for lane in lanes)))
 
 
 def wait_lanes() -> None:
     """Blocks the host until every copy enqueued on the lanes so far is done (no-op on CPU)."""
     if _native.HAS_CUDA_HANDLERS:
-        _native.wait_lanes()
+        _native._kvxfer_cuda.wait_lanes()
+
+
+def lanes_idle() -> bool:
+    """Whether every copy enqueued on the lanes so far is done, without waiting."""
+    return not _native.HAS_CUDA_HANDLERS or _native._kvxfer_cuda.lanes_idle()
+
+
+def take_exposed_seconds() -> float:
+    """GPU seconds XLA's streams spent on the lanes' account since the last call: waiting at
+    joins for copies still running, and taking offload snapshots (0.0 on the CPU)."""
+    return _native._kvxfer_cuda.take_exposed_seconds() if _native.HAS_CUDA_HANDLERS else 0.0

@@ -23,7 +23,15 @@ import numpy as np
 
 from .batch import PairBatch, check_batch, check_index_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
-from .lanes import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, join_call, lane_copy_call
+from .lanes import (
+    NO_LANE,
+    OFFLOAD_LANE,
+    ONBOARD_LANE,
+    join_call,
+    lane_copy_call,
+    lanes_idle,
+    take_exposed_seconds,
+)
 from .ops import (
     HOST_COPY_CTAS,
     IndexFacts,
@@ -51,6 +59,10 @@ class TransferStats:
     offloaded_bytes: int = 0
     copied_blocks: int = 0  # within one memory (e.g. a partial-reuse copy on the device)
     copied_bytes: int = 0
+    # GPU seconds XLA's stream spent on the transfer lanes' account: waiting at syncs for
+    # copies compute did not hide, and taking offload snapshots (lanes.py). Over the work of
+    # this process's managers that has finished; 0.0 without lanes. Not compared by ==.
+    exposed_seconds: float = dataclasses.field(default=0.0, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +139,8 @@ def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, who
     return pools, token
 
 
-def _join_impl(arrays):
-    return tuple(join_call(a) for a in arrays)
+def _join_impl(arrays, lanes):
+    return tuple(join_call(a, lanes) for a in arrays)
 
 
 _LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole")
@@ -138,8 +150,8 @@ _lane_across_undonated = jax.jit(_lane_across_impl, donate_argnums=3,
                                  static_argnames=_LANE_STATIC)
 _lane_within_undonated = jax.jit(_lane_within_impl, donate_argnums=2,
                                  static_argnames=_LANE_STATIC)
-_join = jax.jit(_join_impl, donate_argnums=0)
-_join_undonated = jax.jit(_join_impl)
+_join = jax.jit(_join_impl, donate_argnums=0, static_argnames="lanes")
+_join_undonated = jax.jit(_join_impl, static_argnames="lanes")
 
 _STATIC = ("facts", "mesh", "specs")
 _copy_across = jax.jit(_copy_across_impl, donate_argnums=(0, 3),
@@ -272,7 +284,7 @@ class KVCacheTransferManager:
         # (its reads of primary slots are over once its snapshot is taken, on XLA's stream).
         self._lanes = dma is not False and self._plans is not None and first.mesh is None
         self._lanes_async = self._lanes and first.device.platform == "gpu"
-        self._lanes_pending = False
+        self._onboards_pending = self._offloads_pending = False
         self._onboard_writes = np.zeros(first.num_primary_blocks, np.bool_)
         self._onboard_reads = np.zeros(first.num_secondary_blocks, np.bool_)
         self._offload_writes = np.zeros(first.num_secondary_blocks, np.bool_)
@@ -280,6 +292,11 @@ class KVCacheTransferManager:
     @property
     def pools(self) -> tuple[KVCacheBlockPool, ...]:
         return self._pools
+
+    @property
+    def on_lanes(self) -> bool:
+        """Whether the copies run on a GPU's transfer lanes, beside compute (lanes.py)."""
+        return self._lanes_async
 
     # -- the verbs ---------------------------------------------------------------------------
 
@@ -381,18 +398,20 @@ class KVCacheTransferManager:
                     self._issue(op, batch)
 
     def sync_transfers(self, block: bool = True) -> None:
-        """The step boundary: every later use of the pools sees every transfer issued so far.
+        """The step boundary: compute dispatched after it sees every transfer issued so far.
 
         TensorRT-LLM: `syncTransfers`. Clears `pending_transfers`.
 
         Args:
-          block: also wait on the host until the transfers are done and the pools' arrays
-            ready. False: return at once; the GPU makes everything dispatched later on XLA's
-            stream wait for the transfers (a serving loop that keeps dispatching ahead).
+          block: wait on the host until every transfer is done and the pools' arrays are
+            ready. False: return at once; on a GPU, XLA's stream waits for the onboards and
+            copies within the GPU pool (what compute reads) before anything dispatched later,
+            and offloads go on in the background: compute never reads what they write, and a
+            later onboard from their slots waits for them on the GPU. (Read the secondary
+            pool with `to_numpy`, which waits for them, or after a blocking sync.)
         """
         with self._lock:
-            if self._lanes_pending:
-                self._join_lanes()
+            self._join_lanes(everything=block)
             self._issued.clear()
             if block:
                 arrays = [a for p in self._pools for a in (p.primary, p.secondary)
@@ -425,6 +444,7 @@ class KVCacheTransferManager:
         """Returns the blocks and bytes moved since the last call and starts counting anew."""
         with self._lock:
             stats, self._stats = self._stats, TransferStats()
+            stats.exposed_seconds = take_exposed_seconds()
             return stats
 
     # -- implementation ----------------------------------------------------------------------
@@ -520,8 +540,7 @@ class KVCacheTransferManager:
         if self._lanes and (src_primary or dst_primary):
             self._dispatch_on_lane(run)
             return
-        if self._lanes_pending:  # a copy on XLA's stream comes after the lanes' copies
-            self._join_lanes()
+        self._join_lanes(everything=True)  # a copy on XLA's stream comes after the lanes' copies
         plan_arg, slot = self._plan_arrays(run)
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
@@ -598,29 +617,48 @@ class KVCacheTransferManager:
             self._onboard_writes[run.dst] = True
             if not src_primary:
                 self._onboard_reads[run.src] = True
+            self._onboards_pending = True
         else:
             self._offload_writes[run.dst] = True
-        self._lanes_pending = True
+            self._offloads_pending = True
 
-    def _join_lanes(self) -> None:
-        """XLA's stream waits for both lanes (one dispatch): every later copy and step comes
-        after the lanes' pending copies, so no slot is pending any more."""
-        arrays = tuple(a for p in self._pools for a in (p.primary, p.secondary) if a is not None)
+    def _join_lanes(self, everything: bool) -> None:
+        """XLA's stream waits for lane 1 (onboards and copies within the GPU pool: everything
+        compute may read) or, with `everything`, for both lanes; one dispatch. Later copies
+        and steps then come after those lanes' pending copies, whose slots are pending no more.
+        """
+        if not (self._onboards_pending or (everything and self._offloads_pending)):
+            if self._offloads_pending and lanes_idle():
+                self._offloads_done()
+            return
+        lanes = (OFFLOAD_LANE, ONBOARD_LANE) if everything else (ONBOARD_LANE,)
+        arrays = tuple(a for p in self._pools for a in
+                       ((p.primary, p.secondary) if everything else (p.primary,))
+                       if a is not None)
         try:
-            joined = _join(arrays)
+            joined = _join(arrays, lanes=lanes)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
             if "external reference" not in str(e):
                 raise
-            joined = _join_undonated(arrays)  # copies a pool that a NumPy view pins
+            joined = _join_undonated(arrays, lanes=lanes)  # copies a pool a NumPy view pins
         it = iter(joined)
         for pool in self._pools:
             pool._primary = next(it)
-            if pool._secondary is not None:
+            if everything and pool._secondary is not None:
                 pool._secondary = next(it)
-            pool.release_lanes()
-        for mask in (self._onboard_writes, self._onboard_reads, self._offload_writes):
-            mask[:] = False
-        self._lanes_pending = False
+            pool.release_lanes(("primary",))
+        self._onboard_writes[:] = False
+        self._onboard_reads[:] = False
+        self._onboards_pending = False
+        if everything or not self._offloads_pending or lanes_idle():
+            self._offloads_done()
+
+    def _offloads_done(self) -> None:
+        """No offload is pending: XLA's stream joined lane 0, or it is idle."""
+        for pool in self._pools:
+            pool.release_lanes(("secondary",))
+        self._offload_writes[:] = False
+        self._offloads_pending = False
 
     def _count(self, run: PairBatch) -> None:
         """Adds a run of one direction to the statistics."""

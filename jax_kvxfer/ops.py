@@ -214,19 +214,17 @@ def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
 
 
 # CTAs (of 1024 threads) that a copy to or from pinned_host memory on a stream of its own uses
-# by default: on an H200, 8 fill PCIe in either direction for whole blocks
-# (benchmarks/kernel_probe.cu), and the other SMs stay free for the work running beside the
-# copy. Without a stream of its own the copy takes every SM it can use (the fastest for short
-# partial runs, which need many requests in flight).
+# by default: on an H200, 8 fill PCIe in either direction for whole blocks, and the other SMs
+# stay free for the work running beside the copy. Without a stream of its own the copy takes
+# every SM it can use (the fastest for short partial runs, which need many requests in flight).
 HOST_COPY_CTAS = 8
 
-# dma="auto" (`copy_blocks` outside jit, the manager) takes the copy engines for whole blocks of
-# at least this many bytes between the two memories. Measured through the manager on the H200
-# (benchmarks/NOTES.md, v8 and the runs of 21:29 and 22:58), one call at a time: the copy engines
-# are ahead from 256 KiB (offload/onboard 90/91 % of the memcpy ceiling against the kernel's
-# 86/83 %; at 4 MiB 96/96 % against 92/89 %) and behind at 16-64 KiB (50/40 % against 57/60 % at
-# 64 KiB), where the handler's one copy per block costs more host time than it moves; a partial
-# block is one strided copy each, far slower than the kernel at every size measured.
+# dma="auto" (`copy_blocks` outside jit) takes the copy engines for whole blocks of at least this
+# many bytes between the two memories. Measured on the H200, one call at a time: the copy
+# engines are ahead from 256 KiB (90/91 % of the memcpy ceiling against the kernel's 86/83 %;
+# at 4 MiB 96/96 % against 92/89 %) and behind at 16-64 KiB, where the runtime's host time per
+# copy (about 0.8 us) costs more than the copy moves; a partial block is one strided copy each,
+# slower than the kernel at every size measured.
 DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
 
 

@@ -2,7 +2,7 @@
 
 Each manager dispatch needs a plan: source indices, destination indices and token counts.
 Passed as a NumPy array, JAX moves it to the device with every call: 60-90 us on the H200
-machine, as much as the rest of the dispatch (`scripts/profile_manager.py`). Instead the manager
+machine, as much as the rest of the dispatch. Instead the manager
 keeps, per batch bucket, a small ring of plan arrays in `pinned_host` memory, writes each plan
 into the next free slot with NumPy (a host memcpy of a few hundred bytes) and passes those
 arrays: the kernel reads them through unified addressing, and no transfer is issued.

@@ -252,9 +252,11 @@ class KVCacheBlockPool:
         for name in names:
             held[name] = _buffers(getattr(self, f"_{name}"))
 
-    def release_lanes(self) -> None:
-        """Called by the manager once XLA's stream has joined the lanes."""
-        self._lane_buffers = None
+    def release_lanes(self, names: tuple[str, ...]) -> None:
+        """Called by the manager once no lane copy uses these arrays any more."""
+        if self._lane_buffers is not None:
+            for name in names:
+                self._lane_buffers.pop(name, None)
 
     def current(self, is_primary: bool, what: str) -> jax.Array:
         """The live primary or secondary array, with a clear error if it was deleted or absent."""

@@ -65,7 +65,7 @@ def test_table_output(capsys):
     assert demo.main(TINY) == 0
     out = capsys.readouterr().out
     for text in ("tokens/s", "prefix-hit rate", "onboarded host->device", "offloaded device->host",
-                 "copied on device", "time in transfers", "exactness: PASS"):
+                 "copied on device", "exposed transfer time", "exactness: PASS"):
         assert text in out
 
 

@@ -18,8 +18,9 @@ import jax_kvxfer as kvx
 
 ON_GPU = jax.default_backend() == "gpu"
 # 1 MiB blocks on a GPU (a batch of 64 takes ~1.2 ms over PCIe), small ones on the CPU
-GEOMETRY = dict(num_layers=4, num_kv_heads=8, size_per_head=128, tokens_per_block=64) if ON_GPU \
-    else dict(num_layers=2, num_kv_heads=2, size_per_head=8, tokens_per_block=8)
+GEOMETRY = ({"num_layers": 4, "num_kv_heads": 8, "size_per_head": 128, "tokens_per_block": 64}
+            if ON_GPU else
+            {"num_layers": 2, "num_kv_heads": 2, "size_per_head": 8, "tokens_per_block": 8})
 NB = 64
 T = GEOMETRY["tokens_per_block"]
 
@@ -67,7 +68,7 @@ def test_offload_sources_may_be_overwritten_at_once(pool, rng):
 
 
 def test_a_step_after_sync_reads_the_onboarded_blocks(pool, rng):
-    prim, sec = shadow(pool)
+    _, sec = shadow(pool)
     mgr = kvx.KVCacheTransferManager([pool])
     src, dst = rng.permutation(NB), rng.permutation(NB) + NB
     mgr.onboard_indices(src, dst)

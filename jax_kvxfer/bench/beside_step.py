@@ -139,8 +139,8 @@ class BesideStepMixin:
         for case in cases:
             mgr = managers["in_line" if case.endswith("in_line") else "lanes"]
             try:
-                alone = self._timed(lambda: (issue(case), wait(mgr)))
-                together = self._timed(lambda: wait(mgr, (issue(case), step(x))[1]))
+                alone = self._timed(lambda c=case, m=mgr: (issue(c), wait(m)))
+                together = self._timed(lambda c=case, m=mgr: wait(m, (issue(c), step(x))[1]))
             except Exception as e:  # noqa: BLE001
                 sec["cases"][case] = {"error": _err_text(e)}
                 self.log(traceback.format_exc())
@@ -174,7 +174,7 @@ class BesideStepMixin:
         rec: dict[str, Any] = {"blocks": nb, "block_bytes": pool.block_nbytes}
         for name, pairs, verb in (("offload", _pairs(src, dst, True), mgr.offload_blocks),
                                   ("onboard", _pairs(dst, src, False), mgr.onboard_blocks)):
-            t = self._timed(lambda: (verb(pairs), mgr.sync_transfers()))
+            t = self._timed(lambda v=verb, p=pairs: (v(p), mgr.sync_transfers()))
             returns = []  # the host's part: how long the call takes to return
             for _ in range(self.cfg.repeats):
                 t0 = time.perf_counter()
@@ -213,7 +213,7 @@ class BesideStepMixin:
             out = {}
             for name, dst, src in (("d2h", "host_b", "dev_a"), ("h2d", "dev_a", "host_b")):
                 d, s = cu.ptr(dst), cu.ptr(src)
-                times, _ = cu.time_ops(lambda st: cu.memcpy(d, s, nbytes, st), reps=1,
+                times, _ = cu.time_ops(lambda st, d=d, s=s: cu.memcpy(d, s, nbytes, st), reps=1,
                                        samples=self.cfg.repeats, warmup=self.cfg.warmup,
                                        gpu_only=True)
                 out[name] = nbytes / _median(times) / 1e9

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -170,8 +169,8 @@ def parse_args(argv: list[str]) -> Config:
     p.add_argument("--only", default=None,
                    help="comma-separated subset of: " + ",".join(ALL_ONLY)
                         + " (also 'sweep' = the first eight). Ceilings always run with the sweep.")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"),
-                   help="directory for the JSON and PNG (default benchmarks/results/)")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for the JSON and PNG (default bench-results/)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="soft wall-clock budget: cases that would start after it are skipped and "
                         "recorded as such (default 230 for a full run, none for --quick; 0 = none)")
@@ -221,7 +220,7 @@ def parse_args(argv: list[str]) -> Config:
         only=only, out=a.out, deadline_s=deadline, plot=not a.no_plot, seed=a.seed,
         # A jitted call costs ~50 us to dispatch and the GPU idles ~5 us between executions,
         # and each sample pays one dispatch before the GPU starts and one sync at the end
-        # (scripts/pipeline_probe.py, H200, v10): a call holds enough copies (k) to outlast its
+        # (H200): a call holds enough copies (k) to outlast its
         # dispatch, and a sample enough calls that the start and the sync are a few percent,
         # as the memcpy ceiling's events behind a spin kernel leave them out altogether.
         call_target_host=(128 * KiB if q else 128 * MiB),

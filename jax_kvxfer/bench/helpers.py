@@ -45,8 +45,7 @@ def time_calls(call: Callable[[int], Any], sync: Callable[[], Any], calls: int,
                before: Callable[[], Any] | None = None) -> list[float]:
     """Seconds each of `calls` calls of call(i) takes to return, none waiting for the device
     inside the timed call; sync() every 8 calls (so the queue stays short) and at the end;
-    before(), untimed, ahead of each call. (The bench's host section and
-    scripts/profile_manager.py.)"""
+    before(), untimed, ahead of each call. (The bench's host section.)"""
     times = []
     for i in range(calls):
         if before is not None:
