@@ -236,3 +236,25 @@ def test_index_api_matches_the_pair_verbs(rng):
     b.sync_transfers()
     for x, y in zip(shadow(twins[0]), shadow(twins[1])):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_non_blocking_sync_leaves_offloads_running_and_later_onboards_wait(pool, rng):
+    """sync_transfers(block=False) joins what compute reads; an offload may still run after it,
+    and an onboard of its slots issued after the sync still reads the offloaded data."""
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    slots = rng.permutation(2 * NB)[:NB]
+    mgr.offload_indices(np.arange(NB), slots)
+    mgr.sync_transfers(block=False)
+    assert not mgr.pending_transfers
+    pool.primary = overwrite(pool.primary)  # compute goes on at once
+    mgr.onboard_indices(slots, np.arange(NB) + NB)
+    mgr.sync_transfers(block=False)
+    sec[slots] = prim[:NB]
+    prim = prim * 2.0 + 1.0
+    prim[NB:] = sec[slots]
+    got_prim, got_sec = shadow(pool)
+    np.testing.assert_array_equal(got_prim, prim)
+    np.testing.assert_array_equal(got_sec, sec)
+    stats = mgr.get_and_reset_transfer_stats()
+    assert stats.exposed_seconds >= 0.0 and (stats.exposed_seconds > 0.0) == mgr.on_lanes
