@@ -31,6 +31,7 @@ from .lanes import (
     lane_copy_call,
     lanes_idle,
     take_exposed_seconds,
+    wait_lanes,
 )
 from .ops import (
     HOST_COPY_CTAS,
@@ -411,14 +412,20 @@ class KVCacheTransferManager:
             pool with `to_numpy`, which waits for them, or after a blocking sync.)
         """
         with self._lock:
-            self._join_lanes(everything=block)
             self._issued.clear()
-            if block:
-                arrays = [a for p in self._pools for a in (p.primary, p.secondary)
-                          if a is not None]
-                jax.block_until_ready([a for a in arrays if not a.is_deleted()])
-                if self._plans is not None:
-                    self._plans.all_done()
+            if not block:
+                self._join_lanes(everything=False)
+                return
+            # Once the pools' arrays are ready, every lane copy is enqueued; once the lanes are
+            # idle, all is done, and later work needs no join on XLA's stream.
+            arrays = [a for p in self._pools for a in (p.primary, p.secondary) if a is not None]
+            jax.block_until_ready([a for a in arrays if not a.is_deleted()])
+            if self._onboards_pending or self._offloads_pending:
+                wait_lanes()
+                self._onboards_done()
+                self._offloads_done()
+            if self._plans is not None:
+                self._plans.all_done()
 
     @property
     def pending_transfers(self) -> Mapping[Slot, PendingTransfer]:
@@ -646,15 +653,22 @@ class KVCacheTransferManager:
             pool._primary = next(it)
             if everything and pool._secondary is not None:
                 pool._secondary = next(it)
+        self._onboards_done()
+        if everything or not self._offloads_pending or lanes_idle():
+            self._offloads_done()
+
+    def _onboards_done(self) -> None:
+        """No onboard or copy within the GPU pool is pending: XLA's stream joined lane 1, or
+        the host waited for it."""
+        for pool in self._pools:
             pool.release_lanes(("primary",))
         self._onboard_writes[:] = False
         self._onboard_reads[:] = False
         self._onboards_pending = False
-        if everything or not self._offloads_pending or lanes_idle():
-            self._offloads_done()
 
     def _offloads_done(self) -> None:
-        """No offload is pending: XLA's stream joined lane 0, or it is idle."""
+        """No offload is pending (XLA's stream joined lane 0, or it is idle), and no onboard
+        either: the secondary arrays are free."""
         for pool in self._pools:
             pool.release_lanes(("secondary",))
         self._offload_writes[:] = False
