@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .pool import local_zeros
+
 
 class PlanSlot:
     """One plan: source indices, destination indices and token counts, three int32[B] arrays
@@ -96,10 +98,10 @@ class PlanRing:
         dispatch and records the one handed back (`PlanSlot.dispatched`)."""
         ring = self._rings.get(bucket)
         if ring is None:
-            # A fresh NumPy array for each: on CPU, device_put may keep the NumPy buffer
-            # itself as the array's buffer, and arrays sharing one would share their plans.
+            # A fresh buffer for each (local_zeros): arrays sharing one would share their
+            # plans; and no cross-process check where the mesh spans processes.
             ring = self._rings[bucket] = [
-                PlanSlot(tuple(jax.device_put(np.zeros(bucket, np.int32), self._sharding)
+                PlanSlot(tuple(local_zeros((bucket,), np.int32, self._sharding)
                                for _ in range(3)), self._token_sharding)
                 for _ in range(self._slots)]
             self._next[bucket] = 0

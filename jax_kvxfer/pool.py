@@ -44,19 +44,58 @@ class KVCacheBlock:
         return (self.memory_pool_block_index, self.is_primary)
 
 
-def to_numpy(array: jax.Array) -> np.ndarray:
+def to_numpy(array: jax.Array, *, local: bool = False) -> Any:
     """A NumPy copy of a pool array that leaves the array donatable.
 
     `np.asarray` on a `pinned_host` array makes JAX keep a NumPy view of it (on GPUs), and a
     viewed array cannot be donated, so the next transfer into it would copy the whole pool.
-    Reading through a fresh device copy avoids that.
+    Reading through a fresh device copy avoids that. Waits for the transfers in flight.
+
+    Args:
+      array: a pool array (or any jax.Array).
+      local: return this process's shards instead, as a list of `(index, ndarray)`, `index`
+        the shard's tuple of slices into the whole array (one per distinct shard). An array
+        that spans devices of other processes (`jax.distributed`) needs it.
+
+    Raises:
+      ValueError: the array spans devices of other processes and `local` is False.
     """
+    if not local and not array.is_fully_addressable:
+        raise ValueError(
+            "to_numpy: the array spans devices of other processes, whose shards this process "
+            "cannot read; to_numpy(array, local=True) returns this process's shards")
     # The transfer lanes write pools behind XLA's back (lanes.py): wait for the copies that the
     # dispatches making `array` enqueued.
     jax.block_until_ready(array)
     wait_lanes()
+    if local:
+        shards = {}
+        for shard in array.addressable_shards:
+            key = tuple((s.start, s.stop, s.step) for s in shard.index)
+            if key not in shards:
+                shards[key] = (shard.index, _fresh_numpy(shard.data))
+        return list(shards.values())
+    return _fresh_numpy(array)
+
+
+def _fresh_numpy(array: jax.Array) -> np.ndarray:
     fresh = jax.device_put(array, array.sharding.with_memory_kind("device"), may_alias=False)
     return np.array(fresh)  # writable, and no view of the fresh copy outlives this call
+
+
+def local_zeros(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A zero array in a fresh buffer (on CPU, `device_put` may keep a NumPy buffer as the
+    array's own). Where the sharding spans other processes, made shard by shard on this
+    process's devices: `jax.device_put` of one NumPy array there would first check, with a
+    cross-process all-gather, that every process passed the same data."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(np.zeros(shape, dtype), sharding)
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        return np.zeros([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype)
+    array = jax.make_array_from_callback(shape, sharding, shard)
+    check_memory_space("a pool array made from local shards", array)  # an error, not an abort
+    return array
 
 
 def _buffers(array: jax.Array) -> list[int]:
@@ -113,7 +152,12 @@ class KVCacheBlockPool:
             if self.num_kv_heads % shards:
                 raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must be divisible by the "
                                  f"{shards} devices of mesh axis {kv_head_axis!r}")
-            device = mesh.devices.flat[0]
+            local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+            if not local:
+                raise ValueError(f"mesh has no device of this process (process "
+                                 f"{jax.process_index()}); every process must hold a part "
+                                 "of the pool")
+            device = local[0]  # this process's first device: where its own checks look
         elif kv_head_axis is not None:
             raise ValueError("kv_head_axis needs a mesh")
         self.device = device if device is not None else jax.devices()[0]
@@ -189,15 +233,28 @@ class KVCacheBlockPool:
     def _allocate(self, num_blocks: int, memory_kind: str) -> jax.Array:
         shape = (num_blocks, *self.block_shape)
         shards = 1 if self.mesh is None else self.mesh.shape[self.kv_head_axis]
-        check_fits(self.device, memory_kind, num_blocks * self.block_nbytes // shards,
-                   f"{'primary' if memory_kind == 'device' else 'secondary'} pool {shape}"
-                   + (f" ({shards} shards)" if shards > 1 else ""))
+        shard_bytes = num_blocks * self.block_nbytes // shards
+        what = (f"{'primary' if memory_kind == 'device' else 'secondary'} pool {shape}"
+                + (f" ({shards} shards)" if shards > 1 else ""))
+        devices = self.local_devices
+        if memory_kind == "device":  # each device of this process holds its own shard
+            for device in devices:
+                check_fits(device, memory_kind, shard_bytes, what)
+        else:  # the pinned-host limit is the process's, for all its shards
+            check_fits(devices[0], memory_kind, shard_bytes * len(devices), what)
         sharding = self.sharding(memory_kind)
         if memory_kind == "device":
             return jnp.zeros(shape, self.dtype, device=sharding)
         # Not jax.jit(..., out_shardings=pinned_host): with jax 0.10 such an array's type still
         # says device memory, and the next jit given it aborts the process.
-        return jax.device_put(np.zeros(shape, self.dtype), sharding)
+        return local_zeros(shape, self.dtype, sharding)
+
+    @property
+    def local_devices(self) -> list[jax.Device]:
+        """The devices of this process that hold a part of the pool."""
+        if self.mesh is None:
+            return [self.device]
+        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
 
     @property
     def primary(self) -> jax.Array:
