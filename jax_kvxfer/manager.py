@@ -560,13 +560,20 @@ class KVCacheTransferManager:
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
         static = dict(self._static, facts=facts, whole=run.whole)
+        self._run_copy(donated, undonated, args, slot, static, dst_primary)
+
+    def _run_copy(self, donated: Any, undonated: Any, args: tuple, slot: PlanSlot | None,
+                  static: dict[str, Any], dst_primary: bool) -> None:
+        """Dispatches a copy of every pool, in place, or (a NumPy view pins the destination)
+        copying the pool, with a warning; the results become the pools' arrays."""
         try:
             results, (token,) = donated(*args, _tokens((slot,)), **static)
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
             if "external reference" not in str(e):
                 raise
-            # from the user: offload_blocks -> _transfer -> _issue -> _dispatch -> here
-            _warn_not_in_place("primary" if dst_primary else "secondary", stacklevel=6)
+            # from the user: offload_blocks -> _transfer -> _issue -> _dispatch(_on_lane) ->
+            # _run_copy -> here
+            _warn_not_in_place("primary" if dst_primary else "secondary", stacklevel=7)
             results, (token,) = undonated(*args, _tokens((slot,), True), **static)
         _dispatched((slot,), (token,))
         for pool, result in zip(self._pools, results):
@@ -600,25 +607,13 @@ class KVCacheTransferManager:
             args = (dsts, tuple(p.current(src_primary, "transfer") for p in self._pools),
                     plan_arg)
             donated, undonated = _lane_across, _lane_across_undonated
-        try:
-            results, (token,) = donated(*args, _tokens((slot,)), **static)
-        except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
-            if "external reference" not in str(e):
-                raise
-            # from the user: offload_blocks -> _transfer -> _issue -> _dispatch -> ... -> here
-            _warn_not_in_place("primary" if dst_primary else "secondary", stacklevel=7)
-            results, (token,) = undonated(*args, _tokens((slot,), True), **static)
-        _dispatched((slot,), (token,))
-        # The arrays the lane still uses after this call: what it writes, and an onboard's
-        # source (an offload's source was snapshotted). On the CPU a lane copy is done already.
-        held = (("primary",) if src_primary else ("primary", "secondary")) if dst_primary \
-            else ("secondary",)
-        for pool, result in zip(self._pools, results):
-            if dst_primary:
-                pool._primary = result
-            else:
-                pool._secondary = result
-            if self._lanes_async:
+        self._run_copy(donated, undonated, args, slot, static, dst_primary)
+        if self._lanes_async:  # on the CPU a lane copy is done already
+            # the arrays the lane still uses: what it writes, and an onboard's source (an
+            # offload's source was snapshotted)
+            held = (("secondary",) if not dst_primary else
+                    ("primary",) if src_primary else ("primary", "secondary"))
+            for pool in self._pools:
                 pool.hold_for_lanes(held)
         if dst_primary:
             self._onboard_writes[run.dst] = True

@@ -103,6 +103,11 @@ def _buffers(array: jax.Array) -> list[int]:
     return [shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards]
 
 
+def _process_devices(mesh: jax.sharding.Mesh) -> list[jax.Device]:
+    """The mesh's devices that belong to this process."""
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
 def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -152,7 +157,7 @@ class KVCacheBlockPool:
             if self.num_kv_heads % shards:
                 raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must be divisible by the "
                                  f"{shards} devices of mesh axis {kv_head_axis!r}")
-            local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+            local = _process_devices(mesh)
             if not local:
                 raise ValueError(f"mesh has no device of this process (process "
                                  f"{jax.process_index()}); every process must hold a part "
@@ -252,9 +257,7 @@ class KVCacheBlockPool:
     @property
     def local_devices(self) -> list[jax.Device]:
         """The devices of this process that hold a part of the pool."""
-        if self.mesh is None:
-            return [self.device]
-        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        return [self.device] if self.mesh is None else _process_devices(self.mesh)
 
     @property
     def primary(self) -> jax.Array:
@@ -280,12 +283,6 @@ class KVCacheBlockPool:
     def _checked(self, name: str, value: Any, num_blocks: int, memory_kind: str) -> jax.Array:
         if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
             raise TypeError(f"pool.{name} must be a concrete jax.Array, got {type(value).__name__}")
-        held = self._lane_buffers
-        if held is not None and name in held and _buffers(value) != held[name]:
-            raise ValueError(
-                f"pool.{name}: transfers into or out of this pool are still in flight, and the "
-                "new array is another buffer, which would miss them; donate the pool to the "
-                "function that returns it (updated in place), or call sync_transfers() first")
         expected = (num_blocks, *self.block_shape)
         if tuple(value.shape) != expected or value.dtype != self.dtype:
             raise ValueError(f"pool.{name} must be {self.dtype}{list(expected)}, "
@@ -299,6 +296,12 @@ class KVCacheBlockPool:
             raise ValueError(f"pool.{name} must have the pool's sharding "
                              f"{self.sharding(memory_kind)}, got {value.sharding}")
         check_memory_space(f"pool.{name}", value)
+        held = self._lane_buffers
+        if held is not None and name in held and _buffers(value) != held[name]:
+            raise ValueError(
+                f"pool.{name}: transfers into or out of this pool are still in flight, and the "
+                "new array is another buffer, which would miss them; donate the pool to the "
+                "function that returns it (updated in place), or call sync_transfers() first")
         return value
 
     def hold_for_lanes(self, names: tuple[str, ...]) -> None:
