@@ -164,8 +164,8 @@ def _parse_trace_line(line: str, where: str) -> tuple[float, int, int, Sequence[
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not a JSON object ({e.msg})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: not a JSON object, got {type(record).__name__}")
+    if not isinstance(record, dict):  # a bad line is a ValueError, whatever is wrong with it
+        raise ValueError(f"{where}: not a JSON object, got {type(record).__name__}")  # noqa: TRY004
     for key in ("timestamp", "input_length", "output_length", "hash_ids"):
         if key not in record:
             raise ValueError(f"{where}: missing {key!r}")

@@ -62,7 +62,8 @@ def test_chat_arguments_are_checked(bad, match):
 
 def test_trace_requests_keep_times_lengths_and_shared_prefixes():
     reqs = workloads.read_mooncake_trace(SAMPLE, vocab_size=VOCAB)
-    lines = [json.loads(x) for x in open(SAMPLE) if x.strip()]
+    with open(SAMPLE) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
     assert len(reqs) == len(lines) == 6
     for req, line in zip(reqs, lines):
         (turn,) = req.turns
