@@ -1,8 +1,11 @@
-"""`python -m jax_kvxfer demo`: multi-turn chat over an offloading KV cache, checked for exactness.
+"""`python -m jax_kvxfer demo`: serving multi-turn chats over an offloading KV cache.
 
-Runs the workload twice: with a small primary pool (blocks are evicted, offloaded to host,
-onboarded back and partially reused) and with a primary pool that never evicts. The two runs
-must produce the same tokens, and logits within float tolerance, at every step.
+Runs one workload three times on one model: `offload` (a small GPU pool and a host tier:
+evicted blocks are offloaded and onboarded back on a prefix hit), `drop` (the same GPU pool and
+no host tier: evicted blocks are recomputed) and `never_evict` (a GPU pool that holds
+everything: the exactness oracle). Both others must produce the same tokens as the oracle, and
+logits within float tolerance, for every turn. Reports TTFT, TPOT, throughput, cache hits and
+the transfer time compute did not hide.
 """
 
 from __future__ import annotations
@@ -10,11 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 
-from . import serving
+from . import serving, workloads
 from .block_manager import PoolExhaustedError
 from .model import ModelConfig
 
@@ -23,11 +25,13 @@ PRESETS = {
     "cpu": {"vocab": 1024, "layers": 4, "d_model": 256, "heads": 8, "kv_heads": 2,
             "head_dim": 32, "d_ff": 512, "conversations": 24, "turns": 4, "batch": 4,
             "system_tokens": 24, "user_tokens": 16, "gen_tokens": 12, "tokens_per_block": 8,
-            "chunk": 8, "primary_blocks": 80, "secondary_blocks": 96},
+            "chunk": 8, "primary_blocks": 80, "secondary_blocks": 96, "arrival_rate": 200.0,
+            "think_s": 0.05},
     "h200": {"vocab": 8192, "layers": 8, "d_model": 1024, "heads": 16, "kv_heads": 4,
              "head_dim": 64, "d_ff": 2816, "conversations": 64, "turns": 4, "batch": 8,
              "system_tokens": 256, "user_tokens": 128, "gen_tokens": 32, "tokens_per_block": 16,
-             "chunk": 64, "primary_blocks": 640, "secondary_blocks": 1024},
+             "chunk": 64, "primary_blocks": 640, "secondary_blocks": 1024,
+             "arrival_rate": 100.0, "think_s": 0.05},
 }
 ATOL = RTOL = 1e-4
 
@@ -53,6 +57,19 @@ def _int_at_least(minimum: int, maximum: int = 2**31 - 1):
     return parse
 
 
+def _float_at_least(minimum: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:g}, got {value:g}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="jax-kvxfer demo", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -62,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
              ("d-model", 1, "model width"), ("heads", 1, "query heads"),
              ("kv-heads", 1, "KV heads (GQA)"), ("head-dim", 2, "head dimension (even)"),
              ("d-ff", 1, "MLP width"), ("conversations", 1, "conversations"),
-             ("turns", 1, "turns per conversation"), ("batch", 1, "conversations per wave"),
+             ("turns", 1, "turns per conversation"), ("batch", 1, "requests running at once"),
              ("system-tokens", 0, "shared system prompt length"),
-             ("user-tokens", 1, "longest user message (shortest: half)"),
-             ("gen-tokens", 1, "tokens generated per turn"),
+             ("user-tokens", 1, "mean tokens of a user message (log-normal)"),
+             ("gen-tokens", 1, "mean tokens of a reply (log-normal)"),
              ("tokens-per-block", 1, "tokens per KV block"),
              ("chunk", 1, "tokens per sequence per model step"),
              ("primary-blocks", 1, "device pool blocks of the offloading run"),
@@ -73,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name, minimum, text in sizes:
         p.add_argument(f"--{name}", type=_int_at_least(minimum), default=None,
                        help=f"{text} (preset's value by default)")
+    for name, text in (("arrival-rate", "conversations starting per second (Poisson)"),
+                       ("think-s", "mean seconds between a reply and the next turn")):
+        p.add_argument(f"--{name}", type=_float_at_least(0.0), default=None,
+                       help=f"{text} (preset's value by default)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="replay a Mooncake-format trace (JSON lines: timestamp, input_length, "
+                        "output_length, hash_ids) instead of synthetic chats")
+    p.add_argument("--trace-len-scale", type=_float_at_least(1e-6), default=1.0,
+                   help="multiplies the trace's lengths (a block: round(512 * F) tokens)")
+    p.add_argument("--trace-time-scale", type=_float_at_least(0.0), default=1.0,
+                   help="multiplies the gaps between the trace's requests")
+    p.add_argument("--trace-requests", type=_int_at_least(1), default=None,
+                   help="the trace's first N requests")
     p.add_argument("--low-priority-every", type=_int_at_least(0), default=4,
                    help=f"every Nth conversation gets priority {serving.LOW_PRIORITY} (< 30: its "
                         "evicted blocks are dropped, not offloaded); 0: none")
@@ -101,7 +131,7 @@ class _Progress:
             return
         frac = done / total
         bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
-        line = (f"{self.label:<11} [{bar}] {done}/{total} waves "
+        line = (f"{self.label:<11} [{bar}] {done}/{total} turns "
                 f"{time.perf_counter() - self.t0:5.1f} s")
         if self.tty:
             sys.stderr.write("\r" + line + ("\n" if done == total else ""))
@@ -111,75 +141,60 @@ class _Progress:
         sys.stderr.flush()
 
 
-def _summary(res: serving.RunResult, block_nbytes: int) -> dict:
-    b, t = res.block_stats, res.transfer_stats
+RUNS = ("offload", "drop", "never_evict")
+
+
+def _summary(res: serving.RunResult) -> dict:
+    b = res.block_stats
     return {
         "primary_blocks": res.primary_blocks, "secondary_blocks": res.secondary_blocks,
-        "seconds": round(res.seconds, 4), "compile_seconds": round(res.compile_seconds, 4),
-        "steps": res.steps, "computed_tokens": res.computed_tokens,
-        "generated_tokens": res.generated_tokens,
-        "tokens_per_second": round(res.computed_tokens / res.seconds, 1),
-        "generated_tokens_per_second": round(res.generated_tokens / res.seconds, 1),
+        **res.metrics(), "compile_seconds": round(res.compile_seconds, 4),
         "prefix_hit_rate": round(b.prefix_hit_rate, 4),
-        "prompt_tokens": b.prompt_tokens, "reused_tokens": b.reused_tokens,
-        "reused_blocks": b.reused_blocks, "onboarded_full_blocks": b.onboarded_blocks,
+        "offloaded_blocks": b.offloaded_blocks, "onboarded_full_blocks": b.onboarded_blocks,
         "partial_copies_device": b.partial_copies, "partial_copies_host": b.partial_onboards,
-        "offloaded_blocks": b.offloaded_blocks,
         "dropped_device_blocks": b.dropped_primary_blocks,
         "dropped_host_blocks": b.dropped_secondary_blocks,
-        "transfer_seconds": round(b.transfer_seconds, 4),
-        "exposed_transfer_seconds": round(res.exposed_transfer_seconds, 4),
-        "transfers": dataclasses.asdict(t), "block_nbytes": block_nbytes,
+        "transfers": dataclasses.asdict(res.transfer_stats),
     }
 
 
-def _table(cfg: dict, model: ModelConfig, run: dict, ref: dict, verdict: dict) -> str:
+def _table(title: str, runs: dict, verdict: dict) -> str:
+    def ms(x: float) -> str:
+        return f"{1e3 * x:,.1f} ms"
+
     def mib(n: int) -> str:
         return f"{n / 2**20:.2f} MiB"
 
-    def moved(s: dict, kind: str) -> str:
-        return f"{s['transfers'][kind + '_blocks']} blk, {mib(s['transfers'][kind + '_bytes'])}"
-
     rows = [
         ("primary / secondary blocks", lambda s: f"{s['primary_blocks']} / {s['secondary_blocks']}"),
-        ("tokens/s (computed tokens)", lambda s: f"{s['tokens_per_second']:,.0f}"),
-        ("generated tokens/s", lambda s: f"{s['generated_tokens_per_second']:,.0f}"),
-        ("computed / generated tokens", lambda s: f"{s['computed_tokens']} / {s['generated_tokens']}"),
-        ("prefix-hit rate", lambda s: f"{100 * s['prefix_hit_rate']:.1f}%"),
-        ("blocks reused in place", lambda s: str(s["reused_blocks"])),
-        ("onboarded host->device", lambda s: moved(s, "onboarded")),
-        ("  full blocks / partial", lambda s: f"{s['onboarded_full_blocks']} / "
-                                             f"{s['partial_copies_host']}"),
-        ("offloaded device->host", lambda s: moved(s, "offloaded")),
-        ("copied on device (partial)", lambda s: moved(s, "copied")),
-        ("dropped from host (LRU)", lambda s: str(s["dropped_host_blocks"])),
-        ("dropped from device", lambda s: str(s["dropped_device_blocks"])),
-        ("exposed transfer time", lambda s: f"{s['exposed_transfer_seconds']:.3f} s ("
-                                            f"{100 * s['exposed_transfer_seconds'] / s['seconds']:.1f}%)"),
-        ("run time (+ compile)", lambda s: f"{s['seconds']:.2f} s (+{s['compile_seconds']:.2f})"),
+        ("TTFT p50 / p90", lambda s: f"{ms(s['ttft_s']['p50'])} / {ms(s['ttft_s']['p90'])}"),
+        ("TTFT p99", lambda s: ms(s["ttft_s"]["p99"])),
+        ("TPOT p50", lambda s: ms(s["tpot_s"]["p50"])),
+        ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:,.0f}"),
+        ("prefill tokens computed", lambda s: f"{s['computed_prefill_tokens']:,}"),
+        ("tokens from GPU / host hits", lambda s: f"{s['gpu_hit_tokens']:,} / "
+                                                  f"{s['host_hit_tokens']:,}"),
+        ("onboarded / offloaded", lambda s: f"{mib(s['onboarded_bytes'])} / "
+                                            f"{mib(s['offloaded_bytes'])}"),
+        ("exposed transfer time", lambda s: f"{s['exposed_transfer_s']:.3f} s "
+                                            f"({100 * s['exposed_transfer_s'] / s['seconds']:.1f}%)"),
+        ("run time (+ compile)", lambda s: f"{s['seconds']:.2f} s (+{s['compile_seconds']:.1f})"),
     ]
-    title = (
-        f"jax_kvxfer demo: {cfg['conversations']} conversations x {cfg['turns']} turns, batch "
-        f"{cfg['batch']}; model {model.num_layers} layers, d={model.d_model}, "
-        f"{model.num_heads}q/{model.num_kv_heads}kv heads ({model.num_params / 1e6:.2f}M params); "
-        f"{cfg['tokens_per_block']}-token blocks of {run['block_nbytes'] / 1024:.0f} KiB; "
-        f"{verdict['device']}")
-    lines = [
-        title,
-        "",
-        f"{'':<28}{'offloading run':>22}{'reference (no eviction)':>26}",
-    ]
-    lines += [f"{name:<28}{fmt(run):>22}{fmt(ref):>26}" for name, fmt in rows]
+    lines = [title, "", f"{'':<30}" + "".join(f"{name:>24}" for name in RUNS)]
+    lines += [f"{name:<30}" + "".join(f"{fmt(runs[r]):>24}" for r in RUNS) for name, fmt in rows]
     paths = verdict["paths"]
-    lines += ["", "paths exercised: " + ", ".join(
+    lines += ["", "paths exercised (offload run): " + ", ".join(
         f"{k.replace('_', ' ')} {'yes (' + str(v) + ')' if v else 'NO'}" for k, v in paths.items())]
     if not all(paths.values()):
         lines.append("  (smaller pools or more conversations/turns exercise every path)")
-    lines.append(
-        f"exactness: {'PASS' if verdict['exact'] else 'FAIL'} - {verdict['replies']} replies, "
-        f"{verdict['tokens']} tokens {'identical' if verdict['exact'] else 'compared'}; "
-        f"max |logit diff| {verdict['max_abs_logit_diff']:.3g} (tolerance {ATOL:g} + {RTOL:g}*|ref|)"
-        + ("" if verdict["exact"] else f"; first differing reply #{verdict['first_bad_reply']}"))
+    for name in ("offload", "drop"):
+        v = verdict["runs"][name]
+        lines.append(
+            f"exactness {name} vs never_evict: {'PASS' if v['exact'] else 'FAIL'} - "
+            f"{verdict['turns']} turns, {verdict['tokens']} tokens "
+            f"{'identical' if v['exact'] else 'compared'}; max |logit diff| "
+            f"{v['max_abs_logit_diff']:.3g} (tolerance {ATOL:g} + {RTOL:g}*|ref|)"
+            + ("" if v["exact"] else f"; first differing turn {v['first_bad_turn']}"))
     return "\n".join(lines)
 
 
@@ -200,26 +215,40 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e).replace("num_kv_heads", "--kv-heads").replace("num_heads", "--heads")
                      .replace("head_dim", "--head-dim"))
-    workload = serving.make_workload(
-        vocab_size=model.vocab_size, conversations=cfg["conversations"], turns=cfg["turns"],
-        system_tokens=cfg["system_tokens"], user_tokens=cfg["user_tokens"],
-        gen_tokens=cfg["gen_tokens"], low_priority_every=args.low_priority_every, seed=args.seed)
-    t = cfg["tokens_per_block"]
-    wave_blocks = min(cfg["batch"], cfg["conversations"]) * math.ceil(workload.max_len / t)
-    if cfg["primary_blocks"] < wave_blocks:
-        parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: a wave of "
-                     f"{min(cfg['batch'], cfg['conversations'])} conversations of up to "
-                     f"{workload.max_len} tokens needs {wave_blocks} blocks")
+    if args.trace is not None:
+        try:
+            convs = workloads.read_mooncake_trace(
+                args.trace, vocab_size=model.vocab_size, len_scale=args.trace_len_scale,
+                time_scale=args.trace_time_scale, max_requests=args.trace_requests,
+                seed=args.seed)
+        except (OSError, ValueError) as e:
+            parser.error(f"--trace: {e}")
+        if not convs:
+            parser.error(f"--trace: {args.trace} holds no request")
+    else:
+        convs = workloads.chat_workload(
+            conversations=cfg["conversations"], turns=cfg["turns"],
+            system_tokens=cfg["system_tokens"], user_tokens=cfg["user_tokens"],
+            assistant_tokens=cfg["gen_tokens"], think_s=cfg["think_s"],
+            arrival_rate=cfg["arrival_rate"] or 1e9, vocab_size=model.vocab_size,
+            seed=args.seed)
+    need = serving.max_request_blocks(convs, cfg["tokens_per_block"])
+    if cfg["primary_blocks"] < need:
+        parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: one request of "
+                     f"this workload may need {need} blocks")
     if args.dma == "true" and args.devices > 1:
         parser.error("--dma true takes one device (the copy engines' path does not take pools "
                      "split over devices); use --dma auto or false with --devices")
     if model.num_kv_heads % args.devices:
         parser.error(f"--devices {args.devices} must divide the {model.num_kv_heads} KV heads")
-    return _run(args, cfg, model, workload)
+    every = args.low_priority_every
+    priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
+                  for i in range(len(convs))]
+    return _run(args, cfg, model, convs, priorities)
 
 
 def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
-         workload: serving.Workload) -> int:
+         convs: list[workloads.Conversation], priorities: list[int]) -> int:
     import jax
     import numpy as np
 
@@ -237,27 +266,32 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     params = init_params(model, args.seed)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"],
               "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
+              "priorities": priorities,
               "dma": {"auto": "auto", "true": True, "false": False}[args.dma]}
+    pools = {"offload": (cfg["primary_blocks"], cfg["secondary_blocks"]),
+             "drop": (cfg["primary_blocks"], 0),
+             "never_evict": (max(cfg["primary_blocks"], serving.blocks_to_never_evict(
+                 convs, cfg["batch"], cfg["tokens_per_block"])), 0)}
+    results = {}
     try:
-        res = serving.run(model, params, workload, primary_blocks=cfg["primary_blocks"],
-                          secondary_blocks=cfg["secondary_blocks"],
-                          progress=_Progress("offloading", not args.no_progress), **common)
-        ref_blocks = max(cfg["primary_blocks"], serving.blocks_to_never_evict(
-            workload, cfg["batch"], cfg["tokens_per_block"]))
-        ref = serving.run(model, params, workload, primary_blocks=ref_blocks,
-                          secondary_blocks=0, progress=_Progress("reference",
-                                                                 not args.no_progress), **common)
+        for name in RUNS:
+            primary, secondary = pools[name]
+            results[name] = serving.run(model, params, convs, primary_blocks=primary,
+                                        secondary_blocks=secondary,
+                                        progress=_Progress(name, not args.no_progress), **common)
     except (PoolExhaustedError, MemoryError) as e:
         print(f"jax-kvxfer demo: error: {e}", file=sys.stderr)
         return 2
-    exact, max_diff, first_bad = serving.compare(res, ref, atol=ATOL, rtol=RTOL)
-    block_nbytes = (model.num_layers * 2 * model.num_kv_heads * cfg["tokens_per_block"]
-                    * model.head_dim * jax.numpy.dtype(model.dtype).itemsize)
-    run_s, ref_s = _summary(res, block_nbytes), _summary(ref, block_nbytes)
-    b = res.block_stats
+    ref = results["never_evict"]
+    compared = {}
+    for name in ("offload", "drop"):
+        exact, max_diff, first_bad = serving.compare(results[name], ref, atol=ATOL, rtol=RTOL)
+        compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
+                          "first_bad_turn": first_bad}
+    b = results["offload"].block_stats
     verdict = {
-        "exact": exact, "max_abs_logit_diff": max_diff, "first_bad_reply": first_bad,
-        "replies": len(ref.tokens), "tokens": ref.generated_tokens,
+        "exact": all(v["exact"] for v in compared.values()), "runs": compared,
+        "turns": len(ref.turns), "tokens": sum(len(r.tokens) for r in ref.turns.values()),
         "reference_evicted": ref.block_stats.offloaded_blocks
         + ref.block_stats.dropped_primary_blocks,
         "device": str(jax.devices()[0].device_kind), "devices": args.devices,
@@ -266,10 +300,19 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                   "partial_from_host": b.partial_onboards,
                   "host_eviction": b.dropped_secondary_blocks},
     }
+    runs = {name: _summary(res) for name, res in results.items()}
     if args.json:
         print(json.dumps({"config": {**cfg, "preset": args.preset, "seed": args.seed,
+                                     "trace": args.trace,
                                      "low_priority_every": args.low_priority_every},
-                          "run": run_s, "reference": ref_s, **verdict}, indent=1))
+                          "runs": runs, **{k: v for k, v in verdict.items() if k != "runs"},
+                          "exactness": compared}, indent=1))
     else:
-        print(_table(cfg, model, run_s, ref_s, verdict))
-    return 0 if exact else 1
+        source = (f"trace {args.trace}" if args.trace else
+                  f"{cfg['conversations']} chats x {cfg['turns']} turns")
+        title = (f"jax_kvxfer demo: {source}, {len(ref.turns)} requests, batch {cfg['batch']}; "
+                 f"model {model.num_layers} layers, d={model.d_model}, {model.num_heads}q/"
+                 f"{model.num_kv_heads}kv heads ({model.num_params / 1e6:.2f}M params); "
+                 f"{cfg['tokens_per_block']}-token blocks; {verdict['device']}")
+        print(_table(title, runs, verdict))
+    return 0 if verdict["exact"] else 1

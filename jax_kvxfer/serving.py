@@ -1,74 +1,67 @@
-"""The demo's serving loop: multi-turn conversations over a paged KV cache and a BlockManager.
+"""The demo's serving loop: requests that arrive over time, continuous batching, a BlockManager.
 
-Each turn re-sends the conversation so far, as chat clients do. Conversations run in waves of
-`batch`; per step the loop allocates (add_sequence / append_tokens), syncs transfers at the
-step boundary, then runs one jitted model step of fixed shape `[batch, chunk]` (prefill chunks
-and decode steps alike, so a token's K/V does not depend on how it was batched).
+Conversations (workloads.py) arrive at their start times; each turn is a request whose prompt
+is the conversation so far. Up to `batch` requests run at once. Every step is one jitted model
+step of fixed shape `[batch, chunk]`: a request still in prefill contributes its next chunk of
+prompt tokens, one in decode its last token, so prefill chunks and decodes share the step (and a
+token's K/V does not depend on how it was batched). A request is admitted when a row is free
+and the primary pool can hold all it will ever need beside the running requests (so no running
+request runs out of blocks). At each step boundary the block manager's transfers are synced
+without blocking: the step waits on the GPU for the onboards it reads, offloads go on beside.
+
+Time is the loop's own clock: its wall time (steps, transfers, scheduling), plus jumps over
+idle time to the next arrival. TTFT is a turn's first token time less its
+arrival; the next turn of a conversation arrives its think time after the reply's last token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from .block_manager import BlockManager, BlockManagerStats
+from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError
 from .manager import KVCacheTransferManager, TransferStats
 from .model import ModelConfig, create_pool, make_step
 from .pool import KVCacheBlock
+from .workloads import Conversation
 
 LOW_PRIORITY = 20  # below the default secondary_offload_min_priority (30): dropped, not offloaded
 
 
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """Conversations: a shared system prompt, then per turn a user message and a reply."""
+@dataclasses.dataclass
+class TurnResult:
+    """One request: when it arrived, got its first token and ended; what it reused."""
 
-    system: tuple[int, ...]
-    user: tuple[tuple[tuple[int, ...], ...], ...]  # [conversation][turn] token ids
-    gen_tokens: int
-    priorities: tuple[int, ...]  # per conversation
+    arrival_s: float
+    first_token_s: float
+    done_s: float
+    prompt_tokens: int
+    gpu_hit_tokens: int  # prompt tokens whose K/V were in the primary pool
+    host_hit_tokens: int  # ... onboarded from the secondary pool
+    tokens: list[int]  # the reply
+    logits: np.ndarray  # [len(tokens), vocab]
 
     @property
-    def max_len(self) -> int:
-        return len(self.system) + max(sum(map(len, turns)) for turns in self.user) + (
-            len(self.user[0]) * self.gen_tokens)
-
-
-def make_workload(*, vocab_size: int, conversations: int, turns: int, system_tokens: int,
-                  user_tokens: int, gen_tokens: int, low_priority_every: int,
-                  seed: int) -> Workload:
-    """A seeded workload; user messages have user_tokens // 2 .. user_tokens tokens."""
-    rng = np.random.default_rng(seed)
-    system = tuple(int(t) for t in rng.integers(0, vocab_size, system_tokens))
-    lo = max(1, user_tokens // 2)
-    user = tuple(
-        tuple(tuple(int(t) for t in rng.integers(0, vocab_size, rng.integers(lo, user_tokens + 1)))
-              for _ in range(turns))
-        for _ in range(conversations))
-    priorities = tuple(
-        LOW_PRIORITY if low_priority_every and i % low_priority_every == low_priority_every - 1
-        else 35 for i in range(conversations))
-    return Workload(system, user, gen_tokens, priorities)
+    def computed_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens
 
 
 @dataclasses.dataclass
 class RunResult:
-    """Everything one run produced: tokens and logits per reply, statistics and timings."""
+    """Everything one run produced, keyed by (conversation, turn)."""
 
-    tokens: list[list[int]]  # per (turn, conversation) reply, in run order
-    logits: list[np.ndarray]  # [gen_tokens, vocab] per reply
+    turns: dict[tuple[int, int], TurnResult]
     block_stats: BlockManagerStats
     transfer_stats: TransferStats
-    computed_tokens: int  # prompt tokens computed (not reused) + decoded tokens
-    generated_tokens: int
     steps: int
-    seconds: float  # the loop's wall time (compilation excluded)
+    seconds: float  # the loop's clock at the end (compilation excluded)
     compile_seconds: float
     primary_blocks: int
     secondary_blocks: int
@@ -77,23 +70,81 @@ class RunResult:
     # the wall time issuing and syncing them counts whole.
     exposed_transfer_seconds: float = 0.0
 
+    def metrics(self) -> dict[str, object]:
+        """TTFT, TPOT, throughput and cache figures, as the demo reports them."""
+        res = list(self.turns.values())
+        ttft = np.array([r.first_token_s - r.arrival_s for r in res])
+        tpot = np.array([(r.done_s - r.first_token_s) / (len(r.tokens) - 1)
+                         for r in res if len(r.tokens) > 1])
+        out_tokens = sum(len(r.tokens) for r in res)
+        t = self.transfer_stats
 
-def run(model: ModelConfig, params: dict, workload: Workload, *, batch: int, chunk: int,
-        tokens_per_block: int, primary_blocks: int, secondary_blocks: int,
+        def pct(x: np.ndarray, q: float) -> float:
+            return float(np.percentile(x, q)) if x.size else 0.0
+        return {
+            "ttft_s": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
+            "tpot_s": {"p50": pct(tpot, 50)},
+            "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / self.seconds if self.seconds else 0.0,
+            "computed_prefill_tokens": sum(r.computed_prompt_tokens for r in res),
+            "gpu_hit_tokens": sum(r.gpu_hit_tokens for r in res),
+            "host_hit_tokens": sum(r.host_hit_tokens for r in res),
+            "onboarded_bytes": t.onboarded_bytes, "offloaded_bytes": t.offloaded_bytes,
+            "exposed_transfer_s": self.exposed_transfer_seconds,
+            "seconds": self.seconds, "steps": self.steps,
+        }
+
+
+@dataclasses.dataclass
+class _Running:
+    conv: int
+    turn: int
+    arrival_s: float
+    prompt: list[int]
+    next: int  # the next prompt position to compute
+    reserved: int  # primary blocks it may need in all
+    gpu_hits: int
+    host_hits: int
+    first_token_s: float = 0.0
+    out: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+
+def max_request_blocks(conversations: Sequence[Conversation], tokens_per_block: int) -> int:
+    """The most primary blocks one request of these conversations can need (its last turn)."""
+    return max(math.ceil((len(c.prefix) + sum(len(t.user) + t.output_len for t in c.turns))
+                         / tokens_per_block) for c in conversations)
+
+
+def blocks_to_never_evict(conversations: Sequence[Conversation], batch: int,
+                          tokens_per_block: int) -> int:
+    """A primary pool that holds every block the conversations ever store, plus room for
+    `batch` requests at once: no block is ever evicted."""
+    stored = sum(math.ceil((len(c.prefix) + sum(len(t.user) + t.output_len for t in c.turns))
+                           / tokens_per_block) + 2 * len(c.turns) for c in conversations)
+    return stored + batch * max_request_blocks(conversations, tokens_per_block)
+
+
+def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation], *,
+        batch: int, chunk: int, tokens_per_block: int, primary_blocks: int,
+        secondary_blocks: int, priorities: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto") -> RunResult:
-    """Runs the whole workload once on fresh pools; `dma`: the transfer manager's (True, False
-    or "auto").
+    """Serves the conversations once on fresh pools; `dma`: the transfer manager's.
 
     Raises:
-      PoolExhaustedError: the primary pool cannot hold one wave of conversations.
+      PoolExhaustedError: the primary pool cannot hold one request.
     """
+    t_blocks = max_request_blocks(conversations, tokens_per_block)
+    if t_blocks > primary_blocks:
+        raise PoolExhaustedError(f"a request may need {t_blocks} primary blocks, but the pool "
+                                 f"has {primary_blocks}")
     pool = create_pool(model, tokens_per_block=tokens_per_block, num_primary_blocks=primary_blocks,
                        num_secondary_blocks=secondary_blocks, mesh=mesh)
     if mesh is not None:  # tensor parallel: weights on every device, the pool split by heads
         params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     bm = BlockManager(pool, transfer_manager=KVCacheTransferManager([pool], dma=dma))
-    max_blocks = math.ceil(workload.max_len / tokens_per_block)
+    max_blocks = t_blocks
     t0 = time.perf_counter()
     shapes = [jax.ShapeDtypeStruct((batch, chunk), np.int32)] * 2 + [
         jax.ShapeDtypeStruct((batch, max_blocks), np.int32),
@@ -104,82 +155,102 @@ def run(model: ModelConfig, params: dict, workload: Workload, *, batch: int, chu
     compile_seconds = time.perf_counter() - t0
     print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets {compile_seconds - t1 + t0:.1f} s",
           file=sys.stderr)
+    priorities = list(priorities) if priorities is not None else [35] * len(conversations)
 
-    n_conv, n_turns = len(workload.user), len(workload.user[0])
-    waves = [list(range(i, min(i + batch, n_conv))) for i in range(0, n_conv, batch)]
-    history = [list(workload.system) for _ in range(n_conv)]
-    out_tokens, out_logits = [], []
-    counts = {"computed": 0, "steps": 0}
-
-    def forward(rows: list[tuple[int, list[int], int]]) -> np.ndarray:
+    def forward(rows: list[tuple[tuple[int, int], list[int], int]]) -> np.ndarray:
         """rows: (seq_id, tokens, first position); returns each row's last token's logits."""
         tok = np.zeros((batch, chunk), np.int32)
         pos = np.full((batch, chunk), -1, np.int32)
         tables = np.zeros((batch, max_blocks), np.int32)
         last = np.zeros(batch, np.int32)
         for r, (sid, toks, start) in enumerate(rows):
-            if toks:
-                tok[r, :len(toks)] = toks
-                pos[r, :len(toks)] = np.arange(start, start + len(toks))
-                last[r] = len(toks) - 1
-                table = bm.block_table(sid)
-                tables[r, :len(table)] = table
+            tok[r, :len(toks)] = toks
+            pos[r, :len(toks)] = np.arange(start, start + len(toks))
+            last[r] = len(toks) - 1
+            table = bm.block_table(sid)
+            tables[r, :len(table)] = table
         logits, pool.primary = step(params, pool.primary, tok, pos, tables, last)
-        counts["computed"] += int((pos >= 0).sum())
-        counts["steps"] += 1
         return np.asarray(logits)
 
-    t0 = time.perf_counter()
-    done = 0
-    for turn in range(n_turns):
-        for wave in waves:
-            prompts = [history[c] + list(workload.user[c][turn]) for c in wave]
-            sids = [(c, turn) for c in wave]
-            nxt = [bm.add_sequence(s, p, priority=workload.priorities[c])
-                   for s, p, c in zip(sids, prompts, wave)]
-            # The step boundary, after allocation and before the forward pass: the step waits on
-            # the GPU for the onboards it reads; offloads go on beside it.
-            bm.sync_transfers(block=False)
-            replies = [[] for _ in wave]
-            logits_out = [[] for _ in wave]
-            while any(n < len(p) for n, p in zip(nxt, prompts)):  # chunked prefill
-                rows = [(s, p[n:n + chunk], n) for s, p, n in zip(sids, prompts, nxt)]
-                logits = forward(rows)
-                for r, (_, toks, start) in enumerate(rows):
-                    if toks and start + len(toks) == len(prompts[r]):
-                        logits_out[r].append(logits[r])
-                    nxt[r] = start + len(toks)
-            for r in range(len(wave)):
-                replies[r].append(int(np.argmax(logits_out[r][0])))
-            for _ in range(workload.gen_tokens - 1):  # decode: one token per sequence
-                for s, reply in zip(sids, replies):
-                    bm.append_tokens(s, reply[-1:])
-                bm.sync_transfers(block=False)
-                rows = [(s, reply[-1:], bm.num_tokens(s) - 1) for s, reply in zip(sids, replies)]
-                logits = forward(rows)
-                for r, reply in enumerate(replies):
-                    logits_out[r].append(logits[r])
-                    reply.append(int(np.argmax(logits[r])))
-            for r, (c, s) in enumerate(zip(wave, sids)):
-                history[c] = prompts[r] + replies[r]
-                bm.release_sequence(s)
-                out_tokens.append(replies[r])
-                out_logits.append(np.stack(logits_out[r]))
-            done += 1
+    pending = [(c.start_s, i, 0) for i, c in enumerate(conversations)]
+    heapq.heapify(pending)
+    history = [list(c.prefix) for c in conversations]
+    total = sum(len(c.turns) for c in conversations)
+    running: list[_Running] = []
+    results: dict[tuple[int, int], TurnResult] = {}
+    clock, reserved, steps = 0.0, 0, 0
+    t_block = tokens_per_block
+    while pending or running:
+        t_iter = time.perf_counter()
+        while pending and len(running) < batch and pending[0][0] <= clock:
+            arrival, c, t = pending[0]
+            turn = conversations[c].turns[t]
+            prompt = history[c] + list(turn.user)
+            need = math.ceil((len(prompt) + turn.output_len) / t_block)
+            if reserved + need > primary_blocks:
+                break  # it waits until running requests end and give their blocks back
+            heapq.heappop(pending)
+            match = bm.match_prefix(prompt)
+            partial = match.partial_tokens
+            gpu = match.primary_blocks * t_block + (partial if match.partial_source_is_primary
+                                                    else 0)
+            host = match.secondary_blocks * t_block + (
+                partial if match.partial_source_is_primary is False else 0)
+            start = bm.add_sequence((c, t), prompt, priority=priorities[c])
+            assert start == gpu + host, (start, match)
+            reserved += need
+            running.append(_Running(c, t, arrival, prompt, start, need, gpu, host))
+        if not running:
+            clock = max(clock, pending[0][0])  # idle until the next arrival
+            continue
+        rows = []
+        for r in running:
+            sid = (r.conv, r.turn)
+            if r.next < len(r.prompt):
+                rows.append((sid, r.prompt[r.next:r.next + chunk], r.next))
+            else:  # decode: the last token, appended to the sequence after the last step
+                rows.append((sid, r.out[-1:], bm.num_tokens(sid) - 1))
+        bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
+        logits = forward(rows)
+        steps += 1
+        clock += time.perf_counter() - t_iter  # the step's first tokens exist from here
+        t_iter = time.perf_counter()
+        finished = []
+        for i, (r, (sid, toks, start)) in enumerate(zip(running, rows)):
+            if r.next < len(r.prompt):
+                r.next = start + len(toks)
+                if r.next < len(r.prompt):
+                    continue
+                r.first_token_s = clock
+            token = int(np.argmax(logits[i]))
+            r.out.append(token)
+            r.logits.append(logits[i])
+            if len(r.out) == conversations[r.conv].turns[r.turn].output_len:
+                finished.append(r)
+            else:
+                bm.append_tokens(sid, [token])
+        for r in finished:
+            running.remove(r)
+            reserved -= r.reserved
+            bm.release_sequence((r.conv, r.turn))
+            results[(r.conv, r.turn)] = TurnResult(
+                r.arrival_s, r.first_token_s, clock, len(r.prompt), r.gpu_hits, r.host_hits,
+                r.out, np.stack(r.logits))
+            history[r.conv] = r.prompt + r.out
+            turns = conversations[r.conv].turns
+            if r.turn + 1 < len(turns):
+                heapq.heappush(pending, (clock + turns[r.turn + 1].think_s, r.conv, r.turn + 1))
             if progress:
-                progress(done, n_turns * len(waves))
+                progress(len(results), total)
+        clock += time.perf_counter() - t_iter  # the bookkeeping after the step
     bm.sync_transfers()
-    seconds = time.perf_counter() - t0
     transfer_stats = bm.transfer_manager.get_and_reset_transfer_stats()
     return RunResult(
-        tokens=out_tokens, logits=out_logits, block_stats=bm.stats,
-        transfer_stats=transfer_stats,
+        turns=results, block_stats=bm.stats, transfer_stats=transfer_stats, steps=steps,
+        seconds=clock, compile_seconds=compile_seconds, primary_blocks=primary_blocks,
+        secondary_blocks=secondary_blocks,
         exposed_transfer_seconds=(transfer_stats.exposed_seconds
-                                  if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds),
-        computed_tokens=counts["computed"],
-        generated_tokens=sum(len(t) for t in out_tokens), steps=counts["steps"],
-        seconds=seconds, compile_seconds=compile_seconds, primary_blocks=primary_blocks,
-        secondary_blocks=secondary_blocks)
+                                  if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds))
 
 
 def _warm_up_transfers(bm: BlockManager, pool, max_pairs: int) -> None:
@@ -207,24 +278,19 @@ def _warm_up_transfers(bm: BlockManager, pool, max_pairs: int) -> None:
     tm.get_and_reset_transfer_stats()  # and the exposed time of the warm-up
 
 
-def blocks_to_never_evict(workload: Workload, batch: int, tokens_per_block: int) -> int:
-    """A primary pool size that holds every block the workload ever stores, plus one wave."""
-    per_conv = math.ceil(workload.max_len / tokens_per_block) + len(workload.user[0])
-    return len(workload.user) * per_conv + batch * per_conv
-
-
-def compare(run_a: RunResult, run_b: RunResult, *, atol: float = 1e-4,
-            rtol: float = 1e-4) -> tuple[bool, float, int]:
-    """(exact, max |logit difference|, first differing reply or -1) between two runs."""
-    max_diff, first_bad = 0.0, -1
-    for i, (ta, tb, la, lb) in enumerate(zip(run_a.tokens, run_b.tokens, run_a.logits,
-                                             run_b.logits)):
-        ok = ta == tb and la.shape == lb.shape
-        if la.shape == lb.shape:
-            diff = np.abs(la - lb)
+def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
+            rtol: float = 1e-4) -> tuple[bool, float, tuple[int, int] | None]:
+    """(exact, max |logit difference|, first differing (conversation, turn) or None): the
+    same replies token for token, and logits within tolerance, for every turn."""
+    max_diff, first_bad = 0.0, None
+    for key in sorted(ref.turns):
+        a, b = run.turns.get(key), ref.turns[key]
+        ok = a is not None and a.tokens == b.tokens and a.logits.shape == b.logits.shape
+        if ok:
+            diff = np.abs(a.logits - b.logits)
             max_diff = max(max_diff, float(diff.max()))
-            ok = ok and bool(np.all(diff <= atol + rtol * np.abs(lb)))
-        if not ok and first_bad < 0:
-            first_bad = i
-    exact = first_bad < 0 and len(run_a.tokens) == len(run_b.tokens)
+            ok = bool(np.all(diff <= atol + rtol * np.abs(b.logits)))
+        if not ok and first_bad is None:
+            first_bad = key
+    exact = first_bad is None and set(run.turns) == set(ref.turns)
     return exact, max_diff, first_bad

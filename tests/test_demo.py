@@ -1,10 +1,11 @@
-"""The demo end to end on a tiny config: exact against a never-evicting run, every transfer path
-exercised; and the command line's errors (one line, exit status 2, no traceback)."""
+"""The demo end to end on a tiny config: the offload and drop runs exact against a run that never
+evicts, every transfer path exercised, the metrics reported; a trace replayed; and the command
+line's errors (one line, exit status 2, no traceback)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -27,21 +28,52 @@ def tiny_json():
     return TINY + ["--json"]
 
 
+METRICS = ("ttft_s", "tpot_s", "output_tokens_per_s", "computed_prefill_tokens", "gpu_hit_tokens",
+           "host_hit_tokens", "onboarded_bytes", "offloaded_bytes", "exposed_transfer_s")
+
+
 def test_demo_is_exact_and_exercises_every_path(tiny_json, capsys):
     assert cli.main(["demo", *tiny_json]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["exact"] is True
-    assert out["max_abs_logit_diff"] <= 1e-4
+    for name in ("offload", "drop"):
+        assert out["exactness"][name]["exact"] is True
+        assert out["exactness"][name]["max_abs_logit_diff"] <= 1e-4
     assert out["reference_evicted"] == 0, "the reference pool must never evict"
     for path, count in out["paths"].items():
         assert count > 0, f"path {path} was not exercised"
-    run, ref = out["run"], out["reference"]
-    assert run["transfers"]["offloaded_blocks"] == run["offloaded_blocks"]
-    assert run["transfers"]["onboarded_blocks"] == (run["onboarded_full_blocks"]
-                                                    + run["partial_copies_host"])
-    assert run["dropped_device_blocks"] > 0  # the low-priority conversations
-    assert run["generated_tokens"] == ref["generated_tokens"] == 8 * 3 * 4
-    assert ref["prefix_hit_rate"] >= run["prefix_hit_rate"] > 0
+    runs = out["runs"]
+    assert set(runs) == {"offload", "drop", "never_evict"}
+    for run in runs.values():
+        assert set(METRICS) <= set(run)
+        assert set(run["ttft_s"]) == {"p50", "p90", "p99"} and "p50" in run["tpot_s"]
+        assert 0 < run["ttft_s"]["p50"] <= run["ttft_s"]["p90"] <= run["ttft_s"]["p99"]
+        assert run["output_tokens"] == runs["never_evict"]["output_tokens"]
+    off, drop, ref = runs["offload"], runs["drop"], runs["never_evict"]
+    assert off["transfers"]["offloaded_blocks"] == off["offloaded_blocks"] > 0
+    assert off["transfers"]["onboarded_blocks"] == (off["onboarded_full_blocks"]
+                                                    + off["partial_copies_host"])
+    assert off["host_hit_tokens"] > 0 and off["onboarded_bytes"] > 0
+    assert drop["host_hit_tokens"] == drop["onboarded_bytes"] == drop["offloaded_bytes"] == 0
+    assert off["dropped_device_blocks"] > 0  # the low-priority conversations
+    # a pool that never evicts keeps every prefix: nothing computes less (the other two
+    # depend on the order requests ran in, which the clock decides)
+    assert ref["computed_prefill_tokens"] <= min(off["computed_prefill_tokens"],
+                                                 drop["computed_prefill_tokens"])
+    prompts = {r: runs[r]["computed_prefill_tokens"] + runs[r]["gpu_hit_tokens"]
+               + runs[r]["host_hit_tokens"] for r in runs}
+    assert len(set(prompts.values())) == 1, prompts  # the same prompts, however served
+
+
+def test_a_trace_replays_exactly(capsys):
+    sample = os.path.join(os.path.dirname(__file__), "data", "mooncake_sample.jsonl")
+    args = TINY + ["--trace", sample, "--trace-len-scale", "0.02", "--trace-time-scale", "0.01",
+                   "--json"]
+    assert cli.main(["demo", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["exact"] is True and out["turns"] == 6
+    # every request shares its first block (hash id 0): from the second request on, hits
+    assert out["runs"]["never_evict"]["gpu_hit_tokens"] > 0
 
 
 @pytest.mark.parametrize("dma", ["true", "false"])
@@ -56,16 +88,17 @@ def test_demo_with_each_transfer_path_is_exact(tiny_json, dma, capsys, monkeypat
 
     monkeypatch.setattr(serving, "KVCacheTransferManager", manager)
     assert cli.main(["demo", *tiny_json, "--dma", dma]) == 0
-    assert made == [dma == "true"] * 2, made  # the offloading and the reference run
+    assert made == [dma == "true"] * 3, made  # the offload, drop and never_evict runs
     out = json.loads(capsys.readouterr().out)
-    assert out["exact"] is True and out["run"]["transfers"]["offloaded_blocks"] > 0
+    assert out["exact"] is True and out["runs"]["offload"]["offloaded_blocks"] > 0
 
 
 def test_table_output(capsys):
     assert demo.main(TINY) == 0
     out = capsys.readouterr().out
-    for text in ("tokens/s", "prefix-hit rate", "onboarded host->device", "offloaded device->host",
-                 "copied on device", "exposed transfer time", "exactness: PASS"):
+    for text in ("TTFT p50 / p90", "TPOT p50", "output tokens/s", "prefill tokens computed",
+                 "tokens from GPU / host hits", "onboarded / offloaded", "exposed transfer time",
+                 "exactness offload vs never_evict: PASS", "exactness drop vs never_evict: PASS"):
         assert text in out
 
 
@@ -79,35 +112,39 @@ def test_tensor_parallel_demo_is_exact(capsys):
     assert all(count > 0 for count in out["paths"].values())
 
 
-def test_compare_detects_differences():
-    def result(tokens, logits):
-        return serving.RunResult(tokens, logits, None, None, 0, 0, 0, 1.0, 0.0, 1, 0)
-
-    logits = [np.zeros((2, 5), np.float32)]
-    base = result([[1, 2]], logits)
-    assert serving.compare(base, result([[1, 2]], [logits[0] + 1e-6]))[0]
-    assert serving.compare(base, result([[1, 3]], logits))[:3:2] == (False, 0)
-    exact, diff, _ = serving.compare(base, result([[1, 2]], [logits[0] + 0.01]))
-    assert not exact and diff == pytest.approx(0.01)
-
-
-def test_inexact_run_exits_1(monkeypatch, capsys):
+def _result(turns, primary_blocks=1, secondary_blocks=0):
     from jax_kvxfer.block_manager import BlockManagerStats
     from jax_kvxfer.manager import TransferStats
 
+    return serving.RunResult(
+        {key: serving.TurnResult(0.0, 0.1, 0.2, 4, 0, 0, tokens, logits)
+         for key, (tokens, logits) in turns.items()},
+        BlockManagerStats(), TransferStats(), 1, 1.0, 0.0, primary_blocks, secondary_blocks)
+
+
+def test_compare_detects_differences():
+    logits = np.zeros((2, 5), np.float32)
+    base = _result({(0, 0): ([1, 2], logits)})
+    assert serving.compare(base, _result({(0, 0): ([1, 2], logits + 1e-6)}))[0]
+    assert serving.compare(_result({(0, 0): ([1, 3], logits)}), base) == (False, 0.0, (0, 0))
+    exact, diff, _ = serving.compare(_result({(0, 0): ([1, 2], logits + 0.01)}), base)
+    assert not exact and diff == pytest.approx(0.01)
+    assert not serving.compare(_result({}), base)[0]  # a missing turn
+
+
+def test_inexact_run_exits_1(monkeypatch, capsys):
     calls = []
 
     def fake_run(*args, primary_blocks, secondary_blocks, **kwargs):
         calls.append(primary_blocks)
-        tokens = [[1, 2]] if len(calls) == 1 else [[1, 3]]
-        return serving.RunResult(tokens, [np.zeros((2, 4), np.float32)], BlockManagerStats(),
-                                 TransferStats(), 4, 2, 2, 1.0, 0.0, primary_blocks,
-                                 secondary_blocks)
+        tokens = [1, 2] if len(calls) < 3 else [1, 3]  # the oracle disagrees
+        return _result({(0, 0): (tokens, np.zeros((2, 4), np.float32))}, primary_blocks,
+                       secondary_blocks)
 
     monkeypatch.setattr(serving, "run", fake_run)
     assert demo.main(TINY) == 1
-    assert "exactness: FAIL" in capsys.readouterr().out
-    assert calls[1] > calls[0], "the reference run gets the bigger primary pool"
+    assert "exactness offload vs never_evict: FAIL" in capsys.readouterr().out
+    assert calls[2] > calls[0] == calls[1], "the oracle gets the bigger primary pool"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -145,12 +182,3 @@ def test_cli_subprocess_error_has_no_traceback():
 def test_help_lists_commands(capsys):
     assert cli.main(["--help"]) == 0
     assert "demo" in capsys.readouterr().out
-
-
-def test_workload_is_seeded():
-    kw = {"vocab_size": 50, "conversations": 3, "turns": 2, "system_tokens": 4,
-          "user_tokens": 5, "gen_tokens": 2, "low_priority_every": 2}
-    a, b = serving.make_workload(seed=1, **kw), serving.make_workload(seed=1, **kw)
-    assert a == b and a != serving.make_workload(seed=2, **kw)
-    assert a.priorities == (35, serving.LOW_PRIORITY, 35)
-    assert dataclasses.asdict(a)["gen_tokens"] == 2
