@@ -10,7 +10,8 @@ request runs out of blocks). At each step boundary the block manager's transfers
 without blocking: the step waits on the GPU for the onboards it reads, offloads go on beside.
 
 Time is the loop's own clock: its wall time (steps, transfers, scheduling), plus jumps over
-idle time to the next arrival. TTFT is a turn's first token time less its
+idle time to the next arrival; with several processes, process 0's, so that all of them
+schedule alike. TTFT is a turn's first token time less its
 arrival; the next turn of a conversation arrives its think time after the reply's last token.
 """
 
@@ -180,8 +181,9 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     results: dict[tuple[int, int], TurnResult] = {}
     clock, reserved, steps = 0.0, 0, 0
     t_block = tokens_per_block
+    agreed = _agreed_across_processes()
+    mark = time.perf_counter()  # the clock's wall time so far runs from here
     while pending or running:
-        t_iter = time.perf_counter()
         while pending and len(running) < batch and pending[0][0] <= clock:
             arrival, c, t = pending[0]
             turn = conversations[c].turns[t]
@@ -200,8 +202,9 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             assert start == gpu + host, (start, match)
             reserved += need
             running.append(_Running(c, t, arrival, prompt, start, need, gpu, host))
-        if not running:
-            clock = max(clock, pending[0][0])  # idle until the next arrival
+        if not running:  # idle until the next arrival
+            clock = agreed(max(clock + time.perf_counter() - mark, pending[0][0]))
+            mark = time.perf_counter()
             continue
         rows = []
         for r in running:
@@ -213,8 +216,9 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
         logits = forward(rows)
         steps += 1
-        clock += time.perf_counter() - t_iter  # the step's first tokens exist from here
-        t_iter = time.perf_counter()
+        # the step's tokens exist from here; what follows counts towards the next step
+        clock = agreed(clock + time.perf_counter() - mark)
+        mark = time.perf_counter()
         finished = []
         for i, (r, (sid, toks, start)) in enumerate(zip(running, rows)):
             if r.next < len(r.prompt):
@@ -242,7 +246,6 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
                 heapq.heappush(pending, (clock + turns[r.turn + 1].think_s, r.conv, r.turn + 1))
             if progress:
                 progress(len(results), total)
-        clock += time.perf_counter() - t_iter  # the bookkeeping after the step
     bm.sync_transfers()
     transfer_stats = bm.transfer_manager.get_and_reset_transfer_stats()
     return RunResult(
@@ -251,6 +254,17 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         secondary_blocks=secondary_blocks,
         exposed_transfer_seconds=(transfer_stats.exposed_seconds
                                   if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds))
+
+
+def _agreed_across_processes() -> Callable[[float], float]:
+    """With one JAX process per host, every process must make the same scheduling decisions
+    (their steps and transfers are programs spanning all of them), so they all take process
+    0's clock: one broadcast per step. In one process, the clock as it is."""
+    if jax.process_count() == 1:
+        return lambda seconds: seconds
+    from jax.experimental import multihost_utils
+
+    return lambda seconds: float(multihost_utils.broadcast_one_to_all(np.float64(seconds)))
 
 
 def _warm_up_transfers(bm: BlockManager, pool, max_pairs: int) -> None:
