@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiplies the gaps between the trace's requests")
     p.add_argument("--trace-requests", type=_int_at_least(1), default=None,
                    help="the trace's first N requests")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG: the three runs' TTFT CDFs and output tokens/s "
+                        "(needs matplotlib)")
     p.add_argument("--low-priority-every", type=_int_at_least(0), default=4,
                    help=f"every Nth conversation gets priority {serving.LOW_PRIORITY} (< 30: its "
                         "evicted blocks are dropped, not offloaded); 0: none")
@@ -236,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg["primary_blocks"] < need:
         parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: one request of "
                      f"this workload may need {need} blocks")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib)")
     if args.dma == "true" and args.devices > 1:
         parser.error("--dma true takes one device (the copy engines' path does not take pools "
                      "split over devices); use --dma auto or false with --devices")
@@ -315,4 +323,29 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                  f"{model.num_kv_heads}kv heads ({model.num_params / 1e6:.2f}M params); "
                  f"{cfg['tokens_per_block']}-token blocks; {verdict['device']}")
         print(_table(title, runs, verdict))
+    if args.plot:
+        _plot(args.plot, results)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0 if verdict["exact"] else 1
+
+
+def _plot(path: str, results: dict) -> None:
+    """The TTFT CDF of each run, and each run's output tokens/s, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in RUNS:
+        ttft = np.sort([r.first_token_s - r.arrival_s for r in results[name].turns.values()])
+        cdf.plot(1e3 * ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
+    cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="time to first token")
+    cdf.legend()
+    rates = [results[name].metrics()["output_tokens_per_s"] for name in RUNS]
+    bars.bar(RUNS, rates, color=["C0", "C1", "C2"])
+    bars.set(ylabel="output tokens/s", title="throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

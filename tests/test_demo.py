@@ -76,6 +76,13 @@ def test_a_trace_replays_exactly(capsys):
     assert out["runs"]["never_evict"]["gpu_hit_tokens"] > 0
 
 
+def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "demo.png"
+    assert demo.main(TINY + ["--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("dma", ["true", "false"])
 def test_demo_with_each_transfer_path_is_exact(tiny_json, dma, capsys, monkeypatch):
     """--dma: the manager's copy engines or copy kernel for every transfer (on a GPU; on CPU
