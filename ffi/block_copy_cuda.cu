@@ -517,7 +517,8 @@ ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
 //    them at once;
 //  - the indices are read here, on the host (the copy engines are handed addresses), so the
 //    plan's buffer is free when the call returns;
-//  - the pools themselves stay alive: the manager holds them until a join (manager.py).
+//  - the pools' buffers stay the pools': while a lane may still use them, the pool refuses an
+//    assigned array in another buffer (pool.py), so XLA never frees them under a lane.
 // The lanes copy with the copy engines only, so they take no SMs from the step.
 // Across lanes, the manager asks for a wait (wait_lane) where one lane's copy touches slots
 // that the other's pending copies touch, and for XLA's stream to wait (stream_wait_lane) where
@@ -532,7 +533,7 @@ struct DeviceLanes {
   cudaEvent_t ready = nullptr;    // where XLA's stream was when a lane copy was enqueued
   cudaMemPool_t staging = nullptr;
   // Timed event pairs around what the lanes cost XLA's stream (a join's wait, a snapshot),
-  // recorded there and summed once both have completed (ExposedSeconds).
+  // recorded there and summed once both have completed (SumExposed).
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exposed;
   std::vector<cudaEvent_t> spare_events;
   double exposed_seconds = 0;  // of the pairs summed so far
