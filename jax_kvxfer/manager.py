@@ -15,6 +15,7 @@ import dataclasses
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -285,6 +286,10 @@ class KVCacheTransferManager:
         # (its reads of primary slots are over once its snapshot is taken, on XLA's stream).
         self._lanes = dma is not False and self._plans is not None and first.mesh is None
         self._lanes_async = self._lanes and first.device.platform == "gpu"
+        if self._lanes_async:
+            # A manager dropped with copies in flight: its pools' arrays (which it holds) must
+            # outlive the copies, so the last moment it exists waits for the lanes.
+            weakref.finalize(self, wait_lanes)
         self._onboards_pending = self._offloads_pending = False
         self._onboard_writes = np.zeros(first.num_primary_blocks, np.bool_)
         self._onboard_reads = np.zeros(first.num_secondary_blocks, np.bool_)
