@@ -135,10 +135,8 @@ def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane
 
 
 def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole):
-    pools = tuple(lane_copy_call(p, p, plan[0], plan[1], plan[2], lane=lane, wait_lane=wait_lane,
-                                 stream_wait_lane=stream_wait_lane, whole_blocks=whole)
-                  for p in pools)
-    return pools, token
+    # each pool is its own source: one traced value, which lane_copy_call copies within
+    return _lane_across_impl(pools, pools, plan, token, lane, wait_lane, stream_wait_lane, whole)
 
 
 def _join_impl(arrays, lanes):

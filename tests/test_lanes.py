@@ -48,6 +48,13 @@ def shadow(pool):
     return kvx.to_numpy(pool.primary), kvx.to_numpy(pool.secondary)
 
 
+def assert_pools(pool, primary, secondary):
+    """Both of the pool's arrays, bitwise, against their shadows."""
+    got_primary, got_secondary = shadow(pool)
+    np.testing.assert_array_equal(got_primary, primary)
+    np.testing.assert_array_equal(got_secondary, secondary)
+
+
 # A step that writes every primary block in place, as a model step writes its new tokens.
 overwrite = jax.jit(lambda a: a * 2.0 + 1.0, donate_argnums=0)
 # A step that reads primary blocks, as attention does.
@@ -62,9 +69,7 @@ def test_offload_sources_may_be_overwritten_at_once(pool, rng):
     pool.primary = overwrite(pool.primary)  # beside the offload, no sync
     mgr.sync_transfers(block=False)
     sec[dst] = prim[src]  # the offload saw the blocks as they were
-    got_prim, got_sec = shadow(pool)
-    np.testing.assert_array_equal(got_sec, sec)
-    np.testing.assert_array_equal(got_prim, prim * 2.0 + 1.0)
+    assert_pools(pool, prim * 2.0 + 1.0, sec)
 
 
 def test_a_step_after_sync_reads_the_onboarded_blocks(pool, rng):
@@ -86,9 +91,7 @@ def test_onboard_reads_what_a_pending_offload_wrote(pool, rng):
     mgr.sync_transfers()
     sec[slots] = prim[:NB]
     prim[NB:] = prim[:NB]
-    got_prim, got_sec = shadow(pool)
-    np.testing.assert_array_equal(got_sec, sec)
-    np.testing.assert_array_equal(got_prim, prim)
+    assert_pools(pool, prim, sec)
 
 
 def test_offload_waits_for_the_onboard_reading_its_destination(pool, rng):
@@ -100,9 +103,7 @@ def test_offload_waits_for_the_onboard_reading_its_destination(pool, rng):
     mgr.sync_transfers()
     prim[:NB] = sec[slots]
     sec[slots] = prim[NB:]
-    got_prim, got_sec = shadow(pool)
-    np.testing.assert_array_equal(got_prim, prim)
-    np.testing.assert_array_equal(got_sec, sec)
+    assert_pools(pool, prim, sec)
 
 
 def test_offload_snapshots_after_the_onboard_writing_its_source(pool, rng):
@@ -113,9 +114,7 @@ def test_offload_snapshots_after_the_onboard_writing_its_source(pool, rng):
     mgr.sync_transfers()
     prim[:NB] = sec[:NB]
     sec[NB:] = sec[:NB]
-    got_prim, got_sec = shadow(pool)
-    np.testing.assert_array_equal(got_prim, prim)
-    np.testing.assert_array_equal(got_sec, sec)
+    assert_pools(pool, prim, sec)
 
 
 def test_partial_copy_reads_the_pending_onboard(pool, rng):
@@ -145,9 +144,7 @@ def test_partial_offloads_and_onboards_on_the_lanes(pool, rng):
     for s, d, n in zip(dst[::-1], src + NB, tokens[::-1]):
         n = T if n <= 0 or n >= T else n
         prim[d, :, :, :, :n] = sec[s, :, :, :, :n]
-    got_prim, got_sec = shadow(pool)
-    np.testing.assert_array_equal(got_sec, sec)
-    np.testing.assert_array_equal(got_prim, prim)
+    assert_pools(pool, prim, sec)
 
 
 def test_unsynced_transfers_are_complete_for_to_numpy(pool, rng):
@@ -187,9 +184,7 @@ def test_in_line_manager_is_exact_too(pool, rng):
     sec[dst] = prim[src]
     prim = prim * 2.0 + 1.0
     prim[src + NB] = sec[dst]
-    got_prim, got_sec = shadow(pool)
-    np.testing.assert_array_equal(got_sec, sec)
-    np.testing.assert_array_equal(got_prim, prim)
+    assert_pools(pool, prim, sec)
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -253,8 +248,6 @@ def test_a_non_blocking_sync_leaves_offloads_running_and_later_onboards_wait(poo
     sec[slots] = prim[:NB]
     prim = prim * 2.0 + 1.0
     prim[NB:] = sec[slots]
-    got_prim, got_sec = shadow(pool)
-    np.testing.assert_array_equal(got_prim, prim)
-    np.testing.assert_array_equal(got_sec, sec)
+    assert_pools(pool, prim, sec)
     stats = mgr.get_and_reset_transfer_stats()
     assert stats.exposed_seconds >= 0.0 and (stats.exposed_seconds > 0.0) == mgr.on_lanes
