@@ -1,17 +1,15 @@
-"""A small decoder-only transformer in plain JAX whose attention reads and writes paged KV blocks.
+"""A decoder-only transformer (the Llama architecture) in plain JAX over paged KV blocks.
 
-Random seeded weights, grouped-query attention, RoPE, RMSNorm and a SwiGLU MLP. The KV cache is
-the primary array of one `KVCacheBlockPool` holding every layer,
-`[num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim]`; each step writes the
-new tokens' K/V into the blocks named by the block tables and attends over them (paged
-attention by gather: simple, not fast).
-"""
+Random seeded weights, grouped-query attention, RoPE, RMSNorm and a SwiGLU MLP. The KV cache is the primary array of one `KVCacheBlockPool` holding every
+layer, `[num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_dim]`; each step writes
+the new tokens' K/V into the blocks named by the block tables and attends over the blocks it
+gathers from them (paged attention by gather: plain XLA, no custom kernel)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,9 @@ import numpy as np
 
 from .pool import KVCacheBlockPool
 
-_HIGHEST = jax.lax.Precision.HIGHEST  # no TF32 on GPUs: the exactness check compares logits
+# float32 models multiply at full precision (no TF32 on GPUs: the exactness check compares
+# logits at 1e-4); bfloat16 ones at the default, as inference does.
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,13 @@ class ModelConfig:
         per_layer = (2 * d + d * self.num_heads * h * 2 + d * self.num_kv_heads * h * 2
                      + 3 * d * f)
         return 2 * self.vocab_size * d + d + self.num_layers * per_layer
+
+    def token_flops(self, context: int) -> int:
+        """The matrix products' floating-point operations to compute one token that attends to
+        `context` tokens (itself included), without the unembedding."""
+        d, f, h = self.d_model, self.d_ff, self.head_dim
+        weights = d * self.num_heads * h * 2 + d * self.num_kv_heads * h * 2 + 3 * d * f
+        return self.num_layers * (2 * weights + 4 * self.num_heads * h * context)
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
@@ -110,80 +117,166 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def forward(params: dict[str, jax.Array], kv_pool: jax.Array, tokens: jax.Array,
-            positions: jax.Array, block_tables: jax.Array, logit_index: jax.Array, *,
-            config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """One step: writes the K/V of `tokens` into `kv_pool`; returns one logits row per sequence.
+class Rows(NamedTuple):
+    """One segment of a step: `R` sequences, `C` tokens each (a prefill chunk; C = 1 to decode).
+
+    tokens: `[R, C]` token ids.
+    positions: `[R, C]` their positions in their sequences; -1 marks padding (not written,
+      output ignored).
+    block_tables: `[R, max_blocks]` primary block indices of each sequence in token order;
+      entries past a sequence's blocks may be any valid index (they are masked).
+    logit_index: `[R]` the column whose next-token logits to return (the last prompt token of
+      a prefill chunk; 0 to decode).
+    """
+
+    tokens: Any
+    positions: Any
+    block_tables: Any
+    logit_index: Any
+
+    @classmethod
+    def shapes(cls, rows: int, chunk: int, max_blocks: int) -> Rows:
+        """The abstract shapes of a segment, to compile a step for."""
+        s = jax.ShapeDtypeStruct
+        return cls(s((rows, chunk), np.int32), s((rows, chunk), np.int32),
+                   s((rows, max_blocks), np.int32), s((rows,), np.int32))
+
+
+_LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
+
+
+def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Rows, ...], *,
+            config: ModelConfig, fused_attention: bool = False) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """One step over several segments: writes their tokens' K/V into `kv_pool`; returns one
+    logits row per sequence of each segment.
+
+    A step usually has two segments: prefill chunks `[P, C]` and decodes `[D, 1]`, so that a
+    decode does not pay for a whole chunk of compute. Each segment's matrix products and
+    attention have one shape in every step, so a token's K/V are bit for bit the same
+    whichever step computed it, among other tokens of its segment.
 
     Args:
       params: from `init_params`.
       kv_pool: the primary pool array `[num_blocks, num_layers, 2, num_kv_heads,
         tokens_per_block, head_dim]`.
-      tokens: `[B, C]` token ids.
-      positions: `[B, C]` their positions in their sequences; -1 marks padding (not written,
-        output ignored).
-      block_tables: `[B, max_blocks]` primary block indices of each sequence in token order;
-        entries past a sequence's blocks may be any valid index (they are masked).
-      logit_index: `[B]` the column of `tokens` whose next-token logits to return (the last
-        prompt token in a prefill chunk, 0 in a decode step).
+      segments: `Rows` of sequences that are not in any other segment of this step.
+      fused_attention: prefill chunks attend with cuDNN's fused attention (bfloat16 on an
+        NVIDIA GPU); otherwise, and for decodes, with plain XLA.
 
     Returns:
-      `(logits [B, vocab_size] float32, new kv_pool)`.
+      `(one logits array [R, vocab_size] float32 per segment, new kv_pool)`.
     """
     c = config
-    b, chunk = tokens.shape
-    num_blocks, t = kv_pool.shape[0], kv_pool.shape[4]
-    max_blocks = block_tables.shape[1]
-    valid = positions >= 0
-    pos = jnp.maximum(positions, 0)
-    # Where each token's K/V goes; padding rows point past the pool and are dropped.
-    dst_block = jnp.take_along_axis(block_tables, jnp.minimum(pos // t, max_blocks - 1), axis=1)
-    dst_block = jnp.where(valid, dst_block, num_blocks).reshape(-1)
-    dst_offset = (pos % t).reshape(-1)
-    key_pos = jnp.arange(max_blocks * t)
-    mask = (key_pos[None, None, :] <= pos[:, :, None]) & valid[:, :, None]  # [B, C, J]
-    group = c.num_heads // c.num_kv_heads
+    precision = _HIGHEST if jnp.dtype(c.dtype) == jnp.float32 else None
+    t = kv_pool.shape[4]
 
     def dot(x, w):
-        return jnp.einsum("bcd,de->bce", x, w, precision=_HIGHEST)
+        return jnp.einsum("bcd,de->bce", x, w, precision=precision)
 
-    x = params["embed"][tokens]
-    for layer in range(c.num_layers):
-        h = _rms_norm(x, params["attn_norm"][layer], c.norm_eps)
-        q = dot(h, params["wq"][layer]).reshape(b, chunk, c.num_heads, c.head_dim)
-        k = dot(h, params["wk"][layer]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
-        v = dot(h, params["wv"][layer]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
-        q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
-        kv = jnp.stack([k, v], axis=2).reshape(b * chunk, 2, c.num_kv_heads, c.head_dim)
-        kv_pool = kv_pool.at[dst_block, layer, :, :, dst_offset, :].set(
-            kv.astype(kv_pool.dtype), mode="drop")
-        # [B, max_blocks, 2, Hkv, T, D] -> K, V as [B, Hkv, max_blocks * T, D]
-        blocks = kv_pool[block_tables, layer].astype(x.dtype)
-        blocks = blocks.transpose(0, 2, 3, 1, 4, 5).reshape(
-            b, 2, c.num_kv_heads, max_blocks * t, c.head_dim)
-        keys, values = blocks[:, 0], blocks[:, 1]
-        q = q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim)
-        scores = jnp.einsum("bckgd,bkjd->bkgcj", q, keys, precision=_HIGHEST)
-        scores = jnp.where(mask[:, None, None], scores / np.sqrt(c.head_dim), -1e30)
-        probs = jax.nn.softmax(scores, axis=-1)
-        attn = jnp.einsum("bkgcj,bkjd->bckgd", probs, values, precision=_HIGHEST)
-        x = x + dot(attn.reshape(b, chunk, c.num_heads * c.head_dim), params["wo"][layer])
-        h = _rms_norm(x, params["mlp_norm"][layer], c.norm_eps)
-        gate = jax.nn.silu(dot(h, params["w1"][layer])) * dot(h, params["w3"][layer])
-        x = x + dot(gate, params["w2"][layer])
-    x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, d_model]
-    logits = dot(_rms_norm(x, params["final_norm"], c.norm_eps), params["unembed"])[:, 0]
-    return logits.astype(jnp.float32), kv_pool
+    def where_written(seg: Rows) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(destination block, offset) of each token, and the attention mask [R, C, J]."""
+        valid = seg.positions >= 0
+        pos = jnp.maximum(seg.positions, 0)
+        max_blocks = seg.block_tables.shape[1]
+        dst = jnp.take_along_axis(seg.block_tables, jnp.minimum(pos // t, max_blocks - 1), axis=1)
+        dst = jnp.where(valid, dst, kv_pool.shape[0])  # padding points past the pool: dropped
+        key_pos = jnp.arange(max_blocks * t)
+        mask = (key_pos[None, None, :] <= pos[:, :, None]) & valid[:, :, None]
+        return dst.reshape(-1), (pos % t).reshape(-1), mask
+
+    placed = [where_written(seg) for seg in segments]
+    positions = [jnp.maximum(seg.positions, 0) for seg in segments]
+    group = c.num_heads // c.num_kv_heads
+
+    def layer(carry, inputs):
+        pool, xs = carry
+        index, p = inputs
+        queries = []
+        for x, pos, (dst, offset, _) in zip(xs, positions, placed):
+            b, chunk = x.shape[:2]
+            h = _rms_norm(x, p["attn_norm"], c.norm_eps)
+            q = dot(h, p["wq"]).reshape(b, chunk, c.num_heads, c.head_dim)
+            k = dot(h, p["wk"]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
+            v = dot(h, p["wv"]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
+            q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
+            kv = jnp.stack([k, v], axis=2).reshape(b * chunk, 2, c.num_kv_heads, c.head_dim)
+            pool = pool.at[dst, index, :, :, offset, :].set(kv.astype(pool.dtype), mode="drop")
+            queries.append(q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim))
+        out = []
+        for x, q, seg, (_, _, mask) in zip(xs, queries, segments, placed):
+            b, chunk = x.shape[:2]
+            blocks = pool[seg.block_tables, index]
+            attn = (_attend_fused(q, blocks, mask) if fused_attention and chunk > 1
+                    else _attend(q, blocks, mask, precision))
+            x = x + dot(attn.reshape(b, chunk, c.num_heads * c.head_dim).astype(x.dtype), p["wo"])
+            h = _rms_norm(x, p["mlp_norm"], c.norm_eps)
+            out.append(x + dot(jax.nn.silu(dot(h, p["w1"])) * dot(h, p["w3"]), p["w2"]))
+        return (pool, tuple(out)), None
+
+    # The layers as one scan: one layer to compile (seconds, where 32 unrolled layers take
+    # a minute on a GPU), at the cost of slicing each layer's weights out of the stack.
+    xs = tuple(params["embed"][seg.tokens] for seg in segments)
+    layers = {name: params[name] for name in _LAYER_PARAMS}
+    (kv_pool, xs), _ = jax.lax.scan(layer, (kv_pool, xs), (jnp.arange(c.num_layers), layers))
+    logits = []
+    for x, seg in zip(xs, segments):
+        x = jnp.take_along_axis(x, seg.logit_index[:, None, None], axis=1)  # [R, 1, d_model]
+        y = dot(_rms_norm(x, params["final_norm"], c.norm_eps), params["unembed"])[:, 0]
+        logits.append(y.astype(jnp.float32))
+    return tuple(logits), kv_pool
 
 
-def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None) -> Any:
-    """`forward` jitted, pool donated: `step(params, pool, tokens, positions, tables, index)`.
+def _attend_fused(q: jax.Array, blocks: jax.Array, mask: jax.Array) -> jax.Array:
+    """`_attend` by cuDNN's fused attention (flash attention: the scores never reach memory).
+    bfloat16 or float16 on an NVIDIA GPU."""
+    r, c, hkv, g, d = q.shape
+    m, t = blocks.shape[1], blocks.shape[4]
+    keys = blocks[:, :, 0].transpose(0, 1, 3, 2, 4).reshape(r, m * t, hkv, d)
+    values = blocks[:, :, 1].transpose(0, 1, 3, 2, 4).reshape(r, m * t, hkv, d)
+    out = jax.nn.dot_product_attention(q.reshape(r, c, hkv * g, d), keys, values,
+                                       mask=mask[:, None], implementation="cudnn")
+    return out.reshape(r, c, hkv, g, d)
+
+
+def _attend(q: jax.Array, blocks: jax.Array, mask: jax.Array, precision) -> jax.Array:
+    """Attention of q `[R, C, Hkv, G, D]` over one layer of each sequence's gathered blocks
+    `[R, M, 2, Hkv, T, D]`, keys masked by `mask` `[R, C, M*T]`: `[R, C, Hkv, G, D]`.
+
+    Scores and softmax in float32; probabilities in the model's dtype for the second product,
+    as flash attention does.
+    """
+    r, m, _, hkv, t, d = blocks.shape
+    keys = blocks[:, :, 0].transpose(0, 2, 1, 3, 4).reshape(r, hkv, m * t, d)
+    values = blocks[:, :, 1].transpose(0, 2, 1, 3, 4).reshape(r, hkv, m * t, d)
+    scores = jnp.einsum("rckgd,rkjd->rkgcj", q, keys, precision=precision,
+                        preferred_element_type=jnp.float32) / np.sqrt(d)
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("rkgcj,rkjd->rckgd", probs, values, precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
+              fused_attention: bool | None = None) -> Any:
+    """`forward` jitted, pool donated: `step(params, pool.primary, segments)`.
 
     Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
+    `fused_attention`: None picks it for bfloat16 and float16 models on a GPU. Pools of one
+    model and one split share one jitted function, and so its compiled steps.
     """
-    fn = functools.partial(forward, config=config)
-    if pool is None or pool.mesh is None:
+    if fused_attention is None:
+        fused_attention = (config.dtype in ("bfloat16", "float16")
+                           and jax.default_backend() == "gpu")
+    return _jitted_step(config, None if pool is None or pool.mesh is None
+                        else pool.sharding("device"), fused_attention)
+
+
+@functools.cache
+def _jitted_step(config: ModelConfig, pool_sharding: jax.sharding.NamedSharding | None,
+                 fused_attention: bool) -> Any:
+    fn = functools.partial(forward, config=config, fused_attention=fused_attention)
+    if pool_sharding is None:
         return jax.jit(fn, donate_argnums=1)
-    replicated = jax.sharding.NamedSharding(pool.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(fn, donate_argnums=1, out_shardings=(replicated, pool.sharding("device")))
+    replicated = jax.sharding.NamedSharding(pool_sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(fn, donate_argnums=1, out_shardings=(replicated, pool_sharding))

@@ -2,11 +2,12 @@
 
 Conversations (workloads.py) arrive at their start times; each turn is a request whose prompt
 is the conversation so far. Up to `batch` requests run at once. Every step is one jitted model
-step of fixed shape `[batch, chunk]`: a request still in prefill contributes its next chunk of
-prompt tokens, one in decode its last token, so prefill chunks and decodes share the step (and a
-token's K/V does not depend on how it was batched). A request is admitted when a row is free
-and the primary pool can hold all it will ever need beside the running requests (so no running
-request runs out of blocks). At each step boundary the block manager's transfers are synced
+step of two segments of fixed shape: up to `prefill_rows` requests still in prefill contribute
+their next chunk of prompt tokens (`[prefill_rows, chunk]`), every request in decode its last
+token (`[batch, 1]`), so prefill chunks and decodes share the step, and a token's K/V do not
+depend on which others were batched with it. A step with no prefill is the decode segment
+alone. A request is admitted when a row is free and the primary pool can hold all it will ever
+need beside the running requests (so no running request runs out of blocks). At each step boundary the block manager's transfers are synced
 without blocking: the step waits on the GPU for the onboards it reads, offloads go on beside.
 
 Time is the loop's own clock: its wall time (steps, transfers, scheduling), plus jumps over
@@ -29,7 +30,7 @@ import numpy as np
 
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError
 from .manager import KVCacheTransferManager, TransferStats
-from .model import ModelConfig, create_pool, make_step
+from .model import ModelConfig, Rows, create_pool, make_step
 from .pool import KVCacheBlock
 from .workloads import Conversation
 
@@ -70,6 +71,10 @@ class RunResult:
     # waited for transfers (CUDA events); otherwise the copies run in line with the steps and
     # the wall time issuing and syncing them counts whole.
     exposed_transfer_seconds: float = 0.0
+    # The steps whose prefill segment was full (every row a whole chunk): their matrix
+    # products' operations and wall time, for the rate prefill reaches.
+    full_prefill_flops: int = 0
+    full_prefill_seconds: float = 0.0
 
     def metrics(self) -> dict[str, object]:
         """TTFT, TPOT, throughput and cache figures, as the demo reports them."""
@@ -93,6 +98,8 @@ class RunResult:
             "onboarded_bytes": t.onboarded_bytes, "offloaded_bytes": t.offloaded_bytes,
             "exposed_transfer_s": self.exposed_transfer_seconds,
             "seconds": self.seconds, "steps": self.steps,
+            "full_prefill_tflop_per_s": (self.full_prefill_flops / self.full_prefill_seconds / 1e12
+                                         if self.full_prefill_seconds else None),
         }
 
 
@@ -128,12 +135,14 @@ def blocks_to_never_evict(conversations: Sequence[Conversation], batch: int,
 
 def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation], *,
         batch: int, chunk: int, tokens_per_block: int, primary_blocks: int,
-        secondary_blocks: int, priorities: Sequence[int] | None = None,
+        secondary_blocks: int, prefill_rows: int = 1, priorities: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
         stop_token: int | None = None, fixed_step_s: float | None = None) -> RunResult:
-    """Serves the conversations once on fresh pools; `dma`: the transfer manager's. A turn's
-    reply ends after its `output_len` tokens, or once it generates `stop_token` (kept).
+    """Serves the conversations once on fresh pools; `dma`: the transfer manager's. Up to
+    `batch` requests run at once; a step prefills `chunk` tokens of up to `prefill_rows` of
+    them and decodes the others. A turn's reply ends after its `output_len` tokens, or once it
+    generates `stop_token` (kept).
     `fixed_step_s`: the clock advances by this much per step instead of the wall time, so
     that the schedule is the same on every machine and in every run (tests).
 
@@ -150,32 +159,40 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     bm = BlockManager(pool, transfer_manager=KVCacheTransferManager([pool], dma=dma))
     max_blocks = t_blocks
+    step = make_step(model, pool)
     t0 = time.perf_counter()
-    shapes = [jax.ShapeDtypeStruct((batch, chunk), np.int32)] * 2 + [
-        jax.ShapeDtypeStruct((batch, max_blocks), np.int32),
-        jax.ShapeDtypeStruct((batch,), np.int32)]
-    step = make_step(model, pool).lower(params, pool.primary, *shapes).compile()
-    t1 = time.perf_counter()
-    _warm_up_transfers(bm, pool, min(primary_blocks, batch * max_blocks))
-    compile_seconds = time.perf_counter() - t0
-    print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets {compile_seconds - t1 + t0:.1f} s",
-          file=sys.stderr)
-    priorities = list(priorities) if priorities is not None else [35] * len(conversations)
+    prefill_rows = min(prefill_rows, batch)
 
-    def forward(rows: list[tuple[tuple[int, int], list[int], int]]) -> np.ndarray:
-        """rows: (seq_id, tokens, first position); returns each row's last token's logits."""
-        tok = np.zeros((batch, chunk), np.int32)
-        pos = np.full((batch, chunk), -1, np.int32)
-        tables = np.zeros((batch, max_blocks), np.int32)
-        last = np.zeros(batch, np.int32)
+    def segment(rows: list[tuple[tuple[int, int], list[int], int]], width: int,
+                length: int) -> Rows:
+        """rows (seq_id, tokens, first position) padded to `width` rows of `length` tokens."""
+        tok = np.zeros((width, length), np.int32)
+        pos = np.full((width, length), -1, np.int32)
+        tables = np.zeros((width, max_blocks), np.int32)
+        last = np.zeros(width, np.int32)
         for r, (sid, toks, start) in enumerate(rows):
             tok[r, :len(toks)] = toks
             pos[r, :len(toks)] = np.arange(start, start + len(toks))
             last[r] = len(toks) - 1
             table = bm.block_table(sid)
             tables[r, :len(table)] = table
-        logits, pool.primary = step(params, pool.primary, tok, pos, tables, last)
-        return np.asarray(logits)
+        return Rows(tok, pos, tables, last)
+
+    def forward(prefills: list, decodes: list, *, mixed: bool) -> list[np.ndarray]:
+        """One step: a prefill segment (when `mixed`) and a decode segment; their logits."""
+        segments = ((segment(prefills, prefill_rows, chunk),) if mixed else ()) + (
+            segment(decodes, batch, 1),)
+        logits, pool.primary = step(params, pool.primary, segments)
+        return [np.asarray(x) for x in logits]
+
+    forward([], [], mixed=True)  # compiles both kinds of step (all padding: writes nothing)
+    forward([], [], mixed=False)
+    t1 = time.perf_counter()
+    _warm_up_transfers(bm, pool, min(primary_blocks, batch * max_blocks))
+    compile_seconds = time.perf_counter() - t0
+    print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets {compile_seconds - t1 + t0:.1f} s",
+          file=sys.stderr)
+    priorities = list(priorities) if priorities is not None else [35] * len(conversations)
 
     pending = [(c.start_s, i, 0) for i, c in enumerate(conversations)]
     heapq.heapify(pending)
@@ -184,6 +201,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     running: list[_Running] = []
     results: dict[tuple[int, int], TurnResult] = {}
     clock, reserved, steps = 0.0, 0, 0
+    full_flops, full_seconds = 0, 0.0
     t_block = tokens_per_block
     agreed = _agreed_across_processes() if fixed_step_s is None else (lambda seconds: seconds)
     mark = time.perf_counter()  # the clock's wall time so far runs from here
@@ -211,30 +229,37 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             clock = agreed(max(clock + elapsed, pending[0][0]))
             mark = time.perf_counter()
             continue
-        rows = []
-        for r in running:
-            sid = (r.conv, r.turn)
-            if r.next < len(r.prompt):
-                rows.append((sid, r.prompt[r.next:r.next + chunk], r.next))
-            else:  # decode: the last token, appended to the sequence after the last step
-                rows.append((sid, r.out[-1:], bm.num_tokens(sid) - 1))
+        prefilling = [r for r in running if r.next < len(r.prompt)][:prefill_rows]
+        decoding = [r for r in running if r.next >= len(r.prompt)]
+        prefills = [((r.conv, r.turn), r.prompt[r.next:r.next + chunk], r.next)
+                    for r in prefilling]
+        # decode: the last token, appended to the sequence after the last step
+        decodes = [((r.conv, r.turn), r.out[-1:], bm.num_tokens((r.conv, r.turn)) - 1)
+                   for r in decoding]
         bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
-        logits = forward(rows)
+        logits = forward(prefills, decodes, mixed=bool(prefills))
         steps += 1
         # the step's tokens exist from here; what follows counts towards the next step
         elapsed = fixed_step_s if fixed_step_s is not None else time.perf_counter() - mark
+        if len(prefills) == prefill_rows and all(len(toks) == chunk for _, toks, _ in prefills):
+            full_seconds += elapsed
+            full_flops += sum(model.token_flops(p + 1) for _, toks, start in prefills
+                              for p in range(start, start + chunk))
+            full_flops += sum(model.token_flops(p + 1) for _, _, p in decodes)
         clock = agreed(clock + elapsed)
         mark = time.perf_counter()
         finished = []
-        for i, (r, (sid, toks, start)) in enumerate(zip(running, rows)):
-            if r.next < len(r.prompt):
-                r.next = start + len(toks)
-                if r.next < len(r.prompt):
-                    continue
+        for r, (_, toks, start) in zip(prefilling, prefills):
+            r.next = start + len(toks)
+        done_prefill = [(i, r) for i, r in enumerate(prefilling) if r.next >= len(r.prompt)]
+        for i, r in done_prefill + list(enumerate(decoding)):
+            row_logits = logits[0][i] if not r.out else logits[-1][i]
+            if not r.out:
                 r.first_token_s = clock
-            token = int(np.argmax(logits[i]))
+            token = int(np.argmax(row_logits))
             r.out.append(token)
-            r.logits.append(logits[i])
+            r.logits.append(row_logits)
+            sid = (r.conv, r.turn)
             if (len(r.out) == conversations[r.conv].turns[r.turn].output_len
                     or token == stop_token):
                 finished.append(r)
@@ -260,7 +285,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         seconds=clock, compile_seconds=compile_seconds, primary_blocks=primary_blocks,
         secondary_blocks=secondary_blocks,
         exposed_transfer_seconds=(transfer_stats.exposed_seconds
-                                  if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds))
+                                  if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds),
+        full_prefill_flops=full_flops, full_prefill_seconds=full_seconds)
 
 
 def _agreed_across_processes() -> Callable[[float], float]:
