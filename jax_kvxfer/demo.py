@@ -33,10 +33,10 @@ PRESETS = {
     # pool holds all of it.
     "h200": {"vocab": 128256, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8,
              "head_dim": 128, "d_ff": 14336, "rope_theta": 500000.0, "dtype": "bfloat16",
-             "conversations": 48, "turns": 6, "batch": 16, "prefill_rows": 4,
-             "system_tokens": 1024, "user_tokens": 512, "gen_tokens": 32,
-             "tokens_per_block": 16, "chunk": 256, "primary_blocks": 2304,
-             "secondary_blocks": 10240, "arrival_rate": 4.0, "think_s": 1.0,
+             "conversations": 48, "turns": 5, "batch": 16, "prefill_rows": 4,
+             "system_tokens": 1024, "user_tokens": 1024, "gen_tokens": 32,
+             "tokens_per_block": 16, "chunk": 256, "primary_blocks": 3840,
+             "secondary_blocks": 16384, "arrival_rate": 4.0, "think_s": 1.0,
              "low_priority_every": 0},
 }
 # --model smollm2: its own workload sizes (real chat text), unless given on the command line
