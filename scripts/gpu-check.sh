@@ -51,7 +51,7 @@ if has step; then
   grep -E "alone|x 64 KiB" "$OUT/bench-step.log"
 fi
 # The demos share JAX's compilation cache (outside $OUT: it is large), so that only the first
-# pays the model step's compilation (XLA's GPU autotuning: 75-130 s on the H200).
+# pays the model step's compilation. The h200 preset's demo takes about 4 minutes.
 demo_cache=${JAX_COMPILATION_CACHE_DIR:-/tmp/kvxfer-jax-cache}
 if has demo; then
   t=$(date +%s)

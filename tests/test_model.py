@@ -1,0 +1,110 @@
+"""The demo's model against a dense NumPy reference: a step of prefill chunks and decodes over
+paged blocks gives the logits of whole-sequence causal attention, writes each token's K/V
+where the block tables say and nothing else; and its operation count."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jax_kvxfer.model import ModelConfig, Rows, create_pool, forward, init_params, make_step
+
+CONFIG = ModelConfig(vocab_size=97, num_layers=2, d_model=48, num_heads=4, num_kv_heads=2,
+                     head_dim=12, d_ff=80, rope_theta=5000.0)
+T = 4  # tokens per block
+
+
+def _reference_logits(params: dict, tokens: list[int], config: ModelConfig) -> np.ndarray:
+    """Next-token logits after every token of one sequence: dense causal attention in float64."""
+    c = config
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    n, group = len(tokens), c.num_heads // c.num_kv_heads
+
+    def norm(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.norm_eps) * w
+
+    def rope(x):  # x [n, heads, D], rotate-half form
+        half = c.head_dim // 2
+        angle = np.arange(n)[:, None] * c.rope_theta ** (-np.arange(half) / half)
+        cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
+        return np.concatenate([x[..., :half] * cos - x[..., half:] * sin,
+                               x[..., half:] * cos + x[..., :half] * sin], axis=-1)
+
+    x = p["embed"][tokens]
+    causal = np.tril(np.ones((n, n), bool))
+    for layer in range(c.num_layers):
+        h = norm(x, p["attn_norm"][layer])
+        q = rope((h @ p["wq"][layer]).reshape(n, c.num_heads, c.head_dim))
+        k = rope((h @ p["wk"][layer]).reshape(n, c.num_kv_heads, c.head_dim))
+        v = (h @ p["wv"][layer]).reshape(n, c.num_kv_heads, c.head_dim)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(c.head_dim)
+        scores = np.where(causal, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hij,jhd->ihd", probs, v).reshape(n, -1)
+        x = x + attn @ p["wo"][layer]
+        h = norm(x, p["mlp_norm"][layer])
+        gate = h @ p["w1"][layer]
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ p["w3"][layer])) @ p["w2"][layer]
+    return norm(x, p["final_norm"]) @ p["unembed"]
+
+
+def test_prefill_chunks_and_decodes_match_dense_attention():
+    """Two sequences over scattered blocks: one prefills in chunks of 5 while the other decodes
+    token by token, in the same steps; every returned logits row equals the reference's."""
+    rng = np.random.default_rng(7)
+    params = init_params(CONFIG, seed=3)
+    pool = create_pool(CONFIG, tokens_per_block=T, num_primary_blocks=12, num_secondary_blocks=0)
+    step = make_step(CONFIG, pool)
+    long_seq = [int(t) for t in rng.integers(0, CONFIG.vocab_size, 17)]
+    short = [int(t) for t in rng.integers(0, CONFIG.vocab_size, 9)]
+    blocks = rng.permutation(12)
+    tables = np.zeros((2, 6), np.int32)
+    tables[0, :5], tables[1, :3] = blocks[:5], blocks[5:8]  # 17 and 9 tokens at 4 a block
+    chunk, ref_long, ref_short = 5, _reference_logits(params, long_seq, CONFIG), \
+        _reference_logits(params, short, CONFIG)
+
+    # the short sequence's first 4 tokens as a prefill chunk on its own
+    seg = Rows(np.array([short[:4] + [0]], np.int32), np.array([[0, 1, 2, 3, -1]], np.int32),
+               tables[1:2], np.array([3], np.int32))
+    (logits,), pool.primary = step(params, pool.primary, (seg,))
+    np.testing.assert_allclose(logits[0], ref_short[3], rtol=2e-4, atol=2e-4)
+    decoded = 4
+    for start in range(0, len(long_seq), chunk):
+        toks = long_seq[start:start + chunk]
+        prefill = Rows(np.array([toks + [0] * (chunk - len(toks))], np.int32),
+                       np.array([list(range(start, start + len(toks)))
+                                 + [-1] * (chunk - len(toks))], np.int32),
+                       tables[:1], np.array([len(toks) - 1], np.int32))
+        decode = Rows(np.array([[short[decoded]], [0]], np.int32),
+                      np.array([[decoded], [-1]], np.int32), tables[[1, 0]],
+                      np.zeros(2, np.int32))  # its second row is padding
+        (lp, ld), pool.primary = step(params, pool.primary, (prefill, decode))
+        np.testing.assert_allclose(lp[0], ref_long[start + len(toks) - 1], rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(ld[0], ref_short[decoded], rtol=2e-4, atol=2e-4)
+        decoded += 1
+    # K/V only where the tables say: the blocks no sequence holds are still zero
+    unused = np.asarray(pool.primary)[blocks[8:]]
+    assert not unused.any()
+
+
+def test_padding_writes_nothing():
+    params = init_params(CONFIG, seed=1)
+    pool = create_pool(CONFIG, tokens_per_block=T, num_primary_blocks=3, num_secondary_blocks=0)
+    before = np.random.default_rng(0).standard_normal(pool.primary.shape).astype(np.float32)
+    pool.primary = jax.device_put(before, pool.primary.sharding)
+    seg = Rows(np.full((2, 3), 5, np.int32), np.full((2, 3), -1, np.int32),
+               np.array([[0, 1], [2, 0]], np.int32), np.zeros(2, np.int32))
+    _, new = forward(params, pool.primary, (seg,), config=CONFIG)
+    np.testing.assert_array_equal(np.asarray(new), before)
+
+
+@pytest.mark.parametrize("context", [1, 100])
+def test_token_flops_counts_the_weights_and_attention(context):
+    c = CONFIG
+    weights = (c.num_params - 2 * c.vocab_size * c.d_model - c.d_model
+               - c.num_layers * 2 * c.d_model)  # less the embeddings and the norms
+    attention = 4 * c.num_layers * c.num_heads * c.head_dim * context
+    assert c.token_flops(context) == 2 * weights + attention
