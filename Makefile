@@ -8,8 +8,9 @@ STAMP  := $(VENV)/.installed-stamp
 
 setup: $(STAMP)
 
-# Rebuilt when the build or the native sources change; Python sources are installed editable.
-$(STAMP): pyproject.toml CMakeLists.txt $(wildcard ffi/*)
+# Rebuilt when the build or the native sources change, or when a package folder gains or loses
+# a module (the editable install maps each module's path); Python sources are installed editable.
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard ffi/*) $(wildcard jax_kvxfer/ jax_kvxfer/*/)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "jax>=0.10,<0.13" "scikit-build-core>=0.10" "nanobind>=2.0" ninja cmake

@@ -9,8 +9,8 @@
 """
 
 from ._native import HAS_CUDA_HANDLERS
-from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 from .both_ways import copy_blocks_both_ways
+from .cache import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import (
     DMA_AUTO_MIN_BLOCK_BYTES,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_kvxfer as kvx
-from jax_kvxfer.block_manager import BlockManager, PoolExhaustedError
+from jax_kvxfer.cache import BlockManager, PoolExhaustedError
 
 T = 4  # tokens per block
 

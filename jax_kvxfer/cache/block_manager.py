@@ -11,6 +11,8 @@ import math
 import time
 from collections.abc import Hashable, Sequence
 
+from ..manager import KVCacheTransferManager
+from ..pool import KVCacheBlockPool
 from .block_cache import (
     DEFAULT_PRIORITY,
     DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
@@ -27,8 +29,6 @@ from .block_cache import (
     check_token_ids,
     checked_pools,
 )
-from .manager import KVCacheTransferManager
-from .pool import KVCacheBlockPool
 
 
 @dataclasses.dataclass(eq=False)

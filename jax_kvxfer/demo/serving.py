@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError
-from .manager import KVCacheTransferManager, TransferStats
+from ..cache import BlockManager, BlockManagerStats, PoolExhaustedError
+from ..manager import KVCacheTransferManager, TransferStats
+from ..pool import KVCacheBlock
 from .model import ModelConfig, Rows, create_pool, make_step
-from .pool import KVCacheBlock
 from .workloads import Conversation
 
 LOW_PRIORITY = 20  # below the default secondary_offload_min_priority (30): dropped, not offloaded

@@ -16,8 +16,8 @@ import json
 import sys
 import time
 
+from ..cache import PoolExhaustedError
 from . import serving, workloads
-from .block_manager import PoolExhaustedError
 from .model import ModelConfig
 
 PRESETS = {

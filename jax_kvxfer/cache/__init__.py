@@ -1,0 +1,6 @@
+"""The cache policy over the core's pools and transfer manager: a prefix index of chained block
+hashes, least-recently-used eviction by priority, offload on eviction and onboard on a hit."""
+
+from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
+
+__all__ = ["BlockManager", "BlockManagerStats", "PoolExhaustedError", "PrefixMatch"]
