@@ -21,32 +21,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ops import (
-    HOST_COPY_CTAS,
+from ._checks import (
     POOL_RANK,
     IndexFacts,
     IndexLike,
     TokensLike,
-    _as_index_array,
-    _check_in_range,
-    _check_platform,
-    _check_pool,
-    _check_same_blocks,
-    _check_split,
-    _concrete,
-    _is_split,
-    _is_tracer,
-    _may_be_partial,
-    _normalize_tokens,
-    _put_in_pinned_host,
-    _touches_host,
-    block_copy_call,
+    as_index_array,
     check_byte_rows,
     check_dma,
+    check_in_range,
     check_launch_options,
-    copy_results,
+    check_platform,
+    check_pool,
+    check_same_blocks,
+    check_split,
+    concrete,
     index_facts,
+    is_split,
+    is_tracer,
+    may_copy_partial,
+    normalize_tokens,
+    touches_host,
 )
+from ._lowering import HOST_COPY_CTAS, block_copy_call, copy_results, put_in_pinned_host
 
 FORK_TARGET = "jax_kvxfer_block_copy_fork"
 JOIN_TARGET = "jax_kvxfer_block_copy_join"
@@ -170,7 +167,7 @@ def _eager_fn(shardings: tuple[Any, Any], facts: tuple[IndexFacts, IndexFacts],
               whole: tuple[bool, bool]):
     def fn(a, b, *idx):
         return both_ways_call(a, b, idx[:3], idx[3:], facts, plan, max_ctas, dma, whole)
-    if _is_split(shardings[0]):
+    if is_split(shardings[0]):
         spec, replicated = shardings[0].spec, jax.sharding.PartitionSpec()
         fn = jax.shard_map(fn, mesh=shardings[0].mesh,
                            in_specs=(spec, spec) + (replicated,) * 6, out_specs=(spec, spec))
@@ -224,9 +221,9 @@ def copy_blocks_both_ways(
       As `copy_blocks`, naming the argument; ValueError when `pool_a` is `pool_b`, or with
       `disjoint=True` when known indices clash.
     """
-    _check_pool("pool_a", pool_a, POOL_RANK)
-    _check_pool("pool_b", pool_b, POOL_RANK)
-    _check_same_blocks(pool_a, pool_b, "pool_a", "pool_b", lead=1)
+    check_pool("pool_a", pool_a, POOL_RANK)
+    check_pool("pool_b", pool_b, POOL_RANK)
+    check_same_blocks(pool_a, pool_b, "pool_a", "pool_b", lead=1)
     if pool_a is pool_b:
         raise ValueError("pool_a and pool_b must be two different arrays; to copy within one "
                          "pool use copy_blocks(pool, pool, ...)")
@@ -238,26 +235,26 @@ def copy_blocks_both_ways(
     for src_name, dst_name, src, dst, tokens_name, tokens in (
             ("a_to_b_src", "a_to_b_dst", a_to_b_src, a_to_b_dst, "a_to_b_tokens", a_to_b_tokens),
             ("b_to_a_src", "b_to_a_dst", b_to_a_src, b_to_a_dst, "b_to_a_tokens", b_to_a_tokens)):
-        si, di = _as_index_array(src_name, src), _as_index_array(dst_name, dst)
+        si, di = as_index_array(src_name, src), as_index_array(dst_name, dst)
         if si.shape[0] != di.shape[0]:
             raise ValueError(f"{src_name} has length {si.shape[0]} but {dst_name} has length "
                              f"{di.shape[0]}")
         try:
-            nt = _normalize_tokens(tokens, si.shape[0])
+            nt = normalize_tokens(tokens, si.shape[0])
         except (TypeError, ValueError) as e:
             raise type(e)(str(e).replace("num_tokens", tokens_name)) from None
         idx.append((si, di, nt))
     (ab_si, ab_di, ab_nt), (ba_si, ba_di, ba_nt) = idx
-    may_be_partial = (_may_be_partial(ab_nt, pool_a.shape[4]),
-                      _may_be_partial(ba_nt, pool_a.shape[4]))
+    may_be_partial = (may_copy_partial(ab_nt, pool_a.shape[4]),
+                      may_copy_partial(ba_nt, pool_a.shape[4]))
     check_byte_rows(pool_a.shape[1:], pool_a.dtype, any(may_be_partial))
-    known = [_concrete(x) for x in (ab_si, ab_di, ba_si, ba_di)]
-    _check_in_range("a_to_b_src", known[0], pool_a.shape[0], "pool_a")
-    _check_in_range("a_to_b_dst", known[1], pool_b.shape[0], "pool_b")
-    _check_in_range("b_to_a_src", known[2], pool_b.shape[0], "pool_b")
-    _check_in_range("b_to_a_dst", known[3], pool_a.shape[0], "pool_a")
-    _check_platform(pool_a, pool_b)
-    _check_split(pool_a, pool_b, "pool_a", "pool_b")
+    known = [concrete(x) for x in (ab_si, ab_di, ba_si, ba_di)]
+    check_in_range("a_to_b_src", known[0], pool_a.shape[0], "pool_a")
+    check_in_range("a_to_b_dst", known[1], pool_b.shape[0], "pool_b")
+    check_in_range("b_to_a_src", known[2], pool_b.shape[0], "pool_b")
+    check_in_range("b_to_a_dst", known[3], pool_a.shape[0], "pool_a")
+    check_platform(pool_a, pool_b)
+    check_split(pool_a, pool_b, "pool_a", "pool_b")
     facts = (index_facts(known[0], known[1], pool_a.shape[0], pool_b.shape[0]),
              index_facts(known[2], known[3], pool_b.shape[0], pool_a.shape[0]))
     plan = both_ways_plan(*known, pool_a.shape[0], pool_b.shape[0])
@@ -266,17 +263,17 @@ def copy_blocks_both_ways(
             raise ValueError("disjoint=True, but a block is written by one direction and read "
                              f"by the other (the copy would need plan {plan.mode!r})")
         plan = BothWaysPlan("together")
-    if max_ctas is None and _touches_host(pool_a, pool_b):
+    if max_ctas is None and touches_host(pool_a, pool_b):
         max_ctas = HOST_COPY_CTAS
     max_ctas = None if max_ctas is None else int(max_ctas)
     args = (ab_si, ab_di, ab_nt, ba_si, ba_di, ba_nt)
-    traced = any(_is_tracer(x) for x in (pool_a, pool_b, *args))
+    traced = any(is_tracer(x) for x in (pool_a, pool_b, *args))
     whole = (not may_be_partial[0], not may_be_partial[1])
     if dma:
         if not traced:
-            if _is_split(pool_a.sharding):
+            if is_split(pool_a.sharding):
                 raise ValueError("dma=True does not take pools split over several devices")
-            args = _put_in_pinned_host(args, pool_a)
+            args = put_in_pinned_host(args, pool_a)
         names = ("a_to_b_src", "a_to_b_dst", "num_tokens", "b_to_a_src", "b_to_a_dst",
                  "num_tokens")
         for k, (dst, src) in enumerate(((pool_b, pool_a), (pool_a, pool_b))):

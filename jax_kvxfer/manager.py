@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._checks import IndexFacts, check_byte_rows, check_dma_choice, index_facts
+from ._lowering import HOST_COPY_CTAS, block_copy_call
 from .batch import PairBatch, check_batch, check_index_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
 from .lanes import (
@@ -33,14 +35,6 @@ from .lanes import (
     lanes_idle,
     take_exposed_seconds,
     wait_lanes,
-)
-from .ops import (
-    HOST_COPY_CTAS,
-    IndexFacts,
-    block_copy_call,
-    check_byte_rows,
-    check_dma_choice,
-    index_facts,
 )
 from .plan_ring import PlanRing, PlanSlot
 from .pool import KVCacheBlock, KVCacheBlockPool

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import check_byte_rows, check_memory_space, dtype_bits
 from .lanes import wait_lanes
 from .limits import check_fits
-from .ops import check_byte_rows, check_memory_space, dtype_bits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from conftest import (
 
 import jax_kvxfer as kvx
 from jax_kvxfer import _native
+from jax_kvxfer._checks import UNKNOWN
 from jax_kvxfer.both_ways import FORK_TARGET, BothWaysPlan, both_ways_call, both_ways_plan
-from jax_kvxfer.ops import UNKNOWN
 
 SHAPE = (16, 2, 2, 2, 8, 16)  # [blocks, layers, kv, heads, tokens, size_per_head]
 T = SHAPE[4]

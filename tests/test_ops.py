@@ -804,7 +804,7 @@ def test_scan_workspace_has_entries_per_block_only_for_a_device_destination(trac
     where the destination is in device memory (the GPU's claims); none per block for a
     pinned_host destination, whose workspace XLA puts in pinned host memory too, where the
     handler scans without them (and pinned memory is not spent per block of a host pool)."""
-    from jax_kvxfer.ops import copy_results
+    from jax_kvxfer._lowering import copy_results
     rng = np.random.default_rng(5)
     blocks, batch = int(rng.integers(8, 64)), int(rng.integers(1, 32))
     sizes = {}

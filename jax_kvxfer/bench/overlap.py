@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..ops import copy_blocks, on_stream
+from .._lowering import on_stream
+from ..ops import copy_blocks
 from .config import DTYPE, MiB, fmt_size, geometry_for
 from .helpers import _block, _clamp, _dma_batches, _err_text, _median
 
