@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _native
+from ._jax_seams import memory_space
 
 IndexLike = jax.Array | np.ndarray | Sequence[int]
 TokensLike = None | int | jax.Array | np.ndarray | Sequence[int]
@@ -72,7 +73,7 @@ def check_memory_space(name: str, array: jax.Array) -> None:
     device memory; passing one to another jitted function aborts the process inside XLA.
     """
     on_host = array.sharding.memory_kind == "pinned_host"
-    space = getattr(jax.typeof(array), "memory_space", None)
+    space = memory_space(array)
     if space is not None and on_host != (getattr(space, "name", "") == "Host"):
         raise ValueError(
             f"{name} is in pinned_host memory but its JAX type says {space}: this JAX version "
@@ -212,11 +213,6 @@ def index_facts(src: np.ndarray | None, dst: np.ndarray | None, src_blocks: int,
     # A read is safe when no pair writes that block, or only the reading pair itself does.
     hazard_free = all(writers[a] == 0 or (writers[a] == 1 and a == b) for a, b in pairs)
     return IndexFacts(bool(hazard_free), bool(unique_dst))
-
-
-def memory_space(x: Any) -> Any:
-    """x's memory space (jax.memory.Space) where JAX tells it, else None (NumPy, older JAX)."""
-    return getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array) else None
 
 
 def touches_host(*pools: Any) -> bool:

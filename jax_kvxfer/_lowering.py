@@ -4,7 +4,6 @@ policy of `dma="auto"`, the stream annotation, and the jitted functions of eager
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import threading
 from typing import Any
@@ -14,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _native
-from ._checks import IndexFacts, dtype_bits, is_split, memory_space
+from ._checks import IndexFacts, dtype_bits, is_split
+from ._jax_seams import function_form_compute_on, memory_space
 
 # CTAs (of 1024 threads) that a copy to or from pinned_host memory on a stream of its own uses
 # by default: on an H200, 8 fill PCIe in either direction for whole blocks, and the other SMs
@@ -111,12 +111,7 @@ def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
     where its result is used. `out_space`: the memory space of fn's result. Ignored on CPU.
     Copies traced inside take targets that XLA never records into a CUDA graph (a graph would
     replay them on the compute stream)."""
-    from jax.experimental import compute_on as mod
-
-    # jax 0.10 calls the function form compute_on2; jax 0.11 renamed it compute_on.
-    annotate = getattr(mod, "compute_on2", None)
-    if annotate is None and "out_memory_spaces" in inspect.signature(mod.compute_on).parameters:
-        annotate = mod.compute_on
+    annotate = function_form_compute_on()
     if annotate is None:
         raise NotImplementedError(f"stream=: jax {jax.__version__} has no function-form "
                                   "jax.experimental.compute_on")

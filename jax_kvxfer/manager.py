@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from ._checks import IndexFacts, check_byte_rows, check_dma_choice, index_facts
+from ._jax_seams import pinned_by_external_reference
 from ._lowering import HOST_COPY_CTAS, block_copy_call
 from .batch import PairBatch, check_batch, check_index_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
@@ -530,13 +531,14 @@ class KVCacheTransferManager:
         try:
             new_gpus, new_hosts, tokens = _both_ways(*args, _tokens(slots), **kw)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
-            if "external reference" not in str(e):
+            if not pinned_by_external_reference(e):
                 raise
             _warn_not_in_place("primary and secondary", stacklevel=4)
             new_gpus, new_hosts, tokens = _both_ways_undonated(*args, _tokens(slots, True), **kw)
         _dispatched(slots, tokens)
         for pool, g, h in zip(self._pools, new_gpus, new_hosts):
-            pool._primary, pool._secondary = g, h
+            pool.take_copy_result(True, g)
+            pool.take_copy_result(False, h)
 
     def _dispatch(self, run: PairBatch) -> None:
         """One jitted copy per pool for a run of one direction."""
@@ -565,8 +567,8 @@ class KVCacheTransferManager:
         copying the pool, with a warning; the results become the pools' arrays."""
         try:
             results, (token,) = donated(*args, _tokens((slot,)), **static)
-        except (jax.errors.JaxRuntimeError, ValueError) as e:  # as raised by jax 0.10 / 0.11
-            if "external reference" not in str(e):
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            if not pinned_by_external_reference(e):
                 raise
             # from the user: offload_blocks -> _transfer -> _issue -> _dispatch(_on_lane) ->
             # _run_copy -> here
@@ -574,10 +576,7 @@ class KVCacheTransferManager:
             results, (token,) = undonated(*args, _tokens((slot,), True), **static)
         _dispatched((slot,), (token,))
         for pool, result in zip(self._pools, results):
-            if dst_primary:
-                pool._primary = result
-            else:
-                pool._secondary = result
+            pool.take_copy_result(dst_primary, result)
 
     def _dispatch_on_lane(self, run: PairBatch) -> None:
         """One jitted lane copy per pool for a run with a primary side (lanes.py)."""
@@ -637,14 +636,14 @@ class KVCacheTransferManager:
         try:
             joined = _join(arrays, lanes=lanes)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
-            if "external reference" not in str(e):
+            if not pinned_by_external_reference(e):
                 raise
             joined = _join_undonated(arrays, lanes=lanes)  # copies a pool a NumPy view pins
         it = iter(joined)
         for pool in self._pools:
-            pool._primary = next(it)
-            if everything and pool._secondary is not None:
-                pool._secondary = next(it)
+            pool.take_copy_result(True, next(it))
+            if everything and pool.secondary is not None:
+                pool.take_copy_result(False, next(it))
         self._onboards_done()
         if everything or not self._offloads_pending or lanes_idle():
             self._offloads_done()

@@ -32,10 +32,10 @@ from ._checks import (
     is_split,
     is_tracer,
     may_copy_partial,
-    memory_space,
     normalize_tokens,
     touches_host,
 )
+from ._jax_seams import memory_space
 from ._lowering import (
     HOST_COPY_CTAS,
     auto_dma,

@@ -17,13 +17,13 @@ the returned array, like every output of an execution, is ready only when the ex
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._jax_seams import host_int32_views
 from .pool import local_zeros
 
 
@@ -35,10 +35,7 @@ class PlanSlot:
     def __init__(self, arrays: tuple[jax.Array, jax.Array, jax.Array],
                  token_sharding: jax.sharding.Sharding) -> None:
         self.arrays = jax.block_until_ready(arrays)  # their fill must land before we write
-        self._views = [
-            [np.ctypeslib.as_array((ctypes.c_int32 * a.size).from_address(
-                shard.data.unsafe_buffer_pointer())) for shard in a.addressable_shards]
-            for a in arrays]
+        self._views = [host_int32_views(a) for a in arrays]
         self._token_sharding = token_sharding
         # What the next dispatch that reads the slot donates; it hands back the new token.
         self.token = self._new_token()

@@ -304,6 +304,16 @@ class KVCacheBlockPool:
                 "function that returns it (updated in place), or call sync_transfers() first")
         return value
 
+    def take_copy_result(self, is_primary: bool, array: jax.Array) -> None:
+        """Called by the manager with what its copy of this pool's primary or secondary array
+        returned (the same buffers, updated in place, or a copy of the pool): made by the
+        library from the current array, so it needs none of the assignment's checks, which
+        cost a few microseconds a dispatch."""
+        if is_primary:
+            self._primary = array
+        else:
+            self._secondary = array
+
     def hold_for_lanes(self, names: tuple[str, ...]) -> None:
         """Called by the manager as it enqueues lane copies that use these arrays ("primary",
         "secondary") on a GPU: until `release_lanes`, only an array in the same buffers may be

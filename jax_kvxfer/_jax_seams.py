@@ -1,0 +1,63 @@
+"""What this library relies on in JAX beyond its documented behaviour, each in one place.
+
+Each seam has a canary test (tests/test_jax_seams.py) that fails loudly when a JAX version
+changes it, and says what the plain path is where there is one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def host_int32_views(array: jax.Array) -> list[np.ndarray]:
+    """Writable NumPy views of the host buffers of an int32 `pinned_host` array, one per
+    addressable shard.
+
+    Relies on: `unsafe_buffer_pointer()` of a host array's shard is the memory that the next
+    computation reading the array reads, so values written there are what it sees. The
+    manager writes each dispatch's plan (its block indices) this way, instead of a
+    `device_put` of three small arrays per dispatch. The plain path is that `device_put`.
+    """
+    return [np.ctypeslib.as_array((ctypes.c_int32 * array.size).from_address(
+        shard.data.unsafe_buffer_pointer())) for shard in array.addressable_shards]
+
+
+def pinned_by_external_reference(error: Exception) -> bool:
+    """Whether a dispatch failed because a buffer it donates is pinned by an external
+    reference (a NumPy view from `np.asarray` of a GPU array).
+
+    Relies on: JAX raises `JaxRuntimeError` (0.11) or `ValueError` (0.10) whose text says
+    "external reference". The caller's plain path is the same computation without donation
+    (a copy of the pool), with a `DonationWarning`.
+    """
+    return (isinstance(error, (jax.errors.JaxRuntimeError, ValueError))
+            and "external reference" in str(error))
+
+
+def memory_space(x: Any) -> Any:
+    """x's memory space (`jax.memory.Space`) where JAX's type says it, else None (NumPy,
+    older JAX): inside `jax.jit` this is the only way to tell a pinned_host operand.
+
+    Relies on: `jax.typeof(x).memory_space`, an attribute of JAX's abstract arrays.
+    """
+    return getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array) else None
+
+
+def function_form_compute_on() -> Any:
+    """JAX's function form of the stream annotation: `annotate(fn, compute_type=...,
+    out_memory_spaces=...)`, or None where this JAX has none.
+
+    Relies on: `jax.experimental.compute_on` (jax 0.10 calls the function form `compute_on2`;
+    0.11 renamed it `compute_on`). Without it, `stream=` raises NotImplementedError.
+    """
+    from jax.experimental import compute_on as mod
+
+    annotate = getattr(mod, "compute_on2", None)
+    if annotate is None and "out_memory_spaces" in inspect.signature(mod.compute_on).parameters:
+        annotate = mod.compute_on
+    return annotate

@@ -1,0 +1,64 @@
+"""Canaries for what the library relies on in JAX beyond its documented behaviour
+(`jax_kvxfer/_jax_seams.py`): each fails loudly when a JAX version changes it."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import numpy as np
+import pytest
+from conftest import requires_gpu
+
+import jax_kvxfer as kvx
+from jax_kvxfer import _jax_seams as seams
+
+
+def _sharding(memory_kind: str) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+
+
+def test_a_host_buffer_view_writes_what_the_next_computation_reads():
+    rng = np.random.default_rng(0)
+    array = jax.block_until_ready(jax.device_put(np.zeros(64, np.int32), _sharding("pinned_host")))
+    values = rng.integers(-2**31, 2**31 - 1, 64, dtype=np.int64).astype(np.int32)
+    (view,) = seams.host_int32_views(array)
+    view[:] = values
+    moved = jax.device_put(array, _sharding("device"))  # a computation that reads the buffer
+    np.testing.assert_array_equal(np.asarray(moved), values)
+
+
+@pytest.mark.parametrize("kind, space", [("device", "Device"), ("pinned_host", "Host")])
+def test_the_memory_space_is_in_the_type_inside_and_outside_jit(kind, space):
+    array = jax.device_put(np.arange(4.0, dtype=np.float32), _sharding(kind))
+    assert seams.memory_space(array) == getattr(jax.memory.Space, space)
+    seen = []
+    jax.jit(lambda a: seen.append(seams.memory_space(a)) or a)(array)
+    assert seen == [getattr(jax.memory.Space, space)]
+    assert seams.memory_space(np.zeros(2)) is None
+
+
+def test_the_stream_annotation_has_a_function_form():
+    annotate = seams.function_form_compute_on()
+    assert callable(annotate)
+    assert {"compute_type", "out_memory_spaces"} <= set(inspect.signature(annotate).parameters)
+
+
+@requires_gpu
+def test_donating_a_buffer_that_numpy_views_fails_with_the_text_we_match():
+    rng = np.random.default_rng(1)
+    pool = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=8,
+                                       tokens_per_block=4, dtype="float32", num_primary_blocks=2,
+                                       num_secondary_blocks=2)
+    pool.primary = jax.device_put(rng.standard_normal(pool.primary.shape, np.float32),
+                                  pool.primary.sharding)
+    view = np.asarray(pool.secondary)  # on a GPU, a view of the pinned host buffer
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError)) as caught:
+        kvx.copy_blocks(pool.secondary, pool.primary, [0], [1], donate=True, dma=False)
+    assert seams.pinned_by_external_reference(caught.value), str(caught.value)
+    del view
+
+
+def test_other_errors_are_not_taken_for_a_pinned_buffer():
+    assert not seams.pinned_by_external_reference(ValueError("shapes do not match"))
+    assert not seams.pinned_by_external_reference(KeyError("external reference"))
