@@ -8,9 +8,13 @@ the destination's sharding (and so its memory kind).
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import jax
 import numpy as np
 
+from . import _layouts as layouts
 from ._checks import (
     BLOCK_RANK,
     POOL_RANK,
@@ -53,6 +57,8 @@ def copy_blocks(
     dst_indices: IndexLike,
     num_tokens: TokensLike = None,
     *,
+    token_axis: int | None = None,
+    block_axis: int = 0,
     donate: bool = False,
     max_ctas: int | None = None,
     stream: int | None = None,
@@ -79,6 +85,14 @@ def copy_blocks(
       num_tokens: None (whole blocks), an int for every pair, or an integer vector of length B.
         Per pair, n copies `block[:, :, :, :n, :]`; n <= 0 or n >= tokens_per_block copies the
         whole block.
+      token_axis, block_axis: pools in an engine's own layout: any rank, blocks along
+        `block_axis` (0; 1 for K/V first, `[2, num_blocks, ...]`), and n tokens of a partial
+        copy taken along `token_axis`, which must come after it (NHD `[nb, T, H, D]`: 1; HND
+        `[nb, H, T, D]`: 2; K/V first `[2, nb, T, H, D]`: block_axis 1, token_axis 2; MLA
+        `[nb, T, D]`: 1). Both pools then have the same shape except along `block_axis`, and
+        live on one device each. None: today's 6-D layout (token axis 4). The copy is the same
+        custom call over a view of the pools (a reshape, free inside `jax.jit`); outside jit,
+        it takes the copy kernel unless `dma=True`.
       donate: outside jit only: consume `dst_pool` and update it in place. Without it the call
         is functional, and XLA first copies the whole destination pool. (Inside `jax.jit`,
         donate through `donate_argnums` instead.)
@@ -128,6 +142,11 @@ def copy_blocks(
         unique_dst_indices=True, known destination indices that repeat.
       IndexError: known (non-traced) indices >= the pool's number of blocks.
     """
+    if token_axis is not None or not (isinstance(block_axis, int) and block_axis == 0):
+        return _copy_in_layout(dst_pool, src_pool, src_indices, dst_indices, num_tokens,
+                               token_axis=token_axis, block_axis=block_axis, donate=donate,
+                               max_ctas=max_ctas, stream=stream, dma=dma,
+                               unique_dst_indices=unique_dst_indices)
     check_pool("dst_pool", dst_pool, POOL_RANK)
     check_pool("src_pool", src_pool, POOL_RANK)
     check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
@@ -189,7 +208,82 @@ def copy_blocks(
     return fn(dst_pool, src_pool, si, di, tokens)
 
 
-def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Array) -> jax.Array:
+def _copy_in_layout(dst_pool: jax.Array, src_pool: jax.Array, src_indices: IndexLike,
+                    dst_indices: IndexLike, num_tokens: TokensLike, *, token_axis: int | None,
+                    block_axis: int, donate: bool, max_ctas: int | None, stream: int | None,
+                    dma: bool | str, unique_dst_indices: bool) -> jax.Array:
+    """`copy_blocks` of pools in their own layout: the same copy over their 6-D views."""
+    for name, pool in (("dst_pool", dst_pool), ("src_pool", src_pool)):
+        if not isinstance(pool, jax.Array):
+            raise TypeError(f"{name} must be a jax.Array, got {type(pool).__name__}")
+    if token_axis is None:
+        raise TypeError("block_axis needs token_axis: the axis a partial copy's tokens run along")
+    check_dma_choice(dma)
+    check_launch_options(max_ctas, stream)
+    dst_lay = layouts.layout("dst_pool", dst_pool, token_axis, block_axis)
+    src_lay = layouts.layout("src_pool", src_pool, token_axis, block_axis)
+    b = dst_lay.block_axis
+    if dst_pool.dtype != src_pool.dtype:
+        raise TypeError(f"src_pool has dtype {src_pool.dtype}, expected dst_pool's "
+                        f"{dst_pool.dtype}")
+    if len(src_lay.shape) != len(dst_lay.shape) or any(
+            x != y for k, (x, y) in enumerate(zip(src_lay.shape, dst_lay.shape)) if k != b):
+        raise ValueError(f"src_pool has shape {src_lay.shape}, expected dst_pool's "
+                         f"{dst_lay.shape} except along block_axis {b}")
+    for name, pool in (("dst_pool", dst_pool), ("src_pool", src_pool)):
+        if not is_tracer(pool) and is_split(pool.sharding):
+            raise ValueError(f"{name} is split over devices: token_axis and block_axis take "
+                             "pools on one device (split pools take the 6-D layout)")
+    si = as_index_array("src_indices", src_indices)
+    di = as_index_array("dst_indices", dst_indices)
+    if si.shape[0] != di.shape[0]:
+        raise ValueError(
+            f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}")
+    tokens = normalize_tokens(num_tokens, si.shape[0])
+    check_in_range("src_indices", concrete(si), src_lay.num_blocks, "src_pool")
+    check_in_range("dst_indices", concrete(di), dst_lay.num_blocks, "dst_pool")
+    si, tokens = layouts.expand_pairs(si, src_lay), layouts.expand_tokens(tokens, dst_lay)
+    di = layouts.expand_pairs(di, dst_lay)
+    within = src_pool is dst_pool
+    static = {"lays": (dst_lay, src_lay), "within": within, "options": (
+        ("max_ctas", max_ctas), ("stream", stream), ("unique_dst_indices", unique_dst_indices))}
+    if any(is_tracer(x) for x in (dst_pool, src_pool, si, di, tokens)):
+        return _copy_views(dst_pool, src_pool, si, di, tokens, dma=dma, **static)
+    if unique_dst_indices and not index_facts(si, di, src_lay.view[0], dst_lay.view[0]).unique_dst:
+        raise ValueError("unique_dst_indices=True, but dst_indices writes one block in two pairs "
+                         "(negative padding may repeat)")
+    dma = bool(dma is True or dma is np.True_)  # outside jit: the kernel unless asked otherwise
+    if dma:
+        si, di, tokens = put_in_pinned_host((si, di, tokens), dst_pool)
+    if donate and within:
+        raise ValueError("donate=True needs src_pool to be another array than dst_pool")
+    fn = _eager_layout_fn(dst_pool.sharding, bool(donate), dma, **static)
+    return fn(dst_pool, src_pool, si, di, tokens)
+
+
+def _copy_views(dst, src, src_idx, dst_idx, tokens, *, lays: tuple, within: bool, dma: Any,
+                options: tuple) -> jax.Array:
+    """The copy over the pools' 6-D views, reshaped back to the destination's layout."""
+    dst_lay, src_lay = lays
+    view = dst.reshape(dst_lay.view)
+    src_view = view if within else src.reshape(src_lay.view)
+    return copy_blocks(view, src_view, src_idx, dst_idx, tokens, dma=dma,
+                       **dict(options)).reshape(dst.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _eager_layout_fn(sharding: jax.sharding.Sharding, donate: bool, dma: bool, *, lays: tuple,
+                     within: bool, options: tuple) -> Any:
+    """A jitted copy in a layout, for calls outside jit: the views and the copy in one program,
+    so that a donated pool is updated in place."""
+    copy = functools.partial(_copy_views, dma=dma, lays=lays, within=within, options=options)
+    if within:  # one array passed twice: the copy reads and writes the first
+        return jax.jit(lambda dst, _, *rest: copy(dst, dst, *rest), out_shardings=sharding)
+    return jax.jit(copy, out_shardings=sharding, donate_argnums=(0,) if donate else ())
+
+
+def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Array, *,
+                       token_axis: int | None = None) -> jax.Array:
     """Returns `dst` with its first `num_tokens` tokens, `[:, :, :, :n, :]`, taken from `src`.
 
     TensorRT-LLM: `kvCacheBlockPartialCopy` (one block, one pool).
@@ -199,6 +293,8 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
         size_per_head]`, same shape and dtype, in `device` or `pinned_host` memory.
       num_tokens: a Python int or an integer scalar (traced values do not recompile).
         n <= 0 or n >= tokens_per_block copies the whole block.
+      token_axis: a block in an engine's own layout (any rank): the axis its tokens run along
+        (NHD `[T, H, D]`: 0; HND `[H, T, D]`: 1). None: the 5-D block above (token axis 3).
 
     Returns:
       The new `dst` block.
@@ -206,15 +302,19 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
     Raises:
       TypeError, ValueError: as for `copy_blocks`.
     """
+    if token_axis is not None:
+        for name, block in (("dst", dst), ("src", src)):
+            if not isinstance(block, jax.Array):
+                raise TypeError(f"{name} must be a jax.Array, got {type(block).__name__}")
+        if dst.shape != src.shape:
+            raise ValueError(f"src has shape {tuple(src.shape)}, expected dst's {tuple(dst.shape)}")
+        axis = layouts.axis("token_axis", token_axis, dst.ndim)
+        return copy_blocks(dst[None], src[None], [0], [0], _one_count(num_tokens),
+                           token_axis=axis + 1)[0]
     check_pool("dst", dst, BLOCK_RANK)
     check_pool("src", src, BLOCK_RANK)
     check_same_blocks(dst, src, "dst", "src", lead=0)
-    if isinstance(num_tokens, (bool, np.bool_)) or not (
-        isinstance(num_tokens, (int, np.integer))
-        or (isinstance(num_tokens, (jax.Array, np.ndarray)) and num_tokens.ndim == 0)
-    ):
-        raise TypeError(f"num_tokens must be an int or an integer scalar array, got {num_tokens!r}")
-    tokens = normalize_tokens(num_tokens, 1)
+    tokens = normalize_tokens(_one_count(num_tokens), 1)
     check_byte_rows(dst.shape, dst.dtype, may_copy_partial(tokens, dst.shape[3]))
     check_platform(dst, src)
     check_split(dst, src, "dst", "src")
@@ -223,3 +323,13 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
     if any(is_tracer(a) for a in (dst, src, tokens)):
         return block_copy_call(dst[None], src[None], zero, zero, tokens, one_pair)[0]
     return eager_fn("block", dst.sharding, one_pair)(dst, src, zero, zero, tokens)
+
+
+def _one_count(num_tokens: Any) -> Any:
+    """partial_block_copy's num_tokens: an int or an integer scalar array."""
+    if isinstance(num_tokens, (bool, np.bool_)) or not (
+        isinstance(num_tokens, (int, np.integer))
+        or (isinstance(num_tokens, (jax.Array, np.ndarray)) and num_tokens.ndim == 0)
+    ):
+        raise TypeError(f"num_tokens must be an int or an integer scalar array, got {num_tokens!r}")
+    return num_tokens

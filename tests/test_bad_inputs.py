@@ -298,6 +298,17 @@ CASES: list[Case] = [
          ValueError, "dst must be a 5-D block [num_layers, kv_factor, num_kv_heads, "
          "tokens_per_block, size_per_head], got shape (6, 1, 2, 2, 4, 4)",
          lambda c, mp: lambda: kvx.partial_block_copy(c.dst, c.dst, 2)),
+    Case("ops-token-axis-range", "copy_blocks", "token_axis past the pool's last axis",
+         ValueError, "token_axis=6 is out of range for an array of 6 dimensions",
+         lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], token_axis=6)),
+    Case("ops-token-axis-order", "copy_blocks", "token_axis before block_axis", ValueError,
+         "token_axis (1) must come after block_axis (2) in dst_pool of shape "
+         f"({NUM_PRIMARY}, 1, 2, 2, 4, 4)",
+         lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], token_axis=1,
+                                               block_axis=2)),
+    Case("ops-block-axis-alone", "copy_blocks", "block_axis without token_axis", TypeError,
+         "block_axis needs token_axis: the axis a partial copy's tokens run along",
+         lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], block_axis=1)),
     Case("ops-not-an-array", "copy_blocks", "a NumPy array as dst_pool", TypeError,
          "dst_pool must be a jax.Array, got ndarray",
          lambda c, mp: _copy(c, dst=np.zeros((6, *BLOCK), np.float32))),
