@@ -33,7 +33,7 @@ tools=("$@")
 [ ${#tools[@]} -eq 0 ] && tools=(memcheck racecheck synccheck initcheck)
 PY=${PYTHON:-python3}
 BUDGET=${SANITIZE_BUDGET:-540}
-DEFAULT_PYTEST="tests/test_ops.py tests/test_duplicates.py tests/test_lanes.py -x -k 'test_lanes or memory_kinds or destinations_last_writer or traced_out_of_range or intra_pool_chain_jit_traced or negative_indices or gpu_uses or (many_duplicates and bfloat16) or within_one_pool or padding_and'"
+DEFAULT_PYTEST="tests/ops/test_ops.py tests/ops/test_duplicates.py tests/manager/test_lanes.py -x -k 'test_lanes or memory_kinds or destinations_last_writer or traced_out_of_range or intra_pool_chain_jit_traced or negative_indices or gpu_uses or (many_duplicates and bfloat16) or within_one_pool or padding_and'"
 PYTEST_ARGS=${SANITIZE_PYTEST-$DEFAULT_PYTEST}
 
 # A pool per buffer (not XLA's one big arena), so memcheck sees the end of every pool.

@@ -11,7 +11,7 @@ that runs is ours.
 
     python scripts/sanitize_cases.py                 # on a GPU
     python scripts/sanitize_cases.py --allow-cpu     # the same cases on the CPU handler
-    python scripts/sanitize_cases.py --pytest "tests/test_ops.py -k memory_kinds"  # then pytest
+    python scripts/sanitize_cases.py --pytest "tests/ops/test_ops.py -k memory_kinds"  # then pytest
 
 Paths covered: device<->pinned_host both ways, device->device, pinned_host->pinned_host;
 whole and partial copies at every vector width the kernel picks (16, 8, 4 and 1 bytes, and

@@ -10,7 +10,7 @@ import pytest
 
 from jax_kvxfer.demo import workloads
 
-SAMPLE = os.path.join(os.path.dirname(__file__), "data", "mooncake_sample.jsonl")
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_sample.jsonl")
 VOCAB = 1000
 
 

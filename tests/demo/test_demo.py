@@ -67,7 +67,7 @@ def test_demo_is_exact_and_exercises_every_path(tiny_json, capsys):
 
 
 def test_a_trace_replays_exactly(capsys):
-    sample = os.path.join(os.path.dirname(__file__), "data", "mooncake_sample.jsonl")
+    sample = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_sample.jsonl")
     args = TINY + ["--trace", sample, "--trace-len-scale", "0.02", "--trace-time-scale", "0.01",
                    "--json"]
     assert cli.main(["demo", *args]) == 0

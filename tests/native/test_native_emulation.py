@@ -13,7 +13,7 @@ import subprocess
 import jax.ffi
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE = os.path.join(ROOT, "tests", "native", "copy_units_emulation.cc")
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "stress.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stress.py"
 # On a GPU the test process already holds XLA's preallocated 75 % of the memory.
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
 
