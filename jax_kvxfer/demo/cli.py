@@ -3,9 +3,10 @@
 Runs one workload three times on one model: `offload` (a small GPU pool and a host tier:
 evicted blocks are offloaded and onboarded back on a prefix hit), `drop` (the same GPU pool and
 no host tier: evicted blocks are recomputed) and `never_evict` (a GPU pool that holds
-everything: the exactness oracle). Both others must produce the same tokens as the oracle, and
-logits within float tolerance, for every turn. Reports TTFT, TPOT, throughput, cache hits and
-the transfer time compute did not hide.
+everything: the exactness oracle). `offload` must produce the same tokens as the oracle, and
+logits within float tolerance, for every turn; `drop`'s agreement is reported (in bfloat16,
+recomputed K/V round differently). Reports TTFT, TPOT, throughput, cache hits and the transfer
+time compute did not hide.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the demo; returns 0 when exact, 1 when not, 2 for bad options."""
+    """Runs the demo; returns 0 when offload is exact, 1 when not, 2 for bad options."""
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = dict(PRESETS[args.preset])
@@ -390,7 +391,10 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                           "first_bad_turn": first_bad}
     b = results["offload"].block_stats
     verdict = {
-        "exact": all(v["exact"] for v in compared.values()), "runs": compared,
+        # The library's claim: restored blocks are the very blocks. Recomputation (drop)
+        # matches too in float32, but bfloat16 kernels round a token's K/V differently in a
+        # prefill chunk than in the decode that first made them: reported, not required.
+        "exact": compared["offload"]["exact"], "runs": compared,
         "turns": len(ref.turns), "tokens": sum(len(r.tokens) for r in ref.turns.values()),
         "reference_evicted": ref.block_stats.offloaded_blocks
         + ref.block_stats.dropped_primary_blocks,

@@ -7,13 +7,14 @@ their next chunk of prompt tokens (`[prefill_rows, chunk]`), every request in de
 token (`[batch, 1]`), so prefill chunks and decodes share the step, and a token's K/V do not
 depend on which others were batched with it. A step with no prefill is the decode segment
 alone. A request is admitted when a row is free and the primary pool can hold all it will ever
-need beside the running requests (so no running request runs out of blocks). At each step boundary the block manager's transfers are synced
-without blocking: the step waits on the GPU for the onboards it reads, offloads go on beside.
+need beside the running requests (so no running request runs out of blocks). At each step
+boundary the block manager's transfers are synced without blocking: the step waits on the GPU
+for the onboards it reads, offloads go on beside.
 
 Time is the loop's own clock: its wall time (steps, transfers, scheduling), plus jumps over
 idle time to the next arrival; with several processes, process 0's, so that all of them
-schedule alike. TTFT is a turn's first token time less its
-arrival; the next turn of a conversation arrives its think time after the reply's last token.
+schedule alike. TTFT is a turn's first token time less its arrival; the next turn of a
+conversation arrives its think time after the reply's last token.
 """
 
 from __future__ import annotations

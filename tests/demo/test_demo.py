@@ -155,6 +155,22 @@ def test_inexact_run_exits_1(monkeypatch, capsys):
     assert calls[2] > calls[0] == calls[1], "the oracle gets the bigger primary pool"
 
 
+def test_a_recomputation_that_differs_is_reported_not_failed(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(*args, primary_blocks, secondary_blocks, **kwargs):
+        calls.append(primary_blocks)
+        tokens = [1, 3] if len(calls) == 2 else [1, 2]  # drop disagrees with the oracle
+        return _result({(0, 0): (tokens, np.zeros((2, 4), np.float32))}, primary_blocks,
+                       secondary_blocks)
+
+    monkeypatch.setattr(serving, "run", fake_run)
+    assert demo.main(TINY) == 0
+    out = capsys.readouterr().out
+    assert "exactness offload vs never_evict: PASS" in out
+    assert "exactness drop vs never_evict: FAIL" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--conversations", "0"], "--conversations: must be >= 1"),
     (["--turns", "x"], "--turns: expected an integer"),
