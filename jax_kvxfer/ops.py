@@ -154,13 +154,7 @@ def copy_blocks(
     check_dma_choice(dma)
     if not isinstance(unique_dst_indices, (bool, np.bool_)):
         raise TypeError(f"unique_dst_indices must be True or False, got {unique_dst_indices!r}")
-    si = as_index_array("src_indices", src_indices)
-    di = as_index_array("dst_indices", dst_indices)
-    if si.shape[0] != di.shape[0]:
-        raise ValueError(
-            f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}"
-        )
-    tokens = normalize_tokens(num_tokens, si.shape[0])
+    si, di, tokens = _pairs(src_indices, dst_indices, num_tokens)
     may_be_partial = may_copy_partial(tokens, dst_pool.shape[4])
     check_byte_rows(dst_pool.shape[1:], dst_pool.dtype, may_be_partial)
     si_host, di_host = concrete(si), concrete(di)
@@ -208,6 +202,17 @@ def copy_blocks(
     return fn(dst_pool, src_pool, si, di, tokens)
 
 
+def _pairs(src_indices: IndexLike, dst_indices: IndexLike,
+           num_tokens: TokensLike) -> tuple[Any, Any, Any]:
+    """The index vectors (int32, one length) and the token counts of a batch, checked."""
+    si = as_index_array("src_indices", src_indices)
+    di = as_index_array("dst_indices", dst_indices)
+    if si.shape[0] != di.shape[0]:
+        raise ValueError(
+            f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}")
+    return si, di, normalize_tokens(num_tokens, si.shape[0])
+
+
 def _copy_in_layout(dst_pool: jax.Array, src_pool: jax.Array, src_indices: IndexLike,
                     dst_indices: IndexLike, num_tokens: TokensLike, *, token_axis: int | None,
                     block_axis: int, donate: bool, max_ctas: int | None, stream: int | None,
@@ -234,12 +239,7 @@ def _copy_in_layout(dst_pool: jax.Array, src_pool: jax.Array, src_indices: Index
         if not is_tracer(pool) and is_split(pool.sharding):
             raise ValueError(f"{name} is split over devices: token_axis and block_axis take "
                              "pools on one device (split pools take the 6-D layout)")
-    si = as_index_array("src_indices", src_indices)
-    di = as_index_array("dst_indices", dst_indices)
-    if si.shape[0] != di.shape[0]:
-        raise ValueError(
-            f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}")
-    tokens = normalize_tokens(num_tokens, si.shape[0])
+    si, di, tokens = _pairs(src_indices, dst_indices, num_tokens)
     check_in_range("src_indices", concrete(si), src_lay.num_blocks, "src_pool")
     check_in_range("dst_indices", concrete(di), dst_lay.num_blocks, "dst_pool")
     si, tokens = layouts.expand_pairs(si, src_lay), layouts.expand_tokens(tokens, dst_lay)
