@@ -45,10 +45,11 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def check_pool(name: str, pool: Any, rank: int) -> None:
+def check_pool(name: str, pool: Any, rank: int | None) -> None:
+    """A live pool (or block, by `rank`; None: any rank) in `device` or `pinned_host` memory."""
     if not isinstance(pool, jax.Array):
         raise TypeError(f"{name} must be a jax.Array, got {type(pool).__name__}")
-    if pool.ndim != rank:
+    if rank is not None and pool.ndim != rank:
         what = "pool" if rank == POOL_RANK else "block"
         raise ValueError(
             f"{name} must be a {rank}-D {what} [{'num_blocks, ' if rank == POOL_RANK else ''}"

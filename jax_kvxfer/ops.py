@@ -218,9 +218,8 @@ def _copy_in_layout(dst_pool: jax.Array, src_pool: jax.Array, src_indices: Index
                     block_axis: int, donate: bool, max_ctas: int | None, stream: int | None,
                     dma: bool | str, unique_dst_indices: bool) -> jax.Array:
     """`copy_blocks` of pools in their own layout: the same copy over their 6-D views."""
-    for name, pool in (("dst_pool", dst_pool), ("src_pool", src_pool)):
-        if not isinstance(pool, jax.Array):
-            raise TypeError(f"{name} must be a jax.Array, got {type(pool).__name__}")
+    check_pool("dst_pool", dst_pool, None)
+    check_pool("src_pool", src_pool, None)
     if token_axis is None:
         raise TypeError("block_axis needs token_axis: the axis a partial copy's tokens run along")
     check_dma_choice(dma)

@@ -150,6 +150,16 @@ def test_a_geometry_that_does_not_fit_names_the_axis(kwargs, error, message):
     np.testing.assert_array_equal(np.asarray(dst), before)
 
 
+def test_a_donated_pool_is_named():
+    dst = jnp.zeros((4, 5, 3, 8), jnp.float32)
+    src = jnp.zeros((4, 5, 3, 8), jnp.float32)
+    kvx.copy_blocks(dst, src, [0], [1], token_axis=1, donate=True)  # consumes dst
+    with pytest.raises(ValueError, match="dst_pool has been deleted"):
+        kvx.copy_blocks(dst, src, [0], [1], token_axis=1)
+    with pytest.raises(TypeError, match="dst_pool must be a jax.Array"):
+        kvx.copy_blocks(np.zeros((4, 5, 3, 8), np.float32), src, [0], [1], token_axis=1)
+
+
 def test_mismatched_pools_and_indices_raise_clear_errors():
     rng = np.random.default_rng(8)
     dst = jnp.asarray(_random(rng, (4, 5, 3, 8), np.float32))
