@@ -302,9 +302,8 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
       TypeError, ValueError: as for `copy_blocks`.
     """
     if token_axis is not None:
-        for name, block in (("dst", dst), ("src", src)):
-            if not isinstance(block, jax.Array):
-                raise TypeError(f"{name} must be a jax.Array, got {type(block).__name__}")
+        check_pool("dst", dst, None)
+        check_pool("src", src, None)
         if dst.shape != src.shape:
             raise ValueError(f"src has shape {tuple(src.shape)}, expected dst's {tuple(dst.shape)}")
         axis = layouts.axis("token_axis", token_axis, dst.ndim)

@@ -169,8 +169,9 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     def dot(x, w):
         return jnp.einsum("bcd,de->bce", x, w, precision=precision)
 
-    def where_written(seg: Rows) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(destination block, offset) of each token, and the attention mask [R, C, J]."""
+    def where_written(seg: Rows) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(destination block, offset) of each token, the attention mask [R, C, J], and the
+        positions with padding at 0."""
         valid = seg.positions >= 0
         pos = jnp.maximum(seg.positions, 0)
         max_blocks = seg.block_tables.shape[1]
@@ -178,17 +179,16 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         dst = jnp.where(valid, dst, kv_pool.shape[0])  # padding points past the pool: dropped
         key_pos = jnp.arange(max_blocks * t)
         mask = (key_pos[None, None, :] <= pos[:, :, None]) & valid[:, :, None]
-        return dst.reshape(-1), (pos % t).reshape(-1), mask
+        return dst.reshape(-1), (pos % t).reshape(-1), mask, pos
 
     placed = [where_written(seg) for seg in segments]
-    positions = [jnp.maximum(seg.positions, 0) for seg in segments]
     group = c.num_heads // c.num_kv_heads
 
     def layer(carry, inputs):
         pool, xs = carry
         index, p = inputs
         queries = []
-        for x, pos, (dst, offset, _) in zip(xs, positions, placed):
+        for x, (dst, offset, _, pos) in zip(xs, placed):
             b, chunk = x.shape[:2]
             h = _rms_norm(x, p["attn_norm"], c.norm_eps)
             q = dot(h, p["wq"]).reshape(b, chunk, c.num_heads, c.head_dim)
@@ -199,7 +199,7 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
             pool = pool.at[dst, index, :, :, offset, :].set(kv.astype(pool.dtype), mode="drop")
             queries.append(q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim))
         out = []
-        for x, q, seg, (_, _, mask) in zip(xs, queries, segments, placed):
+        for x, q, seg, (_, _, mask, _) in zip(xs, queries, segments, placed):
             b, chunk = x.shape[:2]
             blocks = pool[seg.block_tables, index]
             attn = (_attend_fused(q, blocks, mask) if fused_attention and chunk > 1
