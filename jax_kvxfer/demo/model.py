@@ -146,10 +146,10 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     """One step over several segments: writes their tokens' K/V into `kv_pool`; returns one
     logits row per sequence of each segment.
 
-    A step usually has two segments: prefill chunks `[P, C]` and decodes `[D, 1]`, so that a
-    decode does not pay for a whole chunk of compute. Each segment's matrix products and
-    attention have one shape in every step, so a token's K/V are bit for bit the same
-    whichever step computed it, among other tokens of its segment.
+    The serving loop gives each prefilling request a segment `[1, C]` and all decodes one
+    `[D, 1]`, so that a decode does not pay for a chunk of compute, nor a step for prefill rows
+    it does not fill. Each kind of segment has one shape in every step, so a token's K/V are
+    bit for bit the same whichever step computed it.
 
     Args:
       params: from `init_params`.

@@ -2,14 +2,14 @@
 
 Conversations (workloads.py) arrive at their start times; each turn is a request whose prompt
 is the conversation so far. Up to `batch` requests run at once. Every step is one jitted model
-step of two segments of fixed shape: up to `prefill_rows` requests still in prefill contribute
-their next chunk of prompt tokens (`[prefill_rows, chunk]`), every request in decode its last
-token (`[batch, 1]`), so prefill chunks and decodes share the step, and a token's K/V do not
-depend on which others were batched with it. A step with no prefill is the decode segment
-alone. A request is admitted when a row is free and the primary pool can hold all it will ever
-need beside the running requests (so no running request runs out of blocks). At each step
-boundary the block manager's transfers are synced without blocking: the step waits on the GPU
-for the onboards it reads, offloads go on beside.
+step of segments of fixed shapes: each of up to `prefill_rows` requests still in prefill
+contributes its next chunk of prompt tokens as a segment of its own (`[1, chunk]`), and every
+request in decode its last token (`[batch, 1]`), so prefill chunks and decodes share the step,
+a step costs what it computes (one segment more per prefilling request), and a token's K/V do
+not depend on which others were batched with it. A request is admitted when a row is free and
+the primary pool can hold all it will ever need beside the running requests (so no running
+request runs out of blocks). At each step boundary the block manager's transfers are synced
+without blocking: the step waits on the GPU for the onboards it reads, offloads go on beside.
 
 Time is the loop's own clock: its wall time (steps, transfers, scheduling), plus jumps over
 idle time to the next arrival; with several processes, process 0's, so that all of them
@@ -179,15 +179,17 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             tables[r, :len(table)] = table
         return Rows(tok, pos, tables, last)
 
-    def forward(prefills: list, decodes: list, *, mixed: bool) -> list[np.ndarray]:
-        """One step: a prefill segment (when `mixed`) and a decode segment; their logits."""
-        segments = ((segment(prefills, prefill_rows, chunk),) if mixed else ()) + (
-            segment(decodes, batch, 1),)
-        logits, pool.primary = step(params, pool.primary, segments)
-        return [np.asarray(x) for x in logits]
+    def forward(prefills: list, decodes: list, *, segments: int) -> tuple[list, np.ndarray]:
+        """One step of `segments` prefill segments (one request's chunk each, the first
+        `len(prefills)` of them real) and the decode segment: the logits of each prefill's
+        last token and of each decode."""
+        rows = [segment(prefills[i:i + 1], 1, chunk) for i in range(segments)]
+        logits, pool.primary = step(params, pool.primary, (*rows, segment(decodes, batch, 1)))
+        out = [np.asarray(x) for x in logits]
+        return [x[0] for x in out[:len(prefills)]], out[-1]
 
-    forward([], [], mixed=True)  # compiles both kinds of step (all padding: writes nothing)
-    forward([], [], mixed=False)
+    for k in range(prefill_rows + 1):  # compiles every kind of step (all padding: no writes)
+        forward([], [], segments=k)
     t1 = time.perf_counter()
     _warm_up_transfers(bm, pool, min(primary_blocks, batch * max_blocks))
     compile_seconds = time.perf_counter() - t0
@@ -238,7 +240,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         decodes = [((r.conv, r.turn), r.out[-1:], bm.num_tokens((r.conv, r.turn)) - 1)
                    for r in decoding]
         bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
-        logits = forward(prefills, decodes, mixed=bool(prefills))
+        prefill_logits, decode_logits = forward(prefills, decodes, segments=len(prefills))
         steps += 1
         # the step's tokens exist from here; what follows counts towards the next step
         elapsed = fixed_step_s if fixed_step_s is not None else time.perf_counter() - mark
@@ -254,7 +256,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             r.next = start + len(toks)
         done_prefill = [(i, r) for i, r in enumerate(prefilling) if r.next >= len(r.prompt)]
         for i, r in done_prefill + list(enumerate(decoding)):
-            row_logits = logits[0][i] if not r.out else logits[-1][i]
+            row_logits = prefill_logits[i] if not r.out else decode_logits[i]
             if not r.out:
                 r.first_token_s = clock
             token = int(np.argmax(row_logits))
