@@ -515,41 +515,16 @@ ffi::Error BlockCopyJoinCuda(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBu
 //  - an offload's source blocks are snapshotted first, on XLA's stream, into a buffer of the
 //    lanes' own memory pool (freed in the lane's order once copied), so the step may overwrite
 //    them at once;
-//  - the indices are read here, on the host (the copy engines are handed addresses), or, for
-//    the copy kernel, copied on XLA's stream into the lanes' memory pool, so the plan's buffer
-//    is free when the call returns;
+//  - the indices are read here, on the host (the copy engines are handed addresses), so the
+//    plan's buffer is free when the call returns;
 //  - the pools' buffers stay the pools': while a lane may still use them, the pool refuses an
 //    assigned array in another buffer (pool.py), so XLA never frees them under a lane.
-// Blocks of 256 KiB and more go by the copy engines, which take no SMs from the step; smaller
-// ones by the copy kernel on 8 CTAs (LaneKernelFits).
+// The lanes copy with the copy engines only, so they take no SMs from the step.
 // Across lanes, the manager asks for a wait (wait_lane) where one lane's copy touches slots
 // that the other's pending copies touch, and for XLA's stream to wait (stream_wait_lane) where
 // a snapshot reads blocks that lane 1 is still writing.
 
 constexpr int kLanes = 2;
-
-// A lane copies blocks below this size with the copy kernel, on this many CTAs of
-// kCappedCtaThreads threads (enough to keep PCIe busy, few enough to leave the step its SMs),
-// and larger ones with the copy engines, which take no SMs at all. The same bound as
-// dma="auto" outside jit (_lowering.py), measured there.
-constexpr int64_t kLaneKernelMaxBlockBytes = 256 * 1024;
-constexpr int64_t kLaneKernelCtas = 8;
-
-std::atomic<int64_t> kernel_lane_batches{0};  // lane batches copied by the kernel (tests)
-
-// Whether a lane takes the batch with the kernel: small blocks between two pools, no two
-// pairs writing one block (the copy engines' path keeps pair order for those), read on the host.
-bool LaneKernelFits(const Batch& b, bool within) {
-  if (within || b.g.block_bytes >= kLaneKernelMaxBlockBytes) return false;
-  std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
-  for (int64_t i = 0; i < b.num_pairs; ++i) {
-    const int64_t s = b.src_idx[i], d = b.dst_idx[i];
-    if (!IndicesInRange(b, s, d)) continue;
-    if (written[d]) return false;
-    written[d] = true;
-  }
-  return true;
-}
 
 struct DeviceLanes {
   std::mutex mu;  // handlers for one device may run on several threads
@@ -738,56 +713,19 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
     }
     b.src = {static_cast<char*>(snapshot), true};
   }
-  // Small blocks go by the copy kernel: one launch, where the copy engines cost the runtime
-  // about 0.8 us of host time per block. The kernel reads its indices when it runs, so they
-  // are copied on XLA's stream (while the plan's buffer is still the call's) into memory of
-  // the lane's, freed in the lane's order like the snapshot.
-  int32_t* lane_indices = nullptr;
-  if (LaneKernelFits(b, within) &&
-      cudaMallocFromPoolAsync(reinterpret_cast<void**>(&lane_indices),
-                              3 * num_pairs * sizeof(int32_t), lanes->staging,
-                              stream) == cudaSuccess) {
-    const size_t bytes = num_pairs * sizeof(int32_t);
-    err = cudaMemcpyAsync(lane_indices, b.src_idx, bytes, cudaMemcpyHostToDevice, stream);
-    if (err == cudaSuccess) {
-      err = cudaMemcpyAsync(lane_indices + num_pairs, b.dst_idx, bytes, cudaMemcpyHostToDevice,
-                            stream);
-    }
-    if (err == cudaSuccess && !b.whole_blocks) {
-      err = cudaMemcpyAsync(lane_indices + 2 * num_pairs, b.num_tokens, bytes,
-                            cudaMemcpyHostToDevice, stream);
-    }
-    b.src_idx = lane_indices;
-    b.dst_idx = lane_indices + num_pairs;
-    b.num_tokens = lane_indices + 2 * num_pairs;
-  } else {
-    (void)cudaGetLastError();  // no room for the indices: the copy engines take the batch
-    lane_indices = nullptr;
-  }
-  if (err == cudaSuccess) err = cudaEventRecord(lanes->ready, stream);
+  err = cudaEventRecord(lanes->ready, stream);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(lane_stream, lanes->ready, 0);
   if (err == cudaSuccess && wait_lane >= 0 && wait_lane != lane) {
     err = cudaStreamWaitEvent(lane_stream, lanes->done[wait_lane], 0);
   }
-  if (err == cudaSuccess && lane_indices != nullptr) {
-    if (ffi::Error launched = Launch(lane_stream, b, kLaneKernelCtas); launched.failure()) {
-      err = cudaErrorLaunchFailure;
-    }
-    kernel_lane_batches.fetch_add(1, std::memory_order_relaxed);
-  } else if (err == cudaSuccess) {
-    err = EnqueueDmaCopies(lane_stream, b, within);
-    dma_batches.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (lane_indices != nullptr) {
-    cudaError_t freed = cudaFreeAsync(lane_indices, err == cudaSuccess ? lane_stream : stream);
-    if (err == cudaSuccess) err = freed;
-  }
+  if (err == cudaSuccess) err = EnqueueDmaCopies(lane_stream, b, within);
   if (snapshot != nullptr) {
     // Freed in the lane's order even if enqueueing failed: nothing may leak.
     cudaError_t freed = cudaFreeAsync(snapshot, err == cudaSuccess ? lane_stream : stream);
     if (err == cudaSuccess) err = freed;
   }
   if (err == cudaSuccess) err = cudaEventRecord(lanes->done[lane], lane_stream);
+  dma_batches.fetch_add(1, std::memory_order_relaxed);
   return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy");
 }
 
@@ -948,7 +886,4 @@ NB_MODULE(_kvxfer_cuda, m) {
      "the timed work that has completed since the last call.");
   m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },
         "How many batches the CUDA handlers have copied on the copy engines (for tests).");
-  m.def("kernel_lane_batches",
-        []() { return kvxfer::kernel_lane_batches.load(std::memory_order_relaxed); },
-        "How many lane batches the copy kernel has copied (small blocks; for tests).");
 }
