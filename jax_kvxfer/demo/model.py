@@ -148,8 +148,8 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
 
     The serving loop gives each prefilling request a segment `[1, C]` and all decodes one
     `[D, 1]`, so that a decode does not pay for a chunk of compute, nor a step for prefill rows
-    it does not fill. Each kind of segment has one shape in every step, so a token's K/V are
-    bit for bit the same whichever step computed it.
+    it does not fill. Each kind of segment has one shape in every step and weights of its own
+    (`_unshared`), so a token's K/V are bit for bit the same whichever step computed it.
 
     Args:
       params: from `init_params`.
@@ -186,9 +186,13 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
 
     def layer(carry, inputs):
         pool, xs = carry
-        index, p = inputs
+        index, weights = inputs
+        # Each segment gets the weights through a barrier of its own: XLA's dot merger would
+        # otherwise join the segments' products with one weight into one matrix product whose
+        # shape, and so whose rounding, depends on what else is in the step.
+        per_segment = [_unshared(x, weights) for x in xs]
         queries = []
-        for x, (dst, offset, _, pos) in zip(xs, placed):
+        for (x, p), (dst, offset, _, pos) in zip(per_segment, placed):
             b, chunk = x.shape[:2]
             h = _rms_norm(x, p["attn_norm"], c.norm_eps)
             q = dot(h, p["wq"]).reshape(b, chunk, c.num_heads, c.head_dim)
@@ -199,7 +203,7 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
             pool = pool.at[dst, index, :, :, offset, :].set(kv.astype(pool.dtype), mode="drop")
             queries.append(q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim))
         out = []
-        for x, q, seg, (_, _, mask, _) in zip(xs, queries, segments, placed):
+        for (x, p), q, seg, (_, _, mask, _) in zip(per_segment, queries, segments, placed):
             b, chunk = x.shape[:2]
             blocks = pool[seg.block_tables, index]
             attn = (_attend_fused(q, blocks, mask) if fused_attention and chunk > 1
@@ -217,9 +221,16 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     logits = []
     for x, seg in zip(xs, segments):
         x = jnp.take_along_axis(x, seg.logit_index[:, None, None], axis=1)  # [R, 1, d_model]
-        y = dot(_rms_norm(x, params["final_norm"], c.norm_eps), params["unembed"])[:, 0]
+        x, head = _unshared(x, {"norm": params["final_norm"], "unembed": params["unembed"]})
+        y = dot(_rms_norm(x, head["norm"], c.norm_eps), head["unembed"])[:, 0]
         logits.append(y.astype(jnp.float32))
     return tuple(logits), kv_pool
+
+
+def _unshared(x: jax.Array, weights: Any) -> tuple[jax.Array, Any]:
+    """`(x, weights)` through an optimization barrier: to XLA, weights that only `x`'s products
+    use (no runtime cost: the barrier copies nothing)."""
+    return jax.lax.optimization_barrier((x, weights))
 
 
 def _attend_fused(q: jax.Array, blocks: jax.Array, mask: jax.Array) -> jax.Array:
