@@ -10,7 +10,7 @@ partial onboards (n = T/2), both directions at once, and JAX's own `device_put` 
 blocks to a new pinned_host array (a baseline that writes no pool).
 
 Then the host-overhead figures: 1,024 pairs of 64 KiB blocks (32 with --quick), offload + sync and onboard + sync,
-against one contiguous copy of the same bytes (cupy's memcpy, else `jax.device_put`), and the
+by block pairs and by index arrays, against one contiguous copy of the same bytes (cupy's memcpy, else `jax.device_put`), and the
 time a 64-pair call takes to return to Python.
 """
 
@@ -172,19 +172,23 @@ class BesideStepMixin:
         src, dst = self.rng.permutation(nb), self.rng.permutation(nb)
         total = nb * pool.block_nbytes
         rec: dict[str, Any] = {"blocks": nb, "block_bytes": pool.block_nbytes}
-        for name, pairs, verb in (("offload", _pairs(src, dst, True), mgr.offload_blocks),
-                                  ("onboard", _pairs(dst, src, False), mgr.onboard_blocks)):
-            t = self._timed(lambda v=verb, p=pairs: (v(p), mgr.sync_transfers()))
+        offload_pairs, onboard_pairs = _pairs(src, dst, True), _pairs(dst, src, False)
+        calls = {"offload": lambda: mgr.offload_blocks(offload_pairs),
+                 "onboard": lambda: mgr.onboard_blocks(onboard_pairs),
+                 "offload_indices": lambda: mgr.offload_indices(src, dst),
+                 "onboard_indices": lambda: mgr.onboard_indices(dst, src)}
+        for name, call in calls.items():
+            t = self._timed(lambda c=call: (c(), mgr.sync_transfers()))
             returns = []  # the host's part: how long the call takes to return
             for _ in range(self.cfg.repeats):
                 t0 = time.perf_counter()
-                verb(pairs)
+                call()
                 returns.append(time.perf_counter() - t0)
                 mgr.sync_transfers()
             rec[name] = {"s": t, "gbps": total / t / 1e9, "returns_s": _median(returns)}
         rec["ceiling"] = self._contiguous_ceiling(total)
-        for name in ("offload", "onboard"):
-            ceiling = rec["ceiling"].get("d2h" if name == "offload" else "h2d")
+        for name in calls:
+            ceiling = rec["ceiling"].get("d2h" if name.startswith("offload") else "h2d")
             if ceiling:
                 rec[name]["ratio"] = rec[name]["gbps"] / ceiling
         # return time of a 64-pair call, not waiting for the device
@@ -203,6 +207,11 @@ class BesideStepMixin:
                  f"({rec['offload'].get('ratio', 0) * 100:.0f} % of contiguous), onboard "
                  f"{rec['onboard']['gbps']:.1f} GB/s ({rec['onboard'].get('ratio', 0) * 100:.0f} "
                  f"%); a 64-pair call returns in {rec['call_64_pairs_us']:.0f} us")
+        self.log(f"  {nb} x 64 KiB by index arrays: offload_indices "
+                 f"{rec['offload_indices'].get('ratio', 0) * 100:.0f} %, onboard_indices "
+                 f"{rec['onboard_indices'].get('ratio', 0) * 100:.0f} % of contiguous; host "
+                 f"returns after {rec['offload_indices']['returns_s'] * 1e6:.0f} / "
+                 f"{rec['onboard_indices']['returns_s'] * 1e6:.0f} us")
 
     def _contiguous_ceiling(self, nbytes: int) -> dict[str, float]:
         """GB/s of one contiguous copy of `nbytes` each way: cupy's memcpy (GPU time), else
