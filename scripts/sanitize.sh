@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer over jax_kvxfer's CUDA kernels (issue 6, item 1), on a GPU machine.
+# compute-sanitizer over jax_kvxfer's CUDA kernels, on a GPU machine.
 #
 #   scripts/sanitize.sh [memcheck] [racecheck] [synccheck] [initcheck]   (default: all four)
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every code path of the CUDA block-copy handler, once each, checked bitwise (issue 6, item 1).
+"""Every code path of the CUDA block-copy handler, once each, checked bitwise.
 
 Run under compute-sanitizer by scripts/sanitize.sh: memcheck then proves that no kernel reads or
 writes outside the pools, the scratch buffers or the index vectors, also for deliberately

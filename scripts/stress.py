@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Stress run of the KV-cache transfer manager against a NumPy shadow (issue 6, item 4).
+"""Stress run of the KV-cache transfer manager against a NumPy shadow.
 
 Random onboard / offload / partial / batched (with repeated indices, mixed directions) / user
 write / sync operations over two pools of one manager that differ in head count, dtype and

@@ -1,4 +1,4 @@
-"""The bad-input matrix (issue 6, item 5): every bad input to the ops, the pools and the manager
+"""The bad-input matrix: every bad input to the ops, the pools and the manager
 raises a clear exception of a known type and message, and leaves every pool unchanged.
 
 `CASES` is the single source of the table in docs/bad-inputs.md: `test_doc_table_is_current`

@@ -1,6 +1,6 @@
 """Transfer benchmark: `python -m jax_kvxfer bench [options]` (or `python -m jax_kvxfer.bench`).
 
-Times, in one run and against ceilings measured in that same run (issue 4):
+Times, in one run and against ceilings measured in that same run:
 
 Sweep over block sizes (bf16 blocks of 16 KiB..4 MiB, `--blocks` blocks per batch, random
 permutations as indices so no two neighbours are contiguous), three directions: `d2h` (offload,

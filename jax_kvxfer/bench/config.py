@@ -23,9 +23,9 @@ PRESETS: dict[int, tuple[int, int, int, int, int]] = {
     4 * KiB: (1, 2, 1, 16, 64),
     16 * KiB: (1, 2, 4, 16, 64),
     64 * KiB: (2, 2, 4, 32, 64),
-    256 * KiB: (8, 2, 8, 16, 64),      # config B of gpu-facts with half the layers (B is 512 KiB)
+    256 * KiB: (8, 2, 8, 16, 64),
     1 * MiB: (8, 2, 8, 32, 128),
-    4 * MiB: (32, 2, 8, 32, 128),      # issue's config A
+    4 * MiB: (32, 2, 8, 32, 128),      # a 32-layer model with 8 KV heads of 128, 32-token blocks
 }
 
 

@@ -1,4 +1,4 @@
-"""Results: the JSON document, issue 4's targets, the stdout table and summary, and the plot."""
+"""Results: the JSON document, the copy targets, the stdout table and summary, and the plot."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class ReportMixin:
                 and (size is None or r.get("block_bytes") == size)]
 
     def targets(self) -> dict[str, Any]:
-        """Issue 4's targets as measured (information, not assertions)."""
+        """The copy targets as measured (information, not assertions)."""
         t: dict[str, Any] = {}
 
         def min_ratio(recs: list[dict[str, Any]], key: str = "ratio") -> float | None:
@@ -335,7 +335,7 @@ class ReportMixin:
 
 
 def target_lines(t: dict[str, Any], host: str = "") -> list[str]:
-    """One line per target of issue 4 measured in this run (from `targets()`), the figure that
+    """One line per copy target measured in this run (from `targets()`), the figure that
     decides it first: for copies to and from the host the GPU timeline's span, which like the
     memcpy ceiling's CUDA events leaves out the host's dispatch before the GPU starts and its
     wake-up after; the wall clock, which counts both once per sample, beside it. `host`: the

@@ -1,4 +1,4 @@
-"""The sharded section (issue 7): aggregate offload/onboard bandwidth of pools sharded by KV heads.
+"""The sharded section: aggregate offload/onboard bandwidth of pools sharded by KV heads.
 
 Weak scaling: every device holds the same shard (the `--sizes`-independent per-device block of
 `sharded_block` bytes, `sharded_blocks` blocks per batch), so N devices move N times the bytes of

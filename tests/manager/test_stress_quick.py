@@ -1,4 +1,4 @@
-"""CI runs the stress script's quick mode (issue 6, item 4); the GPU run is the full mode.
+"""CI runs the stress script's quick mode; the GPU run is the full mode.
 
 A subprocess, so that its live-array and memory counts see only its own arrays.
 """

@@ -1,4 +1,4 @@
-"""Duplicate destinations in one batch (issue 6, item 3).
+"""Duplicate destinations in one batch.
 
 The rule: when several pairs of one batch write the same destination block, they apply as if
 one after another in batch order, so *the later pair wins on the tokens it writes*: token t of
