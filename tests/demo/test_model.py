@@ -4,6 +4,8 @@ where the block tables say and nothing else; and its operation count."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -99,6 +101,39 @@ def test_padding_writes_nothing():
                np.array([[0, 1], [2, 0]], np.int32), np.zeros(2, np.int32))
     _, new = forward(params, pool.primary, (seg,), config=CONFIG)
     np.testing.assert_array_equal(np.asarray(new), before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_chunk_is_bit_for_bit_the_same_whatever_shares_its_step(dtype):
+    """One request's prefill chunk alone, then beside one and two other requests' chunks (in
+    either order) and a decode: its logits and K/V are equal bit for bit (on a GPU, XLA's dot
+    merger would otherwise join the segments' products into one of another shape)."""
+    config = dataclasses.replace(CONFIG, dtype=dtype)
+    rng = np.random.default_rng(11)
+    params = init_params(config, seed=5)
+    pool = create_pool(config, tokens_per_block=T, num_primary_blocks=16, num_secondary_blocks=0)
+    step = make_step(config, pool)
+    chunk, width = 8, 4
+
+    def prefill(first_block: int) -> Rows:
+        table = np.zeros((1, width), np.int32)
+        table[0, :chunk // T] = np.arange(first_block, first_block + chunk // T)
+        return Rows(rng.integers(0, config.vocab_size, (1, chunk)).astype(np.int32),
+                    np.arange(chunk, dtype=np.int32)[None], table,
+                    np.array([chunk - 1], np.int32))
+
+    mine, other, third = prefill(0), prefill(4), prefill(8)
+    decode = Rows(np.array([[3]], np.int32), np.array([[0]], np.int32),
+                  np.array([[12, 0, 0, 0]], np.int32), np.zeros(1, np.int32))
+    results = []
+    for segments, at in (((mine,), 0), ((other, mine, decode), 1),
+                         ((mine, third, other, decode), 0)):
+        pool.primary = jax.numpy.zeros_like(pool.primary)
+        logits, pool.primary = step(params, pool.primary, segments)
+        results.append((np.asarray(logits[at]), np.asarray(pool.primary[:chunk // T])))
+    for logits, kv in results[1:]:
+        np.testing.assert_array_equal(logits, results[0][0])
+        np.testing.assert_array_equal(kv, results[0][1])
 
 
 @pytest.mark.parametrize("context", [1, 100])
