@@ -89,10 +89,9 @@ inline ffi::Error CheckPools(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-// The workspaces XLA allocates as extra results (sized by the Python side, copy_results): int32s
-// for the duplicate scan, one per pair (its answer) and, where the destination is in device
-// memory, one per destination block (the block's last writer, ClaimLastWriter); and room for
-// every pair's source block when a copy within one pool must be staged.
+// The workspaces XLA allocates as extra results (sized by the Python side, copy_results): an
+// int32 per pair for the GPU's duplicate scan (its answer), and room for every pair's source
+// block when a copy within one pool must be staged.
 inline ffi::Error CheckWorkspaces(int64_t num_pairs, const PoolGeometry& g, bool stage,
                                   size_t superseded_count, size_t staging_bytes) {
   if (superseded_count < static_cast<size_t>(num_pairs)) {
@@ -107,10 +106,32 @@ inline ffi::Error CheckWorkspaces(int64_t num_pairs, const PoolGeometry& g, bool
   return ffi::Error::Success();
 }
 
+// A block copy's attributes, decoded once into a struct (the Python side passes them by name).
+struct CopyOptions {
+  bool hazard_free;   // no block is both read and written
+  bool unique_dst;    // no block is written twice: the GPU skips its duplicate scan
+  int64_t max_ctas;   // GPU grid cap in CTAs of 1024 threads, <= 0: none
+  bool dma;           // GPU: the copy engines where the batch qualifies
+  bool whole_blocks;  // known on the host: every pair copies a whole block
+};
+
+// The second half of a both-ways copy: a copy, and whether there is a first half to wait for.
+struct JoinOptions {
+  CopyOptions copy;
+  bool wait;
+};
+
+// A lane copy (the manager's copies beside compute; lanes_cuda.cu).
+struct LaneOptions {
+  int64_t lane;              // 0: offloads, 1: onboards
+  int64_t wait_lane;         // the lane waits for this one first, or -1
+  int64_t stream_wait_lane;  // XLA's stream waits for it first, or -1
+  bool whole_blocks;
+};
+
 // The FFI bindings after the pool operand(s), shared by the handlers: `binding` already holds
-// the platform context (if any) and the pool(s).
-// (Bindings cannot be copied or moved: each helper takes one by reference and returns the
-// extended binding as a new value.)
+// the platform context (if any) and the pool(s). (Bindings cannot be copied or moved: each
+// helper takes one by reference and returns the extended binding as a new value.)
 template <typename Binding>
 auto BindIndices(Binding&& binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
@@ -121,31 +142,23 @@ auto BindIndices(Binding&& binding) {
 template <typename Binding>
 auto BindResults(Binding&& binding) {
   return std::move(binding).template Ret<ffi::AnyBuffer>()  // new dst pool, aliased to operand 0
-      .template Ret<ffi::Buffer<ffi::S32>>()            // workspace [B] (the GPU's duplicate scan)
+      .template Ret<ffi::Buffer<ffi::S32>>()            // [B]: the GPU's duplicate scan
       .template Ret<ffi::Buffer<ffi::U8>>();            // staging [B * block bytes] or [0]
 }
 
+// One copy: the pool(s), the indices, the results, the options.
 template <typename Binding>
-auto BindAttrs(Binding&& binding) {
-  return std::move(binding).template Attr<bool>("hazard_free")  // no block is read and written
-      .template Attr<bool>("unique_dst")                // no block is written twice
-      .template Attr<int64_t>("max_ctas")               // GPU grid cap, <= 0: none
-      .template Attr<bool>("dma")                       // GPU: copy engines where possible
-      .template Attr<bool>("whole_blocks");             // every pair copies whole blocks
-}
-
-// One copy: the pool(s), the indices, the results, the attributes.
-template <typename Binding>
-auto BindIndicesResultsAndAttrs(Binding&& binding) {
-  return BindAttrs(BindResults(BindIndices(std::forward<Binding>(binding))));
+auto BindCopy(Binding&& binding) {
+  return BindResults(BindIndices(std::forward<Binding>(binding))).template Attrs<CopyOptions>();
 }
 
 // The first half of a both-ways copy (copy_blocks_both_ways): one copy, plus a ticket result
 // that the second half takes to find what to wait for.
 template <typename Binding>
 auto BindForkCopy(Binding&& binding) {
-  return BindAttrs(
-      BindResults(BindIndices(std::forward<Binding>(binding))).template Ret<ffi::AnyBuffer>());
+  return BindResults(BindIndices(std::forward<Binding>(binding)))
+      .template Ret<ffi::AnyBuffer>()
+      .template Attrs<CopyOptions>();
 }
 
 // The second half: one copy, then the first half's ticket and, to keep them alive until the
@@ -153,20 +166,17 @@ auto BindForkCopy(Binding&& binding) {
 // first half: the extra operands only order the copy after the work that made them.
 template <typename Binding>
 auto BindJoinCopy(Binding&& binding) {
-  return BindAttrs(BindResults(
-                       BindIndices(std::forward<Binding>(binding))
-                           .template Arg<ffi::AnyBuffer>()
-                           .RemainingArgs()))
-      .template Attr<bool>("wait");
+  return BindResults(BindIndices(std::forward<Binding>(binding))
+                         .template Arg<ffi::AnyBuffer>()
+                         .RemainingArgs())
+      .template Attrs<JoinOptions>();
 }
 
-// A lane copy's attributes (the manager's copies beside compute; see block_copy_cuda.cu).
 template <typename Binding>
-auto BindLaneAttrs(Binding&& binding) {
-  return std::move(binding).template Attr<int64_t>("lane")  // 0: offloads, 1: onboards
-      .template Attr<int64_t>("wait_lane")              // the lane waits for this one first, or -1
-      .template Attr<int64_t>("stream_wait_lane")       // XLA's stream waits for it first, or -1
-      .template Attr<bool>("whole_blocks");             // every pair copies whole blocks
+auto BindLaneCopy(Binding&& binding) {
+  return BindIndices(std::forward<Binding>(binding))
+      .template Ret<ffi::AnyBuffer>()  // new dst pool
+      .template Attrs<LaneOptions>();
 }
 
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole
@@ -176,3 +186,22 @@ KVXFER_HOST_DEVICE inline int64_t TokensToCopy(int32_t n, const PoolGeometry& g)
 }
 
 }  // namespace kvxfer
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::CopyOptions,
+                                      xla::ffi::StructMember<bool>("hazard_free"),
+                                      xla::ffi::StructMember<bool>("unique_dst"),
+                                      xla::ffi::StructMember<int64_t>("max_ctas"),
+                                      xla::ffi::StructMember<bool>("dma"),
+                                      xla::ffi::StructMember<bool>("whole_blocks"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::JoinOptions,
+                                      xla::ffi::StructMember<bool>("hazard_free"),
+                                      xla::ffi::StructMember<bool>("unique_dst"),
+                                      xla::ffi::StructMember<int64_t>("max_ctas"),
+                                      xla::ffi::StructMember<bool>("dma"),
+                                      xla::ffi::StructMember<bool>("whole_blocks"),
+                                      xla::ffi::StructMember<bool>("wait"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LaneOptions,
+                                      xla::ffi::StructMember<int64_t>("lane"),
+                                      xla::ffi::StructMember<int64_t>("wait_lane"),
+                                      xla::ffi::StructMember<int64_t>("stream_wait_lane"),
+                                      xla::ffi::StructMember<bool>("whole_blocks"));

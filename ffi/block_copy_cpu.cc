@@ -71,10 +71,8 @@ ffi::Error BlockCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi:
                         ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
                         ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                        ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                        bool /*unique_dst*/, int64_t /*max_ctas*/, bool /*dma*/,
-                        bool /*whole_blocks*/) {
-  return CopyPairs(dst, src, src_idx, dst_idx, num_tokens, *out, hazard_free,
+                        ffi::Result<ffi::Buffer<ffi::U8>> staging, CopyOptions options) {
+  return CopyPairs(dst, src, src_idx, dst_idx, num_tokens, *out, options.hazard_free,
                    superseded->element_count(), reinterpret_cast<char*>(staging->typed_data()),
                    staging->element_count());
 }
@@ -85,10 +83,9 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
                               ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                              ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                              bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
+                              ffi::Result<ffi::Buffer<ffi::U8>> staging, CopyOptions options) {
   return BlockCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                      hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+                      options);
 }
 
 // The two halves of a both-ways copy. On the CPU they are two copies, one after the other (the
@@ -99,10 +96,8 @@ ffi::Error BlockCopyForkCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                             ffi::Result<ffi::Buffer<ffi::U8>> staging,
-                            ffi::Result<ffi::AnyBuffer> /*ticket*/, bool hazard_free,
-                            bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks) {
-  return BlockCopyCpu(dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                      hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+                            ffi::Result<ffi::AnyBuffer> /*ticket*/, CopyOptions options) {
+  return BlockCopyCpu(dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging, options);
 }
 
 ffi::Error BlockCopyJoinCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
@@ -110,30 +105,25 @@ ffi::Error BlockCopyJoinCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<
                             ffi::AnyBuffer /*ticket*/, ffi::RemainingArgs /*kept alive*/,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                            ffi::Result<ffi::Buffer<ffi::U8>> staging, bool hazard_free,
-                            bool unique_dst, int64_t max_ctas, bool dma, bool whole_blocks,
-                            bool /*wait*/) {
+                            ffi::Result<ffi::Buffer<ffi::U8>> staging, JoinOptions options) {
   return BlockCopyCpu(dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                      hazard_free, unique_dst, max_ctas, dma, whole_blocks);
+                      options.copy);
 }
 
-// The manager's lane copies (block_copy_cuda.cu) and their join. The CPU has no lanes: a lane
-// copy is done when its call is, in pair order, which is what the manager's runs need (no pair
-// reads a slot that an earlier pair of the run writes), and the join only hands the array on.
+// The manager's lane copies (lanes_cuda.cu) and their join. The CPU has no lanes: a lane copy
+// is done when its call is, in pair order, which is what the manager's runs need (no pair reads
+// a slot that an earlier pair of the run writes), and the join only hands the array on.
 ffi::Error LaneCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
                        ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t /*lane*/, int64_t /*wait_lane*/,
-                       int64_t /*stream_wait_lane*/, bool /*whole_blocks*/) {
+                       ffi::Result<ffi::AnyBuffer> out, LaneOptions /*options*/) {
   return CopyPairs(dst, src, src_idx, dst_idx, num_tokens, *out, true,
                    src_idx.element_count(), nullptr, 0);
 }
 
 ffi::Error LaneCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
                              ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t lane, int64_t wait_lane,
-                             int64_t stream_wait_lane, bool whole_blocks) {
-  return LaneCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, lane, wait_lane,
-                     stream_wait_lane, whole_blocks);
+                             ffi::Result<ffi::AnyBuffer> out, LaneOptions options) {
+  return LaneCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, options);
 }
 
 ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
@@ -146,41 +136,16 @@ ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu,
-                              BindForkCopy(ffi::Ffi::Bind()
-                                               .Arg<ffi::AnyBuffer>()    // dst pool
-                                               .Arg<ffi::AnyBuffer>()));  // src pool
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu,
-                              BindJoinCopy(ffi::Ffi::Bind()
-                                               .Arg<ffi::AnyBuffer>()    // dst pool
-                                               .Arg<ffi::AnyBuffer>()));  // src pool
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCpu, LaneCopyCpu,
-                              BindLaneAttrs(BindIndices(ffi::Ffi::Bind()
-                                                            .Arg<ffi::AnyBuffer>()    // dst pool
-                                                            .Arg<ffi::AnyBuffer>())   // src pool
-                                                .Ret<ffi::AnyBuffer>()));  // new dst pool
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu,
-                              BindLaneAttrs(BindIndices(ffi::Ffi::Bind()
-                                                            .Arg<ffi::AnyBuffer>())   // pool
-                                                .Ret<ffi::AnyBuffer>()));  // new pool
-
+#define KVXFER_POOLS_2 ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+#define KVXFER_POOLS_1 ffi::Ffi::Bind().Arg<ffi::AnyBuffer>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu, BindCopy(KVXFER_POOLS_2));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu, BindCopy(KVXFER_POOLS_1));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu, BindForkCopy(KVXFER_POOLS_2));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu, BindJoinCopy(KVXFER_POOLS_2));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCpu, LaneCopyCpu, BindLaneCopy(KVXFER_POOLS_2));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu, BindLaneCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("lanes"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu,
-                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind()
-                                                             .Arg<ffi::AnyBuffer>()));  // pool
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu,
-                              BindIndicesResultsAndAttrs(ffi::Ffi::Bind()
-                                                             .Arg<ffi::AnyBuffer>()    // dst pool
-                                                             .Arg<ffi::AnyBuffer>()));  // src pool
+                              KVXFER_POOLS_1.Ret<ffi::AnyBuffer>().Attr<int64_t>("lanes"));
 
 void DefineSlotColumns(nb::module_& m);  // slot_columns.cc
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _native
 from ._checks import IndexFacts, dtype_bits, is_split
-from ._jax_seams import function_form_compute_on, memory_space
+from ._jax_seams import function_form_compute_on
 
 # CTAs (of 1024 threads) that a copy to or from pinned_host memory on a stream of its own uses
 # by default: on an H200, 8 fill PCIe in either direction for whole blocks, and the other SMs
@@ -64,14 +64,10 @@ _ON_SIDE_STREAM = _SideStreamDepth()
 def copy_results(dst_pool, batch: int, staging_bytes: int = 0) -> tuple:
     """The result types of a block copy custom call: the destination pool (its memory space
     included: pinned_host stays there), then the workspaces XLA allocates as extra results
-    (ffi/block_copy.h, CheckWorkspaces): for the GPU's duplicate scan an int32 per pair and,
-    for a destination in device memory, one per destination block (where a large batch's scan
-    finds each block's last writer; XLA places these workspaces with the destination, and in
-    pinned host memory the handler scans without them), and `staging_bytes` to stage source
-    blocks in."""
-    claims = 0 if memory_space(dst_pool) == jax.memory.Space.Host else dst_pool.shape[0]
+    (ffi/block_copy.h, CheckWorkspaces): an int32 per pair for the GPU's duplicate scan, and
+    `staging_bytes` to stage source blocks in."""
     return (jax.typeof(dst_pool),
-            jax.ShapeDtypeStruct((batch + claims,), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
             jax.ShapeDtypeStruct((staging_bytes,), jnp.uint8))
 
 

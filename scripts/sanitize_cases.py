@@ -167,7 +167,7 @@ def odd_int4_rows_whole_blocks(rng):
 @case
 def duplicate_destinations(rng):
     # 40 pairs onto 3 blocks, whole and partial: the later pair wins on the tokens it writes
-    # (found by each CTA of the copy kernel itself: a small batch, FusedScanFits).
+    # (found by the duplicate-scan kernel before the copy).
     n = 40
     si = rng.permutation(48)[:n]
     di = rng.choice([0, 1, 2], n)
@@ -181,8 +181,8 @@ def duplicate_destinations(rng):
 
 @case
 def more_duplicates_than_threads(rng):
-    # 2,100 pairs (> 256 threads of the scan's CTA, and enough that the scan runs as a kernel
-    # of its own: 2,100^2 reads > FusedScanFits' 2^22) onto 2 blocks of a small pool.
+    # 2,100 pairs (> 256 threads of the scan's CTA, so each thread checks several later
+    # pairs) onto 2 blocks of a small pool.
     n = 2100
     si = rng.integers(0, 8, n)
     di = rng.choice([1, 3], n)

@@ -1,22 +1,21 @@
 // Host emulation of the copy kernel's work distribution (ffi/copy_units.cuh), for machines
-// without a GPU: runs CopyUnit for every work unit and thread of a launch (CopyLeanThread for
-// every thread of the lean copy's grid, where the handler takes it), one after another,
-// and checks the result against a reference that applies the pairs in order. Also runs the copy
-// engines' plan (PlanDmaCopies) with memcpy: in plan order when it reports two pairs writing one
-// block, in reverse order otherwise (it promises that any order gives the same result). And
-// runs a large batch's duplicate scan (ClaimLastWriter in a random order, as the GPU's threads
-// race, then LaterWriterTokensFromClaims) against the in-order scan.
+// without a GPU: runs CopyUnit for every work unit and thread of a launch, one after another,
+// and checks the result against a reference that applies the pairs in order. The duplicate
+// scan's answers (LaterWriterTokensKernel on the GPU) come from an in-order reference here.
+// Also runs the copy engines' plan (PlanDmaCopies) with memcpy: in plan order when it reports
+// two pairs writing one block, in reverse order otherwise (it promises that any order gives the
+// same result).
 //
 // Each random case (geometry, vector width, batch with padding, out-of-range and repeated
-// indices, token counts from -1 to T+1) runs twice, units in forward and in reverse order: two
-// units that wrote the same bytes with different data (a race on the GPU) would make the two
-// runs differ. Pools are separate allocations with guard bytes around them, so a write outside
-// them shows here (and under -fsanitize=address as well). Prints "ok N cases" or the first
-// failure, and exits 0 only when every case matched.
+// indices, token counts from -1 to T+1, GPUs of different sizes) runs units in forward and in
+// reverse order: two units that wrote the same bytes with different data (a race on the GPU)
+// would make the two runs differ. Pools are separate allocations with guard bytes around
+// them, so a write outside them shows here (and under -fsanitize=address as well). Prints
+// "ok N cases" or the first failure, and exits 0 only when every case matched.
 //
 //   g++ -std=c++17 -I ffi -isystem "$(python -c "import jax.ffi; print(jax.ffi.include_dir())")"
 //       tests/native/copy_units_emulation.cc && ./a.out [cases] [seed]
-// (tests/test_native_emulation.py builds and runs it.)
+// (tests/native/test_native_emulation.py builds and runs it.)
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -105,7 +104,8 @@ bool HasDuplicateDestinations(const Case& c) {
   return false;
 }
 
-// What the duplicate scan gives pair i: the most tokens a later valid pair to its block writes.
+// What the duplicate scan gives pair i: the most tokens a later valid pair to its block writes
+// (LaterWriterTokensKernel).
 std::vector<int32_t> LaterWriters(const Case& c) {
   std::vector<int32_t> first(c.num_pairs, 0);
   for (int64_t i = 0; i < c.num_pairs; ++i) {
@@ -119,97 +119,16 @@ std::vector<int32_t> LaterWriters(const Case& c) {
   return first;
 }
 
-// Runs ClaimLastWriter for every pair, in a random order (the GPU's threads race), over a
-// workspace set to -1 as the handler sets it, and returns it.
-std::vector<int32_t> Claims(const Case& c, std::mt19937_64& rng) {
-  Batch b{{nullptr, false}, {nullptr, false}, c.src_idx.data(), c.dst_idx.data(),
-          c.tokens.data(), nullptr, c.num_pairs, c.src_blocks, c.dst_blocks, c.g};
-  std::vector<int32_t> last(c.dst_blocks, -1);
-  std::vector<int64_t> order(c.num_pairs);
-  for (int64_t j = 0; j < c.num_pairs; ++j) order[j] = j;
-  std::shuffle(order.begin(), order.end(), rng);
-  for (int64_t j : order) {
-    kvxfer::ClaimLastWriter(b, j, last.data(), [](int32_t* a, int32_t j) { *a = std::max(*a, j); });
-  }
-  return last;
-}
-
-// Each written block must end naming its greatest valid writer, and the tokens found from the
-// claims (LaterWriterTokensFromClaims) must equal the scan's, `first` (LaterWriters). Returns
-// an empty string or what went wrong.
-std::string CheckLastWriters(const Case& c, const std::vector<int32_t>& last,
-                             const std::vector<int32_t>& first) {
-  Batch b{{nullptr, false}, {nullptr, false}, c.src_idx.data(), c.dst_idx.data(),
-          c.tokens.data(), nullptr, c.num_pairs, c.src_blocks, c.dst_blocks, c.g};
-  for (int64_t i = 0; i < c.num_pairs; ++i) {
-    if (!Valid(c, i)) continue;
-    int64_t greatest = i;
-    for (int64_t j = i + 1; j < c.num_pairs; ++j) {
-      if (Valid(c, j) && c.dst_idx[j] == c.dst_idx[i]) greatest = j;
-    }
-    if (last[c.dst_idx[i]] != greatest) {
-      return "block " + std::to_string(c.dst_idx[i]) + ": last writer " +
-             std::to_string(last[c.dst_idx[i]]) + ", expected pair " + std::to_string(greatest);
-    }
-    if (kvxfer::LaterWriterTokensFromClaims(b, i, last.data()) != first[i]) {
-      return "pair " + std::to_string(i) + ": tokens from the claims differ from the scan's";
-    }
-  }
-  return "";
-}
-
-// The threads the handler launches for this batch: the lean copy's where LeanShapeFor takes
-// it; otherwise units of kSmallUnitThreads threads where SmallUnits says so (a large partial
-// batch without the fused scan), or of kThreads.
+// Every unit and thread of the handler's launch for this batch, in `reverse` order or not, on a
+// GPU whose wave holds `wave_ctas` CTAs.
 template <typename V>
-void Emulate(const Batch& b, bool reverse, bool fallback_form_only) {
-  if (kvxfer::LeanShape lean; kvxfer::LeanShapeFor(b, sizeof(V), /*max_ctas=*/0, &lean)) {
-    // As the GPU's scans answer: the early form's -1 where a later pair writes the same block
-    // (its copy then stores nothing, and the whole scan's form copies the pair), else 0; the
-    // whole scan's form the tokens written later.
-    const auto early_scan = [&](uint32_t pair, int64_t, int64_t) {
-      const int32_t tokens = kvxfer::SupersededTokens(b, pair);
-      return [tokens]() { return tokens == 0 ? 0 : -1; };
-    };
-    const auto whole_scan = [&](uint32_t pair, int64_t, int64_t) {
-      const int32_t tokens = kvxfer::SupersededTokens(b, pair);
-      return [tokens]() { return tokens; };
-    };
-    const int p = lean.pair_threads_log2, lanes = lean.lanes_log2;
-    const int64_t threads = lean.ctas * kvxfer::kThreads;
-    for (int64_t k = 0; k < threads; ++k) {
-      const auto t = static_cast<uint32_t>(reverse ? threads - 1 - k : k);
-      // CopyLeanKernel<true, true>, the handler's copy that scans itself: its first two loads
-      // before the answer; fallback_form_only runs its fallback form (the whole scan first)
-      // for every pair.
-      if (b.scan_in_copy && !fallback_form_only) {
-        if (!kvxfer::CopyLeanThread<V, 2>(b, t, p, lanes, early_scan)) {
-          kvxfer::CopyLeanThread<V>(b, t, p, lanes, whole_scan);
-        }
-      } else {
-        kvxfer::CopyLeanThread<V>(b, t, p, lanes, whole_scan);
-      }
-    }
-    return;
-  }
-  const bool small = kvxfer::SmallUnits(b, /*max_ctas=*/0);
-  const int unit_threads = small ? kvxfer::kSmallUnitThreads : kvxfer::kThreads;
-  const int64_t units_per_pair =
-      kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, unit_threads);
+void Emulate(const Batch& b, bool reverse, int64_t wave_ctas) {
+  const int64_t units_per_pair = kvxfer::UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, wave_ctas);
   const int64_t units = b.num_pairs * units_per_pair;
   for (int64_t k = 0; k < units; ++k) {
     const int64_t u = reverse ? units - 1 - k : k;
-    const int64_t start = kvxfer::SupersededTokens(b, u / units_per_pair);
-    for (int t = 0; t < unit_threads; ++t) {
-      const int thread = reverse ? unit_threads - 1 - t : t;
-      if (b.whole_blocks) {  // as the kernel that scans itself copies a whole-block batch
-        kvxfer::CopyWholeUnit<V>(b, u, units_per_pair, thread,
-                                 [&] { return start >= b.g.tokens; });
-      } else if (small) {
-        kvxfer::CopyUnit<V, kvxfer::kSmallUnitThreads>(b, u, units_per_pair, thread, start);
-      } else {
-        kvxfer::CopyUnit<V>(b, u, units_per_pair, thread, start);
-      }
+    for (int t = 0; t < kvxfer::kThreads; ++t) {
+      kvxfer::CopyUnit<V>(b, u, units_per_pair, reverse ? kvxfer::kThreads - 1 - t : t);
     }
   }
 }
@@ -299,35 +218,22 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   for (auto& x : dst0) x = static_cast<uint8_t>(rng());
   std::vector<uint8_t> want = dst0;
   Reference(c, src.data(), want.data());
-  const std::vector<int32_t> first = LaterWriters(c);
-  std::vector<int32_t> last;
-  if (!c.gather) {
-    last = Claims(c, rng);
-    if (std::string error = CheckLastWriters(c, last, first); !error.empty()) return error;
-  }
+  const std::vector<int32_t> superseded = LaterWriters(c);
   // The host's promise that every pair copies a whole block, made only when true (and not
-  // always then): the kernel then gives each pair a whole block's work units, and neither the
-  // kernel nor the copy engines read the token counts (null here, so a read would crash);
-  // neither changes the bytes copied.
+  // always then): neither the kernel nor the copy engines then read the token counts (null
+  // here, so a read would crash); it does not change the bytes copied.
   bool all_whole = true;
   for (int32_t n : c.tokens) all_whole = all_whole && kvxfer::TokensToCopy(n, c.g) == c.g.tokens;
   const bool whole_hint = all_whole && (rng() & 1);
+  const int64_t wave_ctas = 8 * std::uniform_int_distribution<int64_t>(1, 132)(rng);
 
-  // kernel forward, kernel reverse (both with the scan's answers), kernel reverse with the
-  // claims (as after ClaimLastWritersKernel), copy engines; where no two pairs write one block,
-  // kernel reverse with no scan at all (unique_dst_indices=True: the lean copy); and the kernel
-  // that scans itself in reverse (forward, a pair that ignored the scan would still lose to the
-  // later writer), as the handler's lean copy runs and in its fallback form alone.
-  for (int mode = 0; mode < 7; ++mode) {
-    const bool reverse = mode != 0 && mode != 3, claims = mode == 2, dma = mode == 3;
-    const bool unique = mode == 4, fused = mode == 0 || mode >= 5;
-    if ((dma || claims || unique) && c.gather) continue;
+  // kernel forward and reverse with the scan's answers, copy engines, and where no two pairs
+  // write one block, kernel reverse with no scan (unique_dst_indices=True, or one pair).
+  for (int mode = 0; mode < 4; ++mode) {
+    const bool reverse = mode != 0, dma = mode == 2, unique = mode == 3;
+    if ((dma || unique) && c.gather) continue;
     if (unique && HasDuplicateDestinations(c)) continue;
-    const char* name = mode == 6   ? "reverse, scanning itself, fallback form"
-                       : mode == 5 ? "reverse, scanning itself"
-                       : unique ? "reverse, no scan"
-                       : dma  ? "copy engines"
-                       : claims ? "reverse, claims"
+    const char* name = unique ? "reverse, no scan" : dma ? "copy engines"
                        : reverse ? "reverse" : "forward";
     Buffer dst(dst_slots * c.g.block_bytes);
     if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
@@ -335,25 +241,19 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
             {reinterpret_cast<char*>(src.data()), false},
             c.src_idx.data(),
             c.dst_idx.data(),
-            c.tokens.data(),
-            c.gather || c.num_pairs == 1 || unique ? nullptr : first.data(),
+            whole_hint ? nullptr : c.tokens.data(),
+            c.gather || c.num_pairs == 1 || unique ? nullptr : superseded.data(),
             c.num_pairs,
             c.src_blocks,
             c.dst_blocks,
-            c.g};
-    b.whole_blocks = whole_hint;
-    b.scan_in_copy = fused;  // the fused kernel's units (its scan's answers in `first`)
-    if (whole_hint) b.num_tokens = nullptr;
-    if (claims && c.num_pairs > 1) {
-      b.first = last.data();
-      b.claims = true;
-    }
+            c.g,
+            whole_hint};
     if (dma) {
       bool ordered = false;
       RunDmaPlan(b, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
     } else {
-      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse, mode == 6); });
+      WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse, wave_ctas); });
     }
     if (!dst.GuardsIntact() || !src.GuardsIntact()) {
       return "a write outside the pools (" + std::string(name) + ")";

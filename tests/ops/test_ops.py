@@ -798,25 +798,3 @@ def test_eager_copy_with_donate_updates_in_place(dst_kind, rng):
         kvx.copy_blocks(out, out, [0], [1], donate=True)
 
 
-@pytest.mark.parametrize("traced", [False, True])
-def test_scan_workspace_has_entries_per_block_only_for_a_device_destination(traced):
-    """The duplicate scan's int32 workspace: an entry per pair, plus one per destination block
-    where the destination is in device memory (the GPU's claims); none per block for a
-    pinned_host destination, whose workspace XLA puts in pinned host memory too, where the
-    handler scans without them (and pinned memory is not spent per block of a host pool)."""
-    from jax_kvxfer._lowering import copy_results
-    rng = np.random.default_rng(5)
-    blocks, batch = int(rng.integers(8, 64)), int(rng.integers(1, 32))
-    sizes = {}
-
-    def record(pool, kind):
-        sizes[kind] = copy_results(pool, batch)[1].shape
-        return pool
-
-    for kind in ("device", "pinned_host"):
-        pool = put(np.zeros((blocks, 1, 2, 1, 4, 8), np.float32), kind)
-        if traced:  # inside jit the pool is a tracer, its memory space in its type
-            jax.jit(record, static_argnums=1).lower(pool, kind)
-        else:
-            record(pool, kind)
-    assert sizes == {"device": (batch + blocks,), "pinned_host": (batch,)}

@@ -307,7 +307,7 @@ def test_timeline_spans_our_kernels_and_counts_other_work_inside_only():
     ev = lambda name, start, ns: types.SimpleNamespace(name=name, start_ns=start, duration_ns=ns)
     starts = np.sort(rng.choice(np.arange(10_000, 1_000_000, 10_000), 4, replace=False))
     lengths = rng.integers(1, 5_000, 4)
-    ours = [ev("void kvxfer::CopyPairsKernel<uint4, 256>", int(s), int(n))
+    ours = [ev("void kvxfer::(anonymous namespace)::CopyKernel<uint4>", int(s), int(n))
             for s, n in zip(starts, lengths)]
     first, last = int(starts[0]), int(max(starts + lengths))
     gap_op = ev("Memset 3", int(starts[1]) - 700, 500)          # inside the span
@@ -332,11 +332,11 @@ def test_kernel_time_counts_our_kernels_on_gpu_streams_only():
     ours = [int(x) for x in rng.integers(1, 10**6, 3)]
     profile = types.SimpleNamespace(planes=[
         plane("/device:GPU:0",
-              line("Stream #13(compute)", ev("void kvxfer::CopyPairsKernel<uint4, 256>", ours[0]),
+              line("Stream #13(compute)", ev("void kvxfer::(anonymous namespace)::CopyKernel<uint4>", ours[0]),
                    ev("loop_fusion", 999)),
-              line("Stream #14(copy)", ev("_ZN6kvxfer22SupersededTokensKernel", ours[1])),
+              line("Stream #14(copy)", ev("_ZN6kvxfer23LaterWriterTokensKernel", ours[1])),
               line("XLA Ops", ev("custom-call kvxfer", 5000))),
-        plane("/device:GPU:1", line("Stream #7", ev("kvxfer::CopyPairsKernel", ours[2]))),
+        plane("/device:GPU:1", line("Stream #7", ev("kvxfer::CopyKernel", ours[2]))),
         plane("/host:CPU", line("Stream host", ev("kvxfer handler", 7000))),
     ])
     assert bench.core.timeline_ns(profile)[0] == sum(ours)

@@ -1,0 +1,61 @@
+// What the CUDA handlers share: the block copy on a given stream (block_copy_cuda.cu), used by
+// the both-ways fork/join (both_ways_cuda.cu) and the transfer lanes (lanes_cuda.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+
+#include "block_copy.h"
+#include "copy_units.cuh"
+#include "nanobind/nanobind.h"
+
+namespace kvxfer {
+
+inline ffi::Error CudaError(cudaError_t err, const char* what) {
+  return ffi::Error::Internal(std::string("jax_kvxfer block copy: ") + what + ": " +
+                              cudaGetErrorString(err));
+}
+
+// Whether `p` is (pinned) host memory. JAX offers no other host memory on GPUs.
+bool IsHostMemory(const void* p);
+
+// Sets the current device for the scope (events and streams belong to one device).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    (void)cudaGetDevice(&previous_);
+    if (previous_ != device) (void)cudaSetDevice(device);
+  }
+  ~ScopedDevice() { (void)cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+// Batches copied by the copy engines so far (read by tests).
+extern std::atomic<int64_t> dma_batches;
+
+// The copy kernel over batch `b` on `stream`; max_ctas > 0 caps the grid (CTAs of 1024 threads).
+ffi::Error LaunchCopyKernel(cudaStream_t stream, const Batch& b, int64_t max_ctas);
+
+// The batch on the copy engines, indices read on the host: in any order where destinations are
+// distinct, else (or with `in_order`) one copy after another in pair order.
+cudaError_t EnqueueDmaCopies(cudaStream_t stream, const Batch& b, bool in_order);
+
+// The whole block copy on `stream`, as the block-copy targets run it.
+ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
+                        ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                        ffi::Buffer<ffi::S32> num_tokens, ffi::AnyBuffer out,
+                        ffi::Buffer<ffi::S32> superseded, ffi::Buffer<ffi::U8> staging,
+                        const CopyOptions& options);
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kBlockCopyForkCuda);  // both_ways_cuda.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kBlockCopyJoinCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kLaneCopyCuda);  // lanes_cuda.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kLaneCopyWithinCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kJoinLanesCuda);
+void DefineLaneFunctions(nanobind::module_& m);  // lanes_cuda.cu
+
+}  // namespace kvxfer
