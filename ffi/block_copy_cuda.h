@@ -38,7 +38,9 @@ class ScopedDevice {
 extern std::atomic<int64_t> dma_batches;
 
 // The copy kernel over batch `b` on `stream`; max_ctas > 0 caps the grid (CTAs of 1024 threads).
-ffi::Error LaunchCopyKernel(cudaStream_t stream, const Batch& b, int64_t max_ctas);
+// `scan`: the kernel applies the duplicate-destination rule itself (an uncapped grid only).
+ffi::Error LaunchCopyKernel(cudaStream_t stream, const Batch& b, int64_t max_ctas,
+                            bool scan = false);
 
 // The batch on the copy engines, indices read on the host: in any order where destinations are
 // distinct, else (or with `in_order`) one copy after another in pair order.

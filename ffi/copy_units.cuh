@@ -129,9 +129,11 @@ KVXFER_DEVICE void CopyRuns(char* dst, const char* src, int64_t runs, int64_t ru
 // Work unit u in [0, num_pairs * units_per_pair) copies a share of pair u / units_per_pair:
 // tokens [start, n) of every run of the block (start: the tokens a later pair writes anyway),
 // or the whole block as one run, with vectors of type V (every address and length of the batch
-// is aligned to V). `thread` in [0, kThreads).
+// is aligned to V). `thread` in [0, kThreads). `found_start` >= 0: the start as the unit found it
+// itself (the copy kernel that scans), else b.superseded's.
 template <typename V>
-KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread) {
+KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair, int thread,
+                            int64_t found_start = -1) {
   // 32-bit division where both fit (always, in practice): a 64-bit one is a long subroutine
   // on the GPU, standing before the unit's first load.
   const int64_t pair =
@@ -142,7 +144,8 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
   // The pair's indices and token counts are loaded together, before any is checked.
   const int64_t s = b.src_idx[pair], d = b.dst_idx[pair];
   const int32_t tokens = b.whole_blocks ? 0 : b.num_tokens[pair];
-  const int64_t start = b.superseded == nullptr ? 0 : b.superseded[pair];
+  const int64_t start = found_start >= 0 ? found_start
+                        : b.superseded == nullptr ? 0 : b.superseded[pair];
   if (!IndicesInRange(b, s, d)) return;
   const PoolGeometry& g = b.g;
   const int64_t n = b.whole_blocks ? g.tokens : TokensToCopy(tokens, g);
