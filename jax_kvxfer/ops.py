@@ -123,8 +123,8 @@ def copy_blocks(
         Ignored on CPU.
       unique_dst_indices: the caller's promise that no destination block is written by two
         pairs (negative padding may repeat), as `unique_indices` of JAX's scatter. With traced
-        indices the GPU then skips the scan for later pairs writing the same block, one
-        kernel launch per call (known indices are scanned on the host anyway). Checked where
+        indices the GPU then skips its scan for later pairs writing the same block (known
+        indices are checked on the host, which then tells the GPU itself). Checked where
         the indices are known; with traced indices a broken promise leaves the blocks written
         twice undefined (never memory outside the pools).
 
