@@ -237,8 +237,8 @@ ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer 
       err.failure()) {
     return err;
   }
-  Batch b{{out_data, false},
-          {static_cast<char*>(src.untyped_data()), false},
+  Batch b{{out_data, g.block_bytes, false},
+          {static_cast<char*>(src.untyped_data()), g.block_bytes, false},
           src_idx.typed_data(),
           dst_idx.typed_data(),
           num_tokens.typed_data(),
@@ -260,9 +260,9 @@ ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer 
   // written and a block may be both read and written, gather the sources out first.
   if (stage) {
     Batch gather = b;
-    gather.dst = {reinterpret_cast<char*>(staging.typed_data()), true};
+    gather.dst = {reinterpret_cast<char*>(staging.typed_data()), g.block_bytes, true};
     if (auto err = LaunchCopyKernel(stream, gather, options.max_ctas); err.failure()) return err;
-    b.src = {reinterpret_cast<char*>(staging.typed_data()), true};
+    b.src = {reinterpret_cast<char*>(staging.typed_data()), g.block_bytes, true};
   }
   const bool scan = num_pairs > 1 && !options.unique_dst;
   const int64_t units_per_pair = UnitsPerPair(g, num_pairs, b.whole_blocks, WaveCtas());

@@ -28,9 +28,11 @@ constexpr int kUnroll = 4;     // vector loads in flight per thread
 constexpr int64_t kMaxUnitsPerPair = 4096;
 
 // One side of a batch: a pool addressed by the pair's block index, or a staging buffer laid out
-// one block per pair (by_pair).
+// one block per pair (by_pair); slots `stride` bytes apart (the block's bytes, or more where a
+// block is one layer's part of a host row holding every layer's).
 struct Side {
   char* data;
+  int64_t stride;
   bool by_pair;
 };
 
@@ -158,8 +160,8 @@ KVXFER_DEVICE void CopyUnit(const Batch& b, int64_t unit, int64_t units_per_pair
     pitch = g.tokens * g.row_bytes;
     offset = start * g.row_bytes;
   }
-  char* dst = b.dst.data + (b.dst.by_pair ? pair : d) * g.block_bytes + offset;
-  const char* src = b.src.data + (b.src.by_pair ? pair : s) * g.block_bytes + offset;
+  char* dst = b.dst.data + (b.dst.by_pair ? pair : d) * b.dst.stride + offset;
+  const char* src = b.src.data + (b.src.by_pair ? pair : s) * b.src.stride + offset;
   const int64_t rank = (unit - pair * units_per_pair) * kThreads + thread;
   CopyRuns<V>(dst, src, runs, run_bytes, pitch, rank, units_per_pair * kThreads);
 }
@@ -181,10 +183,12 @@ inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole
 }
 
 // The widest vector (16, 8, 4 or 1 bytes) every address the kernel forms is aligned to: each is
-// a pool base plus multiples of the block and row sizes. Host code.
+// a pool base plus multiples of the strides and of the block and row sizes. Host code.
 inline int VectorBytes(const Batch& b) {
   const uint64_t align = reinterpret_cast<uint64_t>(b.dst.data) |
                          reinterpret_cast<uint64_t>(b.src.data) |
+                         static_cast<uint64_t>(b.dst.stride) |
+                         static_cast<uint64_t>(b.src.stride) |
                          static_cast<uint64_t>(b.g.block_bytes) |
                          static_cast<uint64_t>(b.g.row_bytes);
   for (int bytes : {16, 8, 4}) {
@@ -204,7 +208,8 @@ struct DmaCopy {
 };
 
 // The copy engines' plan for a batch whose indices the handler reads on the host: out-of-range
-// pairs skipped as by the kernel, whole blocks adjacent in both pools merged into one copy, a
+// pairs skipped as by the kernel, whole blocks adjacent in both contiguous pools merged into one
+// copy, a
 // partial block one strided copy, in pair order. Returns whether two valid pairs write one
 // block: the copies must then run in this order, so that the later pair wins. Host code.
 inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
@@ -212,6 +217,7 @@ inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
   std::vector<DmaCopy>& copies = *out;
   std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
   bool duplicates = false, last_whole = false;
+  const bool contiguous = b.dst.stride == g.block_bytes && b.src.stride == g.block_bytes;
   int64_t last_s = -2, last_d = -2;
   for (int64_t i = 0; i < b.num_pairs; ++i) {
     const int64_t s = b.src_idx[i], d = b.dst_idx[i];
@@ -221,10 +227,10 @@ inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
     const int64_t n = PairTokens(b, i);
     const bool whole = n == g.tokens;
     const int64_t from = b.src.by_pair ? i : s;  // a staged source holds pair i's block at i
-    if (whole && last_whole && from == last_s + 1 && d == last_d + 1) {
+    if (whole && last_whole && from == last_s + 1 && d == last_d + 1 && contiguous) {
       copies.back().width += static_cast<size_t>(g.block_bytes);
     } else {
-      copies.push_back({b.dst.data + d * g.block_bytes, b.src.data + from * g.block_bytes,
+      copies.push_back({b.dst.data + d * b.dst.stride, b.src.data + from * b.src.stride,
                         static_cast<size_t>(whole ? g.block_bytes : n * g.row_bytes),
                         static_cast<size_t>(g.tokens * g.row_bytes),
                         static_cast<size_t>(whole ? 1 : g.outer)});

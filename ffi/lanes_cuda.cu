@@ -177,8 +177,8 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
   if (num_pairs == 0 || dst_blocks == 0 || src_blocks == 0 || g.block_bytes == 0) {
     return ffi::Error::Success();
   }
-  Batch b{{out_data, false},
-          {within ? out_data : static_cast<char*>(src.untyped_data()), false},
+  Batch b{{out_data, g.block_bytes, false},
+          {within ? out_data : static_cast<char*>(src.untyped_data()), g.block_bytes, false},
           src_idx.typed_data(),
           dst_idx.typed_data(),
           num_tokens.typed_data(),
@@ -207,7 +207,7 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
       return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy (in line)");
     }
     Batch gather = b;
-    gather.dst = {static_cast<char*>(snapshot), true};
+    gather.dst = {static_cast<char*>(snapshot), g.block_bytes, true};
     ffi::Error launched = ffi::Error::Success();
     (void)Exposed(lanes, stream, [&] {
       launched = LaunchCopyKernel(stream, gather, 0);
@@ -217,7 +217,7 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
       (void)cudaFreeAsync(snapshot, stream);
       return launched;
     }
-    b.src = {static_cast<char*>(snapshot), true};
+    b.src = {static_cast<char*>(snapshot), g.block_bytes, true};
   }
   err = cudaEventRecord(lanes->ready, stream);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(lane_stream, lanes->ready, 0);

@@ -68,6 +68,9 @@ struct Case {
   int64_t num_pairs, src_blocks, dst_blocks;
   std::vector<int32_t> src_idx, dst_idx, tokens;
   bool gather;  // the staging path: every valid pair's source into its own slot (by_pair)
+  // bytes between slots: the block's, or more (a layer's part of a host row holding every
+  // layer's, with the other layers' bytes between, which must stay as they were)
+  int64_t src_stride, dst_stride;
 };
 
 bool Valid(const Case& c, int64_t i) {
@@ -81,8 +84,8 @@ void Reference(const Case& c, const uint8_t* src, uint8_t* dst) {
   for (int64_t i = 0; i < c.num_pairs; ++i) {
     if (!Valid(c, i)) continue;
     const int64_t n = kvxfer::TokensToCopy(c.tokens[i], g);
-    const uint8_t* s = src + c.src_idx[i] * g.block_bytes;
-    uint8_t* d = dst + (c.gather ? i : c.dst_idx[i]) * g.block_bytes;
+    const uint8_t* s = src + c.src_idx[i] * c.src_stride;
+    uint8_t* d = dst + (c.gather ? i : c.dst_idx[i]) * c.dst_stride;
     if (n == g.tokens) {
       std::memcpy(d, s, g.block_bytes);
       continue;
@@ -168,6 +171,10 @@ Case RandomCase(std::mt19937_64& rng) {
   c.src_blocks = pick({1, 3, 8, 33});
   c.dst_blocks = pick({1, 3, 8, 33});
   c.gather = std::uniform_int_distribution<int>(0, 4)(rng) == 0;
+  // strides: the block's, or a few bytes or a few blocks more
+  const auto stride = [&] { return c.g.block_bytes + pick({0, 0, 0, 1, 16, 3 * c.g.block_bytes}); };
+  c.src_stride = stride();
+  c.dst_stride = stride();
   std::uniform_int_distribution<int32_t> si(-2, static_cast<int32_t>(c.src_blocks));
   std::uniform_int_distribution<int32_t> di(-2, static_cast<int32_t>(c.dst_blocks));
   std::uniform_int_distribution<int32_t> nt(-1, static_cast<int32_t>(c.g.tokens) + 1);
@@ -188,11 +195,12 @@ std::string Describe(const Case& c) {
   char s[256];
   std::snprintf(s, sizeof s,
                 "outer %lld tokens %lld row_bytes %lld block_bytes %lld pairs %lld src_blocks "
-                "%lld dst_blocks %lld gather %d",
+                "%lld dst_blocks %lld gather %d strides %lld %lld",
                 static_cast<long long>(c.g.outer), static_cast<long long>(c.g.tokens),
                 static_cast<long long>(c.g.row_bytes), static_cast<long long>(c.g.block_bytes),
                 static_cast<long long>(c.num_pairs), static_cast<long long>(c.src_blocks),
-                static_cast<long long>(c.dst_blocks), c.gather ? 1 : 0);
+                static_cast<long long>(c.dst_blocks), c.gather ? 1 : 0,
+                static_cast<long long>(c.src_stride), static_cast<long long>(c.dst_stride));
   return s;
 }
 
@@ -212,8 +220,8 @@ void RunDmaPlan(const Batch& b, bool* ordered) {
 // take it (never the staging gather); returns an empty string or what went wrong.
 std::string Check(const Case& c, std::mt19937_64& rng) {
   const int64_t dst_slots = c.gather ? c.num_pairs : c.dst_blocks;
-  Buffer src(c.src_blocks * c.g.block_bytes);
-  std::vector<uint8_t> dst0(dst_slots * c.g.block_bytes);
+  Buffer src(c.src_blocks * c.src_stride);
+  std::vector<uint8_t> dst0(dst_slots * c.dst_stride);
   for (int64_t i = 0; i < src.size; ++i) src.data()[i] = static_cast<uint8_t>(rng());
   for (auto& x : dst0) x = static_cast<uint8_t>(rng());
   std::vector<uint8_t> want = dst0;
@@ -235,10 +243,10 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
     if (unique && HasDuplicateDestinations(c)) continue;
     const char* name = unique ? "reverse, no scan" : dma ? "copy engines"
                        : reverse ? "reverse" : "forward";
-    Buffer dst(dst_slots * c.g.block_bytes);
+    Buffer dst(dst_slots * c.dst_stride);
     if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
-    Batch b{{reinterpret_cast<char*>(dst.data()), c.gather},
-            {reinterpret_cast<char*>(src.data()), false},
+    Batch b{{reinterpret_cast<char*>(dst.data()), c.dst_stride, c.gather},
+            {reinterpret_cast<char*>(src.data()), c.src_stride, false},
             c.src_idx.data(),
             c.dst_idx.data(),
             whole_hint ? nullptr : c.tokens.data(),
