@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "block_copy.h"
+#include "layer_copy.h"
 #include "nanobind/nanobind.h"
 
 namespace nb = nanobind;
@@ -126,6 +127,35 @@ ffi::Error LaneCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
   return LaneCopyCpu(pool, pool, src_idx, dst_idx, num_tokens, out, options);
 }
 
+// The layered copy (layer_copy.h): each part's pairs in order, the copy engines' plan run with
+// memcpy (which the emulation checks against the reference, as the GPU's copy kernel).
+ffi::Error LayerCopyCpu(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                        ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
+                        ffi::Result<ffi::Buffer<ffi::S32>> /*superseded*/, ffi::RemainingRets outs,
+                        LayerCopyOptions options) {
+  LayerCopyPlan plan;
+  if (auto err = PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan);
+      err.failure()) {
+    return err;
+  }
+  for (auto& [in, out] : plan.destinations) {
+    if (out.untyped_data() != in.untyped_data()) {  // XLA did not alias: start from in's contents
+      std::memcpy(out.untyped_data(), in.untyped_data(), in.size_bytes());
+    }
+  }
+  for (const Batch& part : plan.parts) {
+    if (part.src_blocks == 0 || part.dst_blocks == 0) continue;
+    std::vector<DmaCopy> copies;
+    PlanDmaCopies(part, &copies);
+    for (const DmaCopy& c : copies) {
+      for (size_t row = 0; row < c.height; ++row) {
+        std::memcpy(c.dst + row * c.pitch, c.src + row * c.pitch, c.width);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
                         int64_t /*lanes*/) {
   if (out->untyped_data() != array.untyped_data()) {
@@ -144,6 +174,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu, BindForkCopy(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu, BindJoinCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCpu, LaneCopyCpu, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu, BindLaneCopy(KVXFER_POOLS_1));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
+                                  .RemainingArgs()               // the host array, the layers
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // [B]: the GPU's duplicate scan
+                                  .RemainingRets()  // the host array or the layers, aliased
+                                  .Attrs<LayerCopyOptions>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,
                               KVXFER_POOLS_1.Ret<ffi::AnyBuffer>().Attr<int64_t>("lanes"));
 
@@ -164,6 +203,7 @@ NB_MODULE(_kvxfer_cpu, m) {
         nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
     d["jax_kvxfer_block_copy_fork"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCpu));
     d["jax_kvxfer_block_copy_join"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCpu));
+    d["jax_kvxfer_layer_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLayerCopyCpu));
     d["jax_kvxfer_lane_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyCpu));
     d["jax_kvxfer_lane_copy_within"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCpu));
     d["jax_kvxfer_join_lanes"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kJoinLanesCpu));

@@ -264,20 +264,25 @@ ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer 
     if (auto err = LaunchCopyKernel(stream, gather, options.max_ctas); err.failure()) return err;
     b.src = {reinterpret_cast<char*>(staging.typed_data()), g.block_bytes, true};
   }
-  const bool scan = num_pairs > 1 && !options.unique_dst;
-  const int64_t units_per_pair = UnitsPerPair(g, num_pairs, b.whole_blocks, WaveCtas());
-  if (scan && ScanInCopy(b, units_per_pair, options.max_ctas)) {
-    return LaunchCopyKernel(stream, b, options.max_ctas, true);
+  return CopyBatch(stream, b, superseded.typed_data(), options.unique_dst, options.max_ctas);
+}
+
+ffi::Error CopyBatch(cudaStream_t stream, Batch b, int32_t* superseded, bool unique_dst,
+                     int64_t max_ctas) {
+  const bool scan = b.num_pairs > 1 && !unique_dst;
+  const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, WaveCtas());
+  if (scan && ScanInCopy(b, units_per_pair, max_ctas)) {
+    return LaunchCopyKernel(stream, b, max_ctas, true);
   }
   if (scan) {
-    b.superseded = superseded.typed_data();
-    LaterWriterTokensKernel<<<static_cast<unsigned>(num_pairs), kThreads, 0, stream>>>(
-        b, superseded.typed_data());
+    b.superseded = superseded;
+    LaterWriterTokensKernel<<<static_cast<unsigned>(b.num_pairs), kThreads, 0, stream>>>(
+        b, superseded);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
       return CudaError(err, "duplicate-scan kernel launch");
     }
   }
-  return LaunchCopyKernel(stream, b, options.max_ctas);
+  return LaunchCopyKernel(stream, b, max_ctas);
 }
 
 namespace {
@@ -354,6 +359,7 @@ NB_MODULE(_kvxfer_cuda, m) {
         reinterpret_cast<void*>(kvxfer::kBlockCopyWithinNoGraphCuda));
     add("jax_kvxfer_block_copy_fork", reinterpret_cast<void*>(kvxfer::kBlockCopyForkCuda));
     add("jax_kvxfer_block_copy_join", reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCuda));
+    add("jax_kvxfer_layer_copy", reinterpret_cast<void*>(kvxfer::kLayerCopyCuda));
     add("jax_kvxfer_lane_copy", reinterpret_cast<void*>(kvxfer::kLaneCopyCuda));
     add("jax_kvxfer_lane_copy_within", reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCuda));
     add("jax_kvxfer_join_lanes", reinterpret_cast<void*>(kvxfer::kJoinLanesCuda));

@@ -42,6 +42,11 @@ extern std::atomic<int64_t> dma_batches;
 ffi::Error LaunchCopyKernel(cudaStream_t stream, const Batch& b, int64_t max_ctas,
                             bool scan = false);
 
+// The kernel copy of batch `b` (no staging): where destinations may repeat, the duplicate scan
+// first, in the copy itself or (`superseded`: an int32 per pair) in a kernel before it.
+ffi::Error CopyBatch(cudaStream_t stream, Batch b, int32_t* superseded, bool unique_dst,
+                     int64_t max_ctas);
+
 // The batch on the copy engines, indices read on the host: in any order where destinations are
 // distinct, else (or with `in_order`) one copy after another in pair order.
 cudaError_t EnqueueDmaCopies(cudaStream_t stream, const Batch& b, bool in_order);
@@ -55,6 +60,7 @@ ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer 
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kBlockCopyForkCuda);  // both_ways_cuda.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kBlockCopyJoinCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kLayerCopyCuda);  // layer_copy_cuda.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kLaneCopyCuda);  // lanes_cuda.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kLaneCopyWithinCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kJoinLanesCuda);

@@ -19,6 +19,10 @@ BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst
 BLOCK_COPY_NOGRAPH_TARGET = "jax_kvxfer_block_copy_nograph"
 BLOCK_COPY_WITHIN_NOGRAPH_TARGET = "jax_kvxfer_block_copy_within_nograph"
 
+# Between an engine's per-layer arrays and a pool's host rows (layers.py): (src_idx, dst_idx,
+# num_tokens, host, *layers)
+LAYER_COPY_TARGET = "jax_kvxfer_layer_copy"
+
 # The manager's copies beside compute (lanes.py): (dst, src, ...) and (pool, ...), and the join.
 LANE_COPY_TARGET = "jax_kvxfer_lane_copy"
 LANE_COPY_WITHIN_TARGET = "jax_kvxfer_lane_copy_within"

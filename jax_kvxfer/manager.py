@@ -22,8 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._checks import IndexFacts, check_byte_rows, check_dma_choice, index_facts
+from ._checks import IndexFacts, check_dma_choice, index_facts
 from ._jax_seams import pinned_by_external_reference
+from ._layouts import expand_pairs, expand_tokens
 from ._lowering import HOST_COPY_CTAS, block_copy_call
 from .batch import PairBatch, check_batch, check_index_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
@@ -37,6 +38,7 @@ from .lanes import (
     take_exposed_seconds,
     wait_lanes,
 )
+from .layers import host_rows_view, layer_copy_call
 from .plan_ring import PlanRing, PlanSlot
 from .pool import KVCacheBlock, KVCacheBlockPool
 
@@ -88,22 +90,47 @@ def _on_shards(fn, mesh, spec, num_pools: int):
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
 
 
-def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, specs, dma=None, whole=False):
+def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, specs, dma=None, whole=False,
+                      layers=None):
     """dma: per pool, whether its copy goes to the copy engines (None: none does); whole:
-    every pair copies a whole block."""
+    every pair copies a whole block; layers: per pool, its LayerViews (None: none has)."""
     pools = []
-    for d, s, spec, use_dma in zip(dsts, srcs, specs, dma or (False,) * len(dsts)):
+    for d, s, spec, use_dma, views in zip(dsts, srcs, specs, dma or (False,) * len(dsts),
+                                          layers or (None,) * len(dsts)):
+        if views is not None:  # an engine's arrays (a list) and the host rows
+            offload = not isinstance(d, list)
+            pools.append(layer_copy_call(d if offload else s, s if offload else d, plan[0],
+                                         plan[1], plan[2], offload=offload, views=views,
+                                         unique_dst=facts.unique_dst, dma=use_dma,
+                                         whole_blocks=whole))
+            continue
+
         def copy(d, s, p, use_dma=use_dma):
             return block_copy_call(d, s, p[0], p[1], p[2], facts, dma=use_dma, whole_blocks=whole)
         pools.append(_on_shards(copy, mesh, spec, 2)(d, s, plan))
     return tuple(pools), token
 
 
-def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False):
+def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False, layers=None):
     def copy(pool, p):
         return block_copy_call(pool, pool, p[0], p[1], p[2], facts, whole_blocks=whole)
-    pools = tuple(_on_shards(copy, mesh, spec, 1)(pool, plan) for pool, spec in zip(pools, specs))
-    return pools, token
+    out = []
+    for pool, spec, views in zip(pools, specs, layers or (None,) * len(pools)):
+        if views is None:
+            out.append(_on_shards(copy, mesh, spec, 1)(pool, plan))
+        elif isinstance(pool, list):  # an engine's arrays: each within itself, in its layout
+            out.append([block_copy_call(v, v, *_expanded(plan, lay), facts,
+                                        whole_blocks=whole).reshape(a.shape)
+                        for a, lay in zip(pool, views.layouts)
+                        for v in (a.reshape(lay.view),)])
+        else:  # host rows, whole blocks only (the manager checks)
+            out.append(copy(host_rows_view(pool), plan).reshape(pool.shape))
+    return tuple(out), token
+
+
+def _expanded(plan, lay):
+    """A plan's pairs for one array's 6-D view (a K/V-first array's blocks are slabs)."""
+    return (expand_pairs(plan[0], lay), expand_pairs(plan[1], lay), expand_tokens(plan[2], lay))
 
 
 def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan, mesh, specs,
@@ -148,7 +175,7 @@ _lane_within_undonated = jax.jit(_lane_within_impl, donate_argnums=2,
 _join = jax.jit(_join_impl, donate_argnums=0, static_argnames="lanes")
 _join_undonated = jax.jit(_join_impl, static_argnames="lanes")
 
-_STATIC = ("facts", "mesh", "specs")
+_STATIC = ("facts", "mesh", "specs", "layers")
 _copy_across = jax.jit(_copy_across_impl, donate_argnums=(0, 3),
                        static_argnames=_STATIC + ("dma", "whole"))
 _copy_within = jax.jit(_copy_within_impl, donate_argnums=(0, 2),
@@ -160,10 +187,9 @@ _copy_across_undonated = jax.jit(_copy_across_impl, donate_argnums=3,
                                  static_argnames=_STATIC + ("dma", "whole"))
 _copy_within_undonated = jax.jit(_copy_within_impl, donate_argnums=2,
                                  static_argnames=_STATIC + ("whole",))
-_both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1, 4),
-                     static_argnames=_STATIC + ("plan", "dma"))
-_both_ways_undonated = jax.jit(_both_ways_impl, donate_argnums=4,
-                               static_argnames=_STATIC + ("plan", "dma"))
+_BOTH_STATIC = ("facts", "mesh", "specs", "plan", "dma")
+_both_ways = jax.jit(_both_ways_impl, donate_argnums=(0, 1, 4), static_argnames=_BOTH_STATIC)
+_both_ways_undonated = jax.jit(_both_ways_impl, donate_argnums=4, static_argnames=_BOTH_STATIC)
 
 
 class DonationWarning(UserWarning):
@@ -271,13 +297,17 @@ class KVCacheTransferManager:
         if dma is True and first.mesh is not None:
             raise ValueError("dma=True takes pools on one device; these are sharded over "
                              f"{first.mesh.size} devices")
+        layers = tuple(p.layers for p in self._pools)
         self._static = {"mesh": first.mesh, "specs": tuple(p.partition_spec for p in self._pools)}
+        self._layers = layers if any(v is not None for v in layers) else None
         ring_sharding = PlanRing.sharding_for(first.sharding("device")) if plan_ring else None
         self._plans = PlanRing(ring_sharding) if ring_sharding is not None else None
         # The transfer lanes (lanes.py), and per slot whether a pending lane copy touches it:
         # lane 1 writes primary slots and reads secondary ones, lane 0 writes secondary ones
         # (its reads of primary slots are over once its snapshot is taken, on XLA's stream).
-        self._lanes = dma is not False and self._plans is not None and first.mesh is None
+        # (Pools over an engine's arrays copy on XLA's stream, in line.)
+        self._lanes = (dma is not False and self._plans is not None and first.mesh is None
+                       and self._layers is None)
         self._lanes_async = self._lanes and first.device.platform == "gpu"
         if self._lanes_async:
             # A manager dropped with copies in flight: its pools' arrays (which it holds) must
@@ -386,7 +416,8 @@ class KVCacheTransferManager:
             on = self._checked("onboard", onboard_pairs, onboard_tokens)
             # On the lanes both directions run at once anyway (lane 1 waits for lane 0 only
             # where an onboard reads a slot that an offload writes).
-            if len(off) and len(on) and not self._lanes and self._one_run_each_way(off, on):
+            if (len(off) and len(on) and not self._lanes and self._layers is None
+                    and self._one_run_each_way(off, on)):
                 self._dispatch_both_ways(off, on)
                 self._count(off)
                 self._count(on)
@@ -416,7 +447,7 @@ class KVCacheTransferManager:
                 return
             # Once the pools' arrays are ready, every lane copy is enqueued; once the lanes are
             # idle, all is done, and later work needs no join on XLA's stream.
-            arrays = [a for p in self._pools for a in (p.primary, p.secondary) if a is not None]
+            arrays = jax.tree.leaves([(p.primary, p.secondary) for p in self._pools])
             jax.block_until_ready([a for a in arrays if not a.is_deleted()])
             if self._onboards_pending or self._offloads_pending:
                 wait_lanes()
@@ -483,8 +514,14 @@ class KVCacheTransferManager:
     def _check_live(self, op: str, batch: PairBatch) -> None:
         """Byte rows for partial copies, and every array live, before anything is dispatched."""
         if not batch.whole:
+            t = self._pools[0].tokens_per_block
+            host_to_host = ~batch.src_primary & ~batch.dst_primary & (batch.tokens > 0) & (
+                batch.tokens < t)
             for pool in self._pools:
-                check_byte_rows(pool.block_shape, pool.dtype, partial_possible=True)
+                pool.check_partial()
+                if pool.layers is not None and host_to_host.any():
+                    raise ValueError(f"{op}: copies within the secondary pool of a pool over "
+                                     "an engine's arrays take whole blocks (num_tokens 0)")
         memories = (set(batch.direction) if batch.direction is not None else
                     set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist()))
         for pool in self._pools:
@@ -543,6 +580,7 @@ class KVCacheTransferManager:
     def _dispatch(self, run: PairBatch) -> None:
         """One jitted copy per pool for a run of one direction."""
         src_primary, dst_primary = run.direction  # a run has one (split_runs)
+        first = self._pools[0]
         if self._lanes and (src_primary or dst_primary):
             self._dispatch_on_lane(run)
             return
@@ -550,7 +588,8 @@ class KVCacheTransferManager:
         plan_arg, slot = self._plan_arrays(run)
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         if src_primary == dst_primary:
-            facts = index_facts(run.src, run.dst, dsts[0].shape[0], dsts[0].shape[0])
+            blocks = first.num_primary_blocks if dst_primary else first.num_secondary_blocks
+            facts = index_facts(run.src, run.dst, blocks, blocks)
             args = (dsts, plan_arg)
             donated, undonated = _copy_within, _copy_within_undonated
         else:
@@ -558,7 +597,7 @@ class KVCacheTransferManager:
             facts = _facts_across(run)
             args = (dsts, srcs, plan_arg)
             donated, undonated = _copy_across, _copy_across_undonated
-        static = dict(self._static, facts=facts, whole=run.whole)
+        static = dict(self._static, facts=facts, whole=run.whole, layers=self._layers)
         self._run_copy(donated, undonated, args, slot, static, dst_primary)
 
     def _run_copy(self, donated: Any, undonated: Any, args: tuple, slot: PlanSlot | None,

@@ -12,6 +12,7 @@ import numpy as np
 
 from ._checks import check_byte_rows, check_memory_space, dtype_bits
 from .lanes import wait_lanes
+from .layers import LayerViews, check_layers, layer_views
 from .limits import check_fits
 
 
@@ -98,9 +99,10 @@ def local_zeros(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Shard
     return array
 
 
-def _buffers(array: jax.Array) -> list[int]:
-    """The addresses of an array's device buffers (one per shard)."""
-    return [shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards]
+def _buffers(array: Any) -> list[int]:
+    """The addresses of an array's device buffers (one per shard; a list of arrays: all)."""
+    arrays = array if isinstance(array, (list, tuple)) else [array]
+    return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
 
 
 def _process_devices(mesh: jax.sharding.Mesh) -> list[jax.Device]:
@@ -166,7 +168,8 @@ class KVCacheBlockPool:
         elif kv_head_axis is not None:
             raise ValueError("kv_head_axis needs a mesh")
         self.device = device if device is not None else jax.devices()[0]
-        self._primary: jax.Array | None = None
+        self.layers: LayerViews | None = None  # a pool over an engine's arrays (from_layers)
+        self._primary: Any = None
         self._secondary: jax.Array | None = None
         # While the manager's transfer lanes may still read or write the arrays' buffers
         # (until its sync_transfers): their addresses, which an assigned array must keep.
@@ -205,9 +208,58 @@ class KVCacheBlockPool:
             pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
         return pool
 
+    @classmethod
+    def from_layers(cls, arrays: Any, *, token_axis: int, block_axis: int = 0,
+                    num_secondary_blocks: int) -> KVCacheBlockPool:
+        """A pool over an engine's own per-layer arrays, which it uses as they are (no copy).
+
+        `primary` is then the list of those arrays, readable and donatable by the engine's own
+        step, and assignable (a list of arrays of the same shapes); `secondary` one
+        `pinned_host` array `[num_secondary_blocks, row]` whose row holds one block of every
+        array, in order (K/V-first arrays slab by slab), so that a block offloads into one
+        contiguous row. Every array moves in one custom call per batch.
+
+        Args:
+          arrays: device arrays on one device, one per layer (or per layer and K/V), of one
+            dtype of whole bytes, each with its blocks along `block_axis` (all the same number)
+            and its tokens along `token_axis` (all the same number): NHD `[nb, T, H, D]`:
+            token_axis=1; HND `[nb, H, T, D]`: 2; K/V first `[2, nb, T, H, D]`: block_axis=1,
+            token_axis=2; fused `[nb, T, 2H, D]`: 1; MLA `[nb, T, D]`: 1.
+          token_axis, block_axis: as for `copy_blocks`.
+          num_secondary_blocks: rows of the host array (0: none).
+
+        Raises:
+          TypeError, ValueError: arrays that are not such arrays, or that disagree, named in
+            the message.
+          MemoryError: the host array does not fit the pinned-host limit.
+        """
+        views = layer_views(arrays, token_axis, block_axis)
+        device = next(iter(arrays[0].devices()))
+        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        arrays = check_layers("arrays", arrays, arrays, sharding)
+        for i, a in enumerate(arrays):
+            check_memory_space(f"arrays[{i}]", a)
+        pool = cls.__new__(cls)
+        pool.num_layers = len(arrays)
+        pool.tokens_per_block = views.tokens_per_block
+        pool.num_primary_blocks = _check_positive("the arrays' number of blocks",
+                                                  views.num_blocks)
+        pool.num_secondary_blocks = _check_positive("num_secondary_blocks",
+                                                    num_secondary_blocks, 0)
+        pool.dtype = jnp.dtype(arrays[0].dtype)
+        pool.mesh = pool.kv_head_axis = None
+        pool.device, pool.layers = device, views
+        pool._primary, pool._secondary, pool._lane_buffers = list(arrays), None, None
+        if pool.num_secondary_blocks:
+            pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
+        return pool
+
     @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """`(num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head)`."""
+    def block_shape(self) -> tuple[int, ...]:
+        """`(num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head)`; for a pool
+        over an engine's arrays, `(row,)`: the elements of a host row."""
+        if self.layers is not None:
+            return (self.layers.row_nbytes // self.dtype.itemsize,)
         return (self.num_layers, self.kv_factor, self.num_kv_heads, self.tokens_per_block,
                 self.size_per_head)
 
@@ -235,6 +287,11 @@ class KVCacheBlockPool:
             return self.block_nbytes
         return self.block_nbytes // self.tokens_per_block * num_tokens
 
+    def check_partial(self) -> None:
+        """Raises where a partial copy cannot be made (rows that are not whole bytes)."""
+        if self.layers is None:
+            check_byte_rows(self.block_shape, self.dtype, partial_possible=True)
+
     def _allocate(self, num_blocks: int, memory_kind: str) -> jax.Array:
         shape = (num_blocks, *self.block_shape)
         shards = 1 if self.mesh is None else self.mesh.shape[self.kv_head_axis]
@@ -260,12 +317,19 @@ class KVCacheBlockPool:
         return [self.device] if self.mesh is None else _process_devices(self.mesh)
 
     @property
-    def primary(self) -> jax.Array:
-        """The current primary pool (memory kind `device`)."""
-        return self._primary
+    def primary(self) -> Any:
+        """The current primary pool (memory kind `device`); for a pool over an engine's arrays,
+        the list of them."""
+        return list(self._primary) if self.layers is not None else self._primary
 
     @primary.setter
-    def primary(self, value: jax.Array) -> None:
+    def primary(self, value: Any) -> None:
+        if self.layers is not None:
+            value = check_layers("pool.primary", value, self._primary,
+                                 self.sharding("device"))
+            self._check_lane_buffers("primary", value)
+            self._primary = list(value)
+            return
         self._primary = self._checked("primary", value, self.num_primary_blocks, "device")
 
     @property
@@ -296,13 +360,16 @@ class KVCacheBlockPool:
             raise ValueError(f"pool.{name} must have the pool's sharding "
                              f"{self.sharding(memory_kind)}, got {value.sharding}")
         check_memory_space(f"pool.{name}", value)
+        self._check_lane_buffers(name, value)
+        return value
+
+    def _check_lane_buffers(self, name: str, value: Any) -> None:
         held = self._lane_buffers
         if held is not None and name in held and _buffers(value) != held[name]:
             raise ValueError(
                 f"pool.{name}: transfers into or out of this pool are still in flight, and the "
                 "new array is another buffer, which would miss them; donate the pool to the "
                 "function that returns it (updated in place), or call sync_transfers() first")
-        return value
 
     def take_copy_result(self, is_primary: bool, array: jax.Array) -> None:
         """Called by the manager with what its copy of this pool's primary or secondary array
@@ -310,7 +377,7 @@ class KVCacheBlockPool:
         library from the current array, so it needs none of the assignment's checks, which
         cost a few microseconds a dispatch."""
         if is_primary:
-            self._primary = array
+            self._primary = list(array) if self.layers is not None else array
         else:
             self._secondary = array
 
@@ -334,6 +401,12 @@ class KVCacheBlockPool:
         name = "primary" if is_primary else "secondary"
         if array is None:
             raise ValueError(f"{what}: the pool has no {name} blocks")
+        if isinstance(array, list):  # an engine's arrays (from_layers)
+            if any(a.is_deleted() for a in array):
+                raise ValueError(
+                    f"{what}: an array of pool.{name} has been deleted — it was donated to a "
+                    f"jitted function; assign the function's results back to pool.{name}")
+            return list(array)
         if array.is_deleted():
             raise ValueError(
                 f"{what}: pool.{name} has been deleted — it was donated to a jitted function; "
@@ -342,6 +415,10 @@ class KVCacheBlockPool:
         return array
 
     def __repr__(self) -> str:
+        if self.layers is not None:
+            return (f"KVCacheBlockPool.from_layers({len(self.layers.layouts)} arrays, "
+                    f"dtype={self.dtype.name}, num_primary_blocks={self.num_primary_blocks}, "
+                    f"num_secondary_blocks={self.num_secondary_blocks}, device={self.device})")
         return (f"KVCacheBlockPool(block_shape={self.block_shape}, dtype={self.dtype.name}, "
                 f"num_primary_blocks={self.num_primary_blocks}, "
                 f"num_secondary_blocks={self.num_secondary_blocks}, "
