@@ -116,7 +116,10 @@ def check_layers(name: str, arrays: Any, like: Sequence[jax.Array],
                              f"{list(a.shape)}")
         if a.is_deleted():
             raise ValueError(f"{what}: the array has been deleted (donated?)")
-        if (a.sharding.memory_kind or "device") != "device" or is_split(a.sharding) or \
+        if is_split(a.sharding):
+            raise ValueError(f"{what} is split over {len(a.sharding.device_set)} devices: pools "
+                             "over an engine's arrays take arrays on one device")
+        if (a.sharding.memory_kind or "device") != "device" or \
                 not a.sharding.is_equivalent_to(sharding, a.ndim):
             raise ValueError(f"{what} must live in device memory on {sharding}, got "
                              f"{a.sharding}")

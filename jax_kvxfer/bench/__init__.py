@@ -65,6 +65,10 @@ Other sections:
                  step of 40 ms or more: the step's added time and the ratio to the serial bound;
                  then 1,024 x 64 KiB offload/onboard + sync against a contiguous copy, and the
                  return time of a 64-pair call (beside_step.py).
+  layers         a pool over 32 per-layer NHD arrays (`KVCacheBlockPool.from_layers`, 64 KiB
+                 per layer block, 2 MiB host rows): offload/onboard of 64 and 1,024 blocks
+                 through the manager against a contiguous copy, and a jitted loop of one
+                 `copy_blocks` per layer (layers.py).
 
 Results: JSON (written after every section, so a run that is cut short still leaves data) and a
 PNG plot (when matplotlib imports) in `--out`; a ratio table on stdout; progress on stderr.
@@ -94,6 +98,7 @@ from .core import BenchCore
 from .cupy_tools import CupyTools
 from .helpers import CompileCounter, _gpu_name
 from .host_overhead import HostOverheadMixin
+from .layers import LayersMixin
 from .overlap import OverlapMixin
 from .report import ReportMixin
 from .sharded import ShardedMixin
@@ -116,7 +121,7 @@ __all__ = [
 
 
 class Bench(SweepMixin, HostOverheadMixin, OverlapMixin, BidirectionalMixin, ShardedMixin,
-            BesideStepMixin, ReportMixin, BenchCore):
+            BesideStepMixin, LayersMixin, ReportMixin, BenchCore):
     """The benchmark: `BenchCore`'s state plus one mixin per section and the report."""
 
 
@@ -147,6 +152,8 @@ def _run(bench: Bench) -> int:
             need.append(cfg.bidir_blocks * cfg.bidir_block)
         if "step" in cfg.only:
             need.append(cfg.step_overhead_blocks * 64 * 1024)
+        if "layers" in cfg.only:
+            need.append((64 if cfg.quick else 1024) * 2 * 1024 * 1024)
         bench.cupy.arena_hint = max(need, default=0)
     if "host" in cfg.only:
         bench.run_host_overhead()
@@ -158,6 +165,8 @@ def _run(bench: Bench) -> int:
         bench.run_sharded()
     if "step" in cfg.only:
         bench.run_beside_step()
+    if "layers" in cfg.only:
+        bench.run_layers()
     if cfg.only & set(SWEEP_PATHS):
         bench.run_sweep()
     bench.save()

@@ -15,7 +15,7 @@ ITEMSIZE = 2
 DIRECTIONS = ("d2h", "h2d", "d2d")
 SWEEP_PATHS = ("ceiling", "ours", "unique", "dma", "manager", "eager", "xla", "naive",
                "trtllm")
-SECTIONS = ("host", "overlap", "bidir", "sharded", "step")
+SECTIONS = ("host", "overlap", "bidir", "sharded", "step", "layers")
 ALL_ONLY = SWEEP_PATHS + SECTIONS
 
 # block bytes -> (layers, kv_factor, heads, tokens_per_block, size_per_head), bf16
