@@ -133,6 +133,7 @@ class KVCacheBlockPool:
                  device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None,
                  kv_head_axis: str | None = None) -> None:
         """Describes a pool without allocating it; use `KVCacheBlockPool.create`."""
+        self.layers: LayerViews | None = None  # a pool over an engine's arrays (from_layers)
         self.num_layers = _check_positive("num_layers", num_layers)
         self.kv_factor = _check_positive("kv_factor", kv_factor)
         if self.kv_factor not in (1, 2):
@@ -168,7 +169,6 @@ class KVCacheBlockPool:
         elif kv_head_axis is not None:
             raise ValueError("kv_head_axis needs a mesh")
         self.device = device if device is not None else jax.devices()[0]
-        self.layers: LayerViews | None = None  # a pool over an engine's arrays (from_layers)
         self._primary: Any = None
         self._secondary: jax.Array | None = None
         # While the manager's transfer lanes may still read or write the arrays' buffers

@@ -203,6 +203,22 @@ def _jit_copy(ctx: Ctx, dst, src, si=(0,), di=(1,), nt=None):
     return lambda: jax.jit(kvx.copy_blocks)(dst, src, si, di, nt)
 
 
+def _from_layers(ctx: Ctx, *shapes, dtypes=None, token_axis=1):
+    arrays = [ctx.array(shape, dtype, "device")
+              for shape, dtype in zip(shapes, dtypes or (jnp.float32,) * len(shapes))]
+    return lambda: kvx.KVCacheBlockPool.from_layers(arrays, token_axis=token_axis,
+                                                    num_secondary_blocks=2)
+
+
+def _assign_layers(ctx: Ctx, count: int):
+    arrays = [ctx.array((6, T, 2, 4), jnp.float32, "device") for _ in range(2)]
+    pool = kvx.KVCacheBlockPool.from_layers(arrays, token_axis=1, num_secondary_blocks=2)
+
+    def assign():
+        pool.primary = arrays[:count]
+    return assign
+
+
 def _traced_int2_copy():
     """int2 pools, traced only: no backend has to hold a 2-bit array for this check."""
     pool = jax.ShapeDtypeStruct((2, *BLOCK), jnp.int2)
@@ -475,6 +491,23 @@ CASES: list[Case] = [
          "XLA's limit of 1.00 GiB; raise it with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> (set "
          "before JAX starts) or use fewer secondary blocks",
          _too_big_for_pinned_host),
+    # -- pools over an engine's arrays: KVCacheBlockPool.from_layers ----------------------------
+    Case("layers-block-counts-differ", "KVCacheBlockPool.from_layers",
+         "arrays of 6 and 5 blocks", ValueError,
+         "arrays[1] has 5 blocks along block_axis, expected arrays[0]'s 6",
+         lambda c, mp: _from_layers(c, (6, T, 2, 4), (5, T, 2, 4))),
+    Case("layers-dtypes-differ", "KVCacheBlockPool.from_layers",
+         "a float32 and a bfloat16 array", TypeError,
+         "arrays[1] has dtype bfloat16, expected arrays[0]'s float32",
+         lambda c, mp: _from_layers(c, (6, T, 2, 4), (6, T, 2, 4), dtypes=(jnp.float32,
+                                                                          jnp.bfloat16))),
+    Case("layers-token-axis-out-of-range", "KVCacheBlockPool.from_layers",
+         "token_axis=4 for 4-D arrays", ValueError,
+         "token_axis=4 is out of range for an array of 4 dimensions",
+         lambda c, mp: _from_layers(c, (6, T, 2, 4), token_axis=4)),
+    Case("layers-assign-too-few", "pool.primary = …",
+         "one array to a pool over two", ValueError, "pool.primary must hold 2 arrays, got 1",
+         lambda c, mp: _assign_layers(c, 1)),
     Case("pool-assign-wrong-shape", "pool.primary = …", "an array of another shape",
          ValueError, f"pool.primary must be float32{POOL_SHAPE}, got float32[2, 2]",
          lambda c, mp: _assign(c.pair[0], "primary", c.array((2, 2), jnp.float32, "device"))),
