@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
-#   scripts/gpu-check.sh [tests] [bench] [step] [demo] [demo-dma] [sharded] [demo-tp]
+#   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
 #                        [sanitize] [stress] [stress-dma]
 #   (default: tests bench demo). step: the bench's section of the manager beside a model step
-#   only. sharded: the bench's sharded-pool section over all GPUs; demo-tp: the demo
+#   only; layers: its section of pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs; demo-tp: the demo
 #   tensor-parallel over 2 GPUs (both need a machine with 2 or more GPUs). stress-dma: 30,000
 #   stress operations with a dma=True manager. demo-dma: the demo again with --dma true, then
 #   --dma false (the copy kernel in line with the step).
@@ -43,6 +43,12 @@ if has bench; then
   python3 -m jax_kvxfer bench --out "$OUT" > "$OUT/bench.txt" 2> "$OUT/bench.log"
   summary+=("bench: exit $? ($(( $(date +%s) - t )) s)")
   cat "$OUT/bench.txt"
+fi
+if has layers; then
+  t=$(date +%s)
+  python3 -m jax_kvxfer bench --only layers --no-plot --out "$OUT" > "$OUT/bench-layers.txt" 2> "$OUT/bench-layers.log"
+  summary+=("bench layers: exit $? ($(( $(date +%s) - t )) s)")
+  grep -E "layers:" "$OUT/bench-layers.log"
 fi
 if has step; then
   t=$(date +%s)

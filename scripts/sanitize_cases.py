@@ -425,6 +425,43 @@ def manager_transfers(rng):
         check(p.secondary, sec, f"manager secondary {p.dtype}")
 
 
+@case
+def layer_pool_transfers(rng):
+    # A pool over K/V-first per-layer arrays (from_layers): the layered custom call, one part per
+    # layer and slab, whole and partial, both ways; then the same copy traced inside jit with
+    # duplicate host rows (each part scans for later writers).
+    from jax_kvxfer.layers import layer_copy_call
+    nb, rows, t = 6, 5, 8
+    host_arrays = [random_pool(rng, (2, nb, t, 3, 16), jnp.bfloat16) for _ in range(3)]
+    pool = kvx.KVCacheBlockPool.from_layers([put(a, "device") for a in host_arrays],
+                                            token_axis=2, block_axis=1,
+                                            num_secondary_blocks=rows)
+    m = kvx.KVCacheTransferManager(pool)
+    model = [np.moveaxis(a, 1, 0).copy() for a in host_arrays]  # [nb, 2, t, 3, 16]
+    host = [np.zeros((rows, *a.shape[1:]), a.dtype) for a in model]
+
+    def apply(dst, src, pairs, tokens):
+        for (a, b), n in zip(pairs, tokens):
+            n = t if n <= 0 or n >= t else n
+            for d, s_ in zip(dst, src):
+                d[b, :, :n] = s_[a, :, :n]
+
+    m.offload_indices([1, 4, 0], [0, 3, 2], [0, 3, 0])
+    apply(host, model, [(1, 0), (4, 3), (0, 2)], [0, 3, 0])
+    m.onboard_indices([3, 0], [5, 2], [0, 5])
+    apply(model, host, [(3, 5), (0, 2)], [0, 5])
+    m.sync_transfers()
+    check(pool.secondary, np.concatenate([h.reshape(rows, -1) for h in host], 1), "layer rows")
+    for k, (got, want) in enumerate(zip(pool.primary, model)):
+        check(got, np.moveaxis(want, 0, 1), f"layer array {k}")
+    views = pool.layers
+    out = jax.jit(lambda h, ls, a, b, n: layer_copy_call(h, ls, a, b, n, offload=True,
+                                                          views=views))(
+        pool.secondary, pool.primary, i32([0, 1, 2, 3]), i32([4, 4, 1, 4]), i32([2, 0, 0, 5]))
+    apply(host, model, [(0, 4), (1, 4), (2, 1), (3, 4)], [2, 0, 0, 5])
+    check(out, np.concatenate([h.reshape(rows, -1) for h in host], 1), "layer rows, duplicates")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
