@@ -63,8 +63,9 @@ class LayersMixin:
             total = batch * pool.block_nbytes
             rec: dict[str, Any] = {"blocks": batch, "row_bytes": pool.block_nbytes,
                                    "layers": layers, "ceiling": self._contiguous_ceiling(total)}
-            for name, call in (("offload_indices", lambda: mgr.offload_indices(src, dst)),
-                               ("onboard_indices", lambda: mgr.onboard_indices(dst, src))):
+            calls = (("offload_indices", lambda s=src, d=dst: mgr.offload_indices(s, d)),
+                     ("onboard_indices", lambda s=src, d=dst: mgr.onboard_indices(d, s)))
+            for name, call in calls:
                 t = self._timed(lambda c=call: (c(), mgr.sync_transfers()))
                 rec[name] = {"s": t, "gbps": total / t / 1e9}
             si, di = np.int32(src), np.int32(dst)

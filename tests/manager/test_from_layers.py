@@ -90,7 +90,7 @@ def test_offload_and_onboard_through_the_manager_match_the_model(name, dtype, rn
     pool, model = _make(rng, LAYOUTS[name], dtype)
     mgr = kvx.KVCacheTransferManager(pool)
     t = pool.tokens_per_block
-    blk = lambda i, primary: kvx.KVCacheBlock(i, i, primary)  # noqa: E731
+    blk = lambda i, primary: kvx.KVCacheBlock(i, i, primary)
     for step in range(3):
         src = rng.choice(pool.num_primary_blocks, 3, replace=False)
         dst = rng.choice(pool.num_secondary_blocks, 3, replace=False)
@@ -190,7 +190,7 @@ def test_arrays_that_do_not_fit_raise_clear_errors(bad, rng):
         "tokens": lambda: [ok[0], jnp.zeros((6, 3, 2, 8), jnp.float32)],
         "axis": lambda: ok,
         "order": lambda: ok,
-        "empty": lambda: [],
+        "empty": list,
         "not_arrays": lambda: [np.zeros((6, 4, 2, 8), np.float32)],
         "device": lambda: [ok[0], jax.device_put(ok[1], jax.devices()[-1])],
         "split": lambda: [jax.device_put(ok[0], jax.sharding.NamedSharding(
