@@ -27,8 +27,12 @@ class LayerViews(NamedTuple):
     """The geometry of a pool's per-layer arrays, as the layered copy sees it (hashable: it is
     a static argument of the jitted copies)."""
 
-    layouts: tuple[layouts.Layout, ...]  # one per array
+    layouts: tuple[layouts.Layout, ...]  # one per array (of one device's shard, where split)
     itemsize: int  # bytes per element
+    # where the arrays are split by heads over a mesh: each array's PartitionSpec, and the host
+    # array's, `[rows, devices, row]` split along its second axis (one row part per device)
+    specs: tuple[jax.sharding.PartitionSpec, ...] | None = None
+    host_spec: jax.sharding.PartitionSpec | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -62,12 +66,13 @@ class LayerViews(NamedTuple):
 
 
 def layer_views(arrays: Any, token_axis: Any, block_axis: Any) -> LayerViews:
-    """The views of `arrays` (an engine's per-layer arrays), checked.
+    """The views of `arrays` (an engine's per-layer arrays, on one device or split by heads over
+    a mesh: then of each device's shard), checked.
 
     Raises:
       TypeError: not a sequence of jax.Arrays, an axis not an int, or dtypes that differ.
-      ValueError: no arrays, an axis that does not fit, or arrays that disagree on the number
-        of blocks, tokens per block or device.
+      ValueError: no arrays, an axis that does not fit, arrays that disagree on the number of
+        blocks or tokens per block, or split otherwise than by one mesh axis along a head axis.
     """
     if isinstance(arrays, jax.Array) or not isinstance(arrays, Sequence):
         raise TypeError("arrays must be a sequence of jax.Arrays, one per layer (or per layer "
@@ -85,7 +90,11 @@ def layer_views(arrays: Any, token_axis: Any, block_axis: Any) -> LayerViews:
     for i, a in enumerate(arrays):
         if a.dtype != dtype:
             raise TypeError(f"arrays[{i}] has dtype {a.dtype}, expected arrays[0]'s {dtype}")
-        lay = layouts.layout(f"arrays[{i}]", a, token_axis, block_axis)
+        layouts.layout(f"arrays[{i}]", a, token_axis, block_axis)  # the axes fit the array
+    split = _split(arrays, token_axis, block_axis)
+    for i, a in enumerate(arrays):
+        shard = jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype)
+        lay = layouts.layout(f"arrays[{i}]", shard, token_axis, block_axis)
         first = lays[0] if lays else lay
         if lay.num_blocks != first.num_blocks:
             raise ValueError(f"arrays[{i}] has {lay.num_blocks} blocks along block_axis, "
@@ -95,12 +104,44 @@ def layer_views(arrays: Any, token_axis: Any, block_axis: Any) -> LayerViews:
             raise ValueError(f"arrays[{i}] has {tokens} tokens per block along token_axis, "
                              f"expected arrays[0]'s {first_tokens}")
         lays.append(lay)
-    return LayerViews(tuple(lays), jnp.dtype(dtype).itemsize)
+    if split is None:
+        return LayerViews(tuple(lays), jnp.dtype(dtype).itemsize)
+    axis, specs = split
+    return LayerViews(tuple(lays), jnp.dtype(dtype).itemsize, specs,
+                      jax.sharding.PartitionSpec(None, axis, None))
 
 
-def check_layers(name: str, arrays: Any, like: Sequence[jax.Array],
-                 sharding: jax.sharding.Sharding) -> list[jax.Array]:
-    """`arrays` as a list, checked to match `like` (shapes, dtype) and live on `sharding`."""
+def _split(arrays: Sequence[jax.Array], token_axis: Any, block_axis: Any) -> Any:
+    """None for arrays on one device; for arrays split over a mesh, (the mesh axis, the arrays'
+    specs), checked: every array split along one axis after block_axis other than token_axis
+    (a head axis), by one mesh axis, the same for all, on one mesh."""
+    if not any(is_split(a.sharding) for a in arrays):
+        return None
+    first = arrays[0].sharding
+    axis, specs = None, []
+    for i, a in enumerate(arrays):
+        sh = a.sharding
+        if not isinstance(sh, jax.sharding.NamedSharding) or not isinstance(
+                first, jax.sharding.NamedSharding) or sh.mesh != first.mesh:
+            raise ValueError(f"arrays[{i}] must be split by a NamedSharding over arrays[0]'s "
+                             f"mesh, got {sh}")
+        b = layouts.axis("block_axis", block_axis, a.ndim)
+        t = layouts.axis("token_axis", token_axis, a.ndim)
+        spec = tuple(sh.spec) + (None,) * (a.ndim - len(sh.spec))
+        named = [(d, n) for d, n in enumerate(spec) if n is not None]
+        if len(named) != 1 or not isinstance(named[0][1], str) or named[0][0] <= b or \
+                named[0][0] == t or (axis is not None and named[0][1] != axis):
+            raise ValueError(
+                f"arrays[{i}] has PartitionSpec {sh.spec}: pools over an engine's arrays are "
+                "split along one head axis (after block_axis, not token_axis) by one mesh "
+                "axis, the same for every array")
+        axis = named[0][1]
+        specs.append(jax.sharding.PartitionSpec(*spec))
+    return axis, tuple(specs)
+
+
+def check_layers(name: str, arrays: Any, like: Sequence[jax.Array]) -> list[jax.Array]:
+    """`arrays` as a list, checked to match `like` (shapes, dtype, sharding) in device memory."""
     if isinstance(arrays, jax.Array) or not isinstance(arrays, Sequence):
         raise TypeError(f"{name} must be a list of jax.Arrays, one per layer, got "
                         f"{type(arrays).__name__}")
@@ -116,13 +157,10 @@ def check_layers(name: str, arrays: Any, like: Sequence[jax.Array],
                              f"{list(a.shape)}")
         if a.is_deleted():
             raise ValueError(f"{what}: the array has been deleted (donated?)")
-        if is_split(a.sharding):
-            raise ValueError(f"{what} is split over {len(a.sharding.device_set)} devices: pools "
-                             "over an engine's arrays take arrays on one device")
         if (a.sharding.memory_kind or "device") != "device" or \
-                not a.sharding.is_equivalent_to(sharding, a.ndim):
-            raise ValueError(f"{what} must live in device memory on {sharding}, got "
-                             f"{a.sharding}")
+                not a.sharding.is_equivalent_to(b.sharding.with_memory_kind("device"), a.ndim):
+            raise ValueError(f"{what} must live in device memory with sharding "
+                             f"{b.sharding.with_memory_kind('device')}, got {a.sharding}")
         out.append(a)
     return out
 
@@ -150,7 +188,56 @@ def layer_copy_call(host: Any, layers: Sequence[Any], src_idx: Any, dst_idx: Any
     return out[1] if offload else list(out[1:])
 
 
-def host_rows_view(host: Any) -> Any:
-    """The host array as a 6-D pool of whole rows (copies between host rows take whole blocks)."""
-    return host.reshape(host.shape[0], 1, 1, 1, 1, math.prod(host.shape[1:]))
+def _on_devices(fn: Any, views: LayerViews, mesh: Any, in_specs: tuple, out_specs: Any) -> Any:
+    """`fn` per device shard where the arrays are split over `mesh`, else `fn` itself."""
+    if views.specs is None:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def manager_copy(dst: Any, src: Any, plan: Any, *, views: LayerViews, mesh: Any,
+                 unique_dst: bool, dma: bool, whole: bool) -> Any:
+    """The manager's copy between a pool's arrays (a list) and its host rows, either way; `plan`
+    is `[3, B]` (source and destination slots, token counts)."""
+    offload = not isinstance(dst, list)
+    host, arrays = (dst, src) if offload else (src, dst)
+
+    def copy(host, arrays, plan):
+        local = host.reshape(host.shape[0], -1)  # a device's rows: [rows, 1, row] where split
+        out = layer_copy_call(local, arrays, plan[0], plan[1], plan[2], offload=offload,
+                              views=views, unique_dst=unique_dst, dma=dma, whole_blocks=whole)
+        return out.reshape(host.shape) if offload else out
+
+    everywhere = jax.sharding.PartitionSpec()
+    specs = list(views.specs or ())
+    return _on_devices(copy, views, mesh, (views.host_spec, specs, everywhere),
+                       views.host_spec if offload else specs)(host, arrays, plan)
+
+
+def manager_copy_within(pool: Any, plan: Any, facts: Any, *, views: LayerViews, mesh: Any,
+                        whole: bool) -> Any:
+    """The manager's copy within a pool's arrays (each in its own layout) or within its host
+    rows (whole blocks only: the manager checks)."""
+    from ._lowering import block_copy_call  # the 6-D op's lowering, used per array here
+    everywhere = jax.sharding.PartitionSpec()
+
+    if isinstance(pool, list):
+        def copy(arrays, plan):
+            out = []
+            for a, lay in zip(arrays, views.layouts):
+                v = a.reshape(lay.view)
+                pairs = (layouts.expand_pairs(plan[0], lay), layouts.expand_pairs(plan[1], lay),
+                         layouts.expand_tokens(plan[2], lay))
+                out.append(block_copy_call(v, v, *pairs, facts, whole_blocks=whole)
+                           .reshape(a.shape))
+            return out
+        specs = list(views.specs or ())
+        return _on_devices(copy, views, mesh, (specs, everywhere), specs)(pool, plan)
+
+    def copy_rows(host, plan):
+        v = host.reshape(host.shape[0], 1, 1, 1, 1, math.prod(host.shape[1:]))
+        return block_copy_call(v, v, plan[0], plan[1], plan[2], facts,
+                               whole_blocks=True).reshape(host.shape)
+    return _on_devices(copy_rows, views, mesh, (views.host_spec, everywhere),
+                       views.host_spec)(pool, plan)
 

@@ -24,7 +24,6 @@ import numpy as np
 
 from ._checks import IndexFacts, check_dma_choice, index_facts
 from ._jax_seams import pinned_by_external_reference
-from ._layouts import expand_pairs, expand_tokens
 from ._lowering import HOST_COPY_CTAS, block_copy_call
 from .batch import PairBatch, check_batch, check_index_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
@@ -38,7 +37,7 @@ from .lanes import (
     take_exposed_seconds,
     wait_lanes,
 )
-from .layers import host_rows_view, layer_copy_call
+from .layers import manager_copy, manager_copy_within
 from .plan_ring import PlanRing, PlanSlot
 from .pool import KVCacheBlock, KVCacheBlockPool
 
@@ -98,11 +97,8 @@ def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, specs, dma=None, who
     for d, s, spec, use_dma, views in zip(dsts, srcs, specs, dma or (False,) * len(dsts),
                                           layers or (None,) * len(dsts)):
         if views is not None:  # an engine's arrays (a list) and the host rows
-            offload = not isinstance(d, list)
-            pools.append(layer_copy_call(d if offload else s, s if offload else d, plan[0],
-                                         plan[1], plan[2], offload=offload, views=views,
-                                         unique_dst=facts.unique_dst, dma=use_dma,
-                                         whole_blocks=whole))
+            pools.append(manager_copy(d, s, plan, views=views, mesh=mesh,
+                                      unique_dst=facts.unique_dst, dma=use_dma, whole=whole))
             continue
 
         def copy(d, s, p, use_dma=use_dma):
@@ -118,19 +114,10 @@ def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False, layer
     for pool, spec, views in zip(pools, specs, layers or (None,) * len(pools)):
         if views is None:
             out.append(_on_shards(copy, mesh, spec, 1)(pool, plan))
-        elif isinstance(pool, list):  # an engine's arrays: each within itself, in its layout
-            out.append([block_copy_call(v, v, *_expanded(plan, lay), facts,
-                                        whole_blocks=whole).reshape(a.shape)
-                        for a, lay in zip(pool, views.layouts)
-                        for v in (a.reshape(lay.view),)])
-        else:  # host rows, whole blocks only (the manager checks)
-            out.append(copy(host_rows_view(pool), plan).reshape(pool.shape))
+        else:  # an engine's arrays, or their host rows
+            out.append(manager_copy_within(pool, plan, facts, views=views, mesh=mesh,
+                                           whole=whole))
     return tuple(out), token
-
-
-def _expanded(plan, lay):
-    """A plan's pairs for one array's 6-D view (a K/V-first array's blocks are slabs)."""
-    return (expand_pairs(plan[0], lay), expand_pairs(plan[1], lay), expand_tokens(plan[2], lay))
 
 
 def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan, mesh, specs,

@@ -220,8 +220,10 @@ class KVCacheBlockPool:
         contiguous row. Every array moves in one custom call per batch.
 
         Args:
-          arrays: device arrays on one device, one per layer (or per layer and K/V), of one
-            dtype of whole bytes, each with its blocks along `block_axis` (all the same number)
+          arrays: device arrays on one device (or split by heads: along one axis after
+            `block_axis` other than `token_axis`, by one mesh axis, the same for all; the host
+            array is then `[num_secondary_blocks, devices, part]`, one part per device), one
+            per layer (or per layer and K/V), of one dtype of whole bytes, each with its blocks along `block_axis` (all the same number)
             and its tokens along `token_axis` (all the same number): NHD `[nb, T, H, D]`:
             token_axis=1; HND `[nb, H, T, D]`: 2; K/V first `[2, nb, T, H, D]`: block_axis=1,
             token_axis=2; fused `[nb, T, 2H, D]`: 1; MLA `[nb, T, D]`: 1.
@@ -234,11 +236,13 @@ class KVCacheBlockPool:
           MemoryError: the host array does not fit the pinned-host limit.
         """
         views = layer_views(arrays, token_axis, block_axis)
-        device = next(iter(arrays[0].devices()))
-        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-        arrays = check_layers("arrays", arrays, arrays, sharding)
+        arrays = check_layers("arrays", arrays, arrays)
         for i, a in enumerate(arrays):
             check_memory_space(f"arrays[{i}]", a)
+            if not a.sharding.is_equivalent_to(arrays[0].sharding, a.ndim) and \
+                    views.specs is None:
+                raise ValueError(f"arrays[{i}] lives on {a.sharding}, expected arrays[0]'s "
+                                 f"{arrays[0].sharding}")
         pool = cls.__new__(cls)
         pool.num_layers = len(arrays)
         pool.tokens_per_block = views.tokens_per_block
@@ -247,8 +251,13 @@ class KVCacheBlockPool:
         pool.num_secondary_blocks = _check_positive("num_secondary_blocks",
                                                     num_secondary_blocks, 0)
         pool.dtype = jnp.dtype(arrays[0].dtype)
-        pool.mesh = pool.kv_head_axis = None
-        pool.device, pool.layers = device, views
+        pool.layers = views
+        if views.specs is None:
+            pool.mesh = pool.kv_head_axis = None
+            pool.device = next(iter(arrays[0].devices()))
+        else:
+            pool.mesh, pool.kv_head_axis = arrays[0].sharding.mesh, views.host_spec[1]
+            pool.device = _process_devices(pool.mesh)[0]
         pool._primary, pool._secondary, pool._lane_buffers = list(arrays), None, None
         if pool.num_secondary_blocks:
             pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
@@ -258,8 +267,10 @@ class KVCacheBlockPool:
     def block_shape(self) -> tuple[int, ...]:
         """`(num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head)`; for a pool
         over an engine's arrays, `(row,)`: the elements of a host row."""
-        if self.layers is not None:
-            return (self.layers.row_nbytes // self.dtype.itemsize,)
+        if self.layers is not None:  # split: one part of the row per device
+            devices = 1 if self.mesh is None else self.mesh.shape[self.kv_head_axis]
+            row = self.layers.row_nbytes // self.dtype.itemsize
+            return (row,) if devices == 1 else (devices, row)
         return (self.num_layers, self.kv_factor, self.num_kv_heads, self.tokens_per_block,
                 self.size_per_head)
 
@@ -268,6 +279,8 @@ class KVCacheBlockPool:
         """How a pool array is split over the mesh (KV heads, dimension 3), None if unsharded."""
         if self.mesh is None:
             return None
+        if self.layers is not None:  # the host array's
+            return self.layers.host_spec
         return jax.sharding.PartitionSpec(None, None, None, self.kv_head_axis, None, None)
 
     def sharding(self, memory_kind: str) -> jax.sharding.Sharding:
@@ -325,8 +338,7 @@ class KVCacheBlockPool:
     @primary.setter
     def primary(self, value: Any) -> None:
         if self.layers is not None:
-            value = check_layers("pool.primary", value, self._primary,
-                                 self.sharding("device"))
+            value = check_layers("pool.primary", value, self._primary)
             self._check_lane_buffers("primary", value)
             self._primary = list(value)
             return

@@ -194,7 +194,7 @@ def test_arrays_that_do_not_fit_raise_clear_errors(bad, rng):
         "not_arrays": lambda: [np.zeros((6, 4, 2, 8), np.float32)],
         "device": lambda: [ok[0], jax.device_put(ok[1], jax.devices()[-1])],
         "split": lambda: [jax.device_put(ok[0], jax.sharding.NamedSharding(
-            two, jax.sharding.PartitionSpec(None, None, "x")))],  # by heads
+            two, jax.sharding.PartitionSpec("x")))],  # by blocks, not by heads
         "host_memory": lambda: [ok[0], jax.device_put(
             ok[1], ok[1].sharding.with_memory_kind("pinned_host"))],
     }[bad]()
@@ -207,7 +207,7 @@ def test_arrays_that_do_not_fit_raise_clear_errors(bad, rng):
     message = {"count": "num_secondary_blocks", "dtype": "dtype", "block_count": "blocks",
                "tokens": "tokens", "axis": "token_axis", "order": "must come after",
                "empty": "at least one", "not_arrays": "jax.Array", "device": "arrays\\[1\\]",
-               "split": "one device", "host_memory": "device memory"}[bad]
+               "split": "one head axis", "host_memory": "device memory"}[bad]
     with pytest.raises((TypeError, ValueError), match=message):
         kvx.KVCacheBlockPool.from_layers(arrays, **kwargs)
 
@@ -223,3 +223,43 @@ def test_a_bad_assignment_to_primary_leaves_the_pool_unchanged(rng):
         pool.primary = before[0]
     assert all(a is b for a, b in zip(pool.primary, before))
     _check(pool, model, "unchanged")
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("name", ["NHD, K and V apart", "K/V first"])
+def test_arrays_split_by_heads_move_shard_by_shard(name, devices, rng):
+    """Arrays split by heads over a mesh: each device's host row part holds its heads of every
+    array's block (`pool.secondary` is `[rows, devices, part]`), and every copy stays on the
+    device that holds the shard."""
+    if len(jax.devices()) < devices:
+        pytest.skip(f"needs {devices} devices")
+    shape, block_axis, token_axis, count = LAYOUTS[name]
+    head_axis = token_axis + 1  # NHD [nb, T, H, D] and K/V first [2, nb, T, H, D]
+    shape = tuple(7 if d is None else d for d in shape)
+    shape = shape[:head_axis] + (4,) + shape[head_axis + 1:]
+    mesh = jax.make_mesh((devices,), ("tp",), devices=jax.devices()[:devices])
+    spec = jax.sharding.PartitionSpec(*[("tp" if k == head_axis else None)
+                                        for k in range(len(shape))])
+    host = [_random(rng, shape, np.float32) for _ in range(count)]
+    arrays = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in host]
+    pool = kvx.KVCacheBlockPool.from_layers(arrays, token_axis=token_axis, block_axis=block_axis,
+                                            num_secondary_blocks=4)
+    assert pool.secondary.shape[:2] == (4, devices)
+    # one model per device: its heads of every array
+    part = 4 // devices
+    models = [Model([np.take(a, range(j * part, (j + 1) * part), axis=head_axis) for a in host],
+                    4, block_axis, token_axis) for j in range(devices)]
+    mgr = kvx.KVCacheTransferManager(pool)
+    mgr.offload_indices([1, 5, 6], [0, 3, 2], [0, 2, 0])
+    mgr.onboard_indices([3, 0], [4, 0], [3, 0])
+    for m in models:
+        m.offload([(1, 0), (5, 3), (6, 2)], [0, 2, 0])
+        m.onboard([(3, 4), (0, 0)], [3, 0])
+    mgr.sync_transfers()
+    got = kvx.to_numpy(pool.secondary)
+    for j, m in enumerate(models):
+        np.testing.assert_array_equal(got[:, j], m.host_rows(), err_msg=f"device {j}'s rows")
+    for k, a in enumerate(pool.primary):
+        want = np.concatenate([m.device_arrays()[k] for m in models], axis=head_axis)
+        np.testing.assert_array_equal(kvx.to_numpy(a), want, err_msg=f"array {k}")
+        assert a.sharding.is_equivalent_to(arrays[0].sharding, a.ndim)
