@@ -21,6 +21,7 @@ import numpy as np
 from . import _layouts as layouts
 from . import _native
 from ._checks import dtype_bits, is_split
+from ._lowering import block_copy_call
 
 
 class LayerViews(NamedTuple):
@@ -59,10 +60,6 @@ class LayerViews(NamedTuple):
     def row_nbytes(self) -> int:
         """Bytes of one host row: a block of every layer."""
         return sum(c * o * self.tokens_per_block * r for c, o, r in map(self._part, self.layouts))
-
-    def token_nbytes(self) -> int:
-        """Bytes one token of a block occupies in all layers together."""
-        return self.row_nbytes // self.tokens_per_block
 
 
 def layer_views(arrays: Any, token_axis: Any, block_axis: Any) -> LayerViews:
@@ -218,7 +215,6 @@ def manager_copy_within(pool: Any, plan: Any, facts: Any, *, views: LayerViews, 
                         whole: bool) -> Any:
     """The manager's copy within a pool's arrays (each in its own layout) or within its host
     rows (whole blocks only: the manager checks)."""
-    from ._lowering import block_copy_call  # the 6-D op's lowering, used per array here
     everywhere = jax.sharding.PartitionSpec()
 
     if isinstance(pool, list):
