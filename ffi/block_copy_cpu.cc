@@ -129,10 +129,9 @@ ffi::Error LaneCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
 
 // The layered copy (layer_copy.h): each part's pairs in order, the copy engines' plan run with
 // memcpy (which the emulation checks against the reference, as the GPU's copy kernel).
-ffi::Error LayerCopyCpu(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
-                        ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
-                        ffi::Result<ffi::Buffer<ffi::S32>> /*superseded*/, ffi::RemainingRets outs,
-                        LayerCopyOptions options) {
+ffi::Error CopyLayers(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                      ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
+                      ffi::RemainingRets outs, const LayerCopyOptions& options) {
   LayerCopyPlan plan;
   if (auto err = PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan);
       err.failure()) {
@@ -154,6 +153,21 @@ ffi::Error LayerCopyCpu(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst
     }
   }
   return ffi::Error::Success();
+}
+
+ffi::Error LayerCopyCpu(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                        ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
+                        ffi::Result<ffi::Buffer<ffi::S32>> /*superseded*/, ffi::RemainingRets outs,
+                        LayerCopyOptions options) {
+  return CopyLayers(src_idx, dst_idx, num_tokens, arrays, outs, options);
+}
+
+// The layered copy on a lane: on the CPU, done when its call is.
+ffi::Error LayerLaneCopyCpu(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                            ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
+                            ffi::RemainingRets outs, LayerLaneOptions options) {
+  return CopyLayers(src_idx, dst_idx, num_tokens, arrays, outs,
+                    {options.offload, options.views, true, 0, false, options.whole_blocks});
 }
 
 ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
@@ -183,6 +197,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // [B]: the GPU's duplicate scan
                                   .RemainingRets()  // the host array or the layers, aliased
                                   .Attrs<LayerCopyOptions>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCpu, LayerLaneCopyCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
+                                  .RemainingArgs()               // the host array, the layers
+                                  .RemainingRets()  // the host array or the layers, aliased
+                                  .Attrs<LayerLaneOptions>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,
                               KVXFER_POOLS_1.Ret<ffi::AnyBuffer>().Attr<int64_t>("lanes"));
 
@@ -204,6 +226,8 @@ NB_MODULE(_kvxfer_cpu, m) {
     d["jax_kvxfer_block_copy_fork"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCpu));
     d["jax_kvxfer_block_copy_join"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCpu));
     d["jax_kvxfer_layer_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLayerCopyCpu));
+    d["jax_kvxfer_layer_lane_copy"] =
+        nb::capsule(reinterpret_cast<void*>(kvxfer::kLayerLaneCopyCpu));
     d["jax_kvxfer_lane_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyCpu));
     d["jax_kvxfer_lane_copy_within"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCpu));
     d["jax_kvxfer_join_lanes"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kJoinLanesCpu));

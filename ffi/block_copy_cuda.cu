@@ -362,6 +362,7 @@ NB_MODULE(_kvxfer_cuda, m) {
     add("jax_kvxfer_layer_copy", reinterpret_cast<void*>(kvxfer::kLayerCopyCuda));
     add("jax_kvxfer_lane_copy", reinterpret_cast<void*>(kvxfer::kLaneCopyCuda));
     add("jax_kvxfer_lane_copy_within", reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCuda));
+    add("jax_kvxfer_layer_lane_copy", reinterpret_cast<void*>(kvxfer::kLayerLaneCopyCuda));
     add("jax_kvxfer_join_lanes", reinterpret_cast<void*>(kvxfer::kJoinLanesCuda));
     return d;
   });

@@ -63,6 +63,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kBlockCopyJoinCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kLayerCopyCuda);  // layer_copy_cuda.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kLaneCopyCuda);  // lanes_cuda.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kLaneCopyWithinCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kLayerLaneCopyCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kJoinLanesCuda);
 void DefineLaneFunctions(nanobind::module_& m);  // lanes_cuda.cu
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "block_copy_cuda.h"
+#include "layer_copy.h"
 
 namespace nb = nanobind;
 namespace kvxfer {
@@ -137,27 +138,110 @@ ffi::Error LanesFor(cudaStream_t stream, int* device, DeviceLanes** lanes) {
   return ffi::Error::Success();
 }
 
+// The lane numbers, and the indices in pinned host memory (the manager's plan ring), where the
+// handler reads them.
+ffi::Error CheckLaneCall(const LaneOptions& o, ffi::Buffer<ffi::S32> src_idx,
+                         ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens) {
+  auto lane_ok = [](int64_t l, bool optional) {
+    return (optional && l < 0) || (l >= 0 && l < kLanes);
+  };
+  if (!lane_ok(o.lane, false) || !lane_ok(o.wait_lane, true) ||
+      !lane_ok(o.stream_wait_lane, true)) {
+    return ffi::Error::InvalidArgument("jax_kvxfer lane copy: lane numbers must be 0 or 1");
+  }
+  if (!IsHostMemory(src_idx.typed_data()) || !IsHostMemory(dst_idx.typed_data()) ||
+      (!o.whole_blocks && !IsHostMemory(num_tokens.typed_data()))) {
+    return ffi::Error::InvalidArgument(
+        "jax_kvxfer lane copy: the indices must be in pinned host memory (the manager's plan "
+        "ring), where the handler reads them");
+  }
+  return ffi::Error::Success();
+}
+
+// Enqueues `parts` (one batch, or a layered copy's batch per layer and slab) on lane
+// options.lane, behind XLA's stream. An offload (a source in device memory, not `within` one
+// pool) first gathers every part's sources on XLA's stream into a snapshot of one row of
+// `row_bytes` per pair, part k at `offsets[k]` of the row; with whole blocks the lane then copies
+// whole rows, one copy per pair (adjacent rows merged). Called with the lanes' lock held.
+ffi::Error EnqueueOnLane(cudaStream_t stream, DeviceLanes* lanes, std::vector<Batch> parts,
+                         const std::vector<int64_t>& offsets, int64_t row_bytes, bool within,
+                         const LaneOptions& options) {
+  const cudaStream_t lane_stream = lanes->stream[options.lane];
+  const Batch first = parts[0];
+  cudaError_t err = cudaSuccess;
+  void* snapshot = nullptr;
+  if (!within && !IsHostMemory(first.src.data)) {
+    // An offload: gather the source blocks on XLA's stream (a device-to-device copy, a small
+    // part of the transfer's time), then copy the gathered blocks to the host on the lane.
+    err = cudaMallocFromPoolAsync(&snapshot, first.num_pairs * row_bytes, lanes->staging, stream);
+    if (err != cudaSuccess) {
+      // No room for a snapshot: copy on XLA's stream instead, after both lanes (the copy
+      // must come after the pending ones), ordered like any other op from then on.
+      (void)cudaGetLastError();
+      err = cudaSuccess;
+      for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
+        err = cudaStreamWaitEvent(stream, lanes->done[i], 0);
+      }
+      for (size_t k = 0; k < parts.size() && err == cudaSuccess; ++k) {
+        err = EnqueueDmaCopies(stream, parts[k], false);
+      }
+      dma_batches.fetch_add(1, std::memory_order_relaxed);
+      return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy (in line)");
+    }
+    char* rows = static_cast<char*>(snapshot);
+    ffi::Error launched = ffi::Error::Success();
+    (void)Exposed(lanes, stream, [&] {
+      for (size_t k = 0; k < parts.size() && launched.success(); ++k) {
+        Batch gather = parts[k];
+        gather.dst = {rows + offsets[k], row_bytes, true};
+        launched = LaunchCopyKernel(stream, gather, 0);
+      }
+      return cudaSuccess;
+    });
+    if (launched.failure()) {
+      (void)cudaFreeAsync(snapshot, stream);
+      return launched;
+    }
+    if (first.whole_blocks) {  // the snapshot holds whole rows
+      Batch whole = first;
+      whole.dst = {first.dst.data - offsets[0], row_bytes, false};
+      whole.src = {rows, row_bytes, true};
+      whole.g.outer = 1;
+      whole.g.block_bytes = row_bytes;
+      parts.assign(1, whole);
+    } else {
+      for (size_t k = 0; k < parts.size(); ++k) parts[k].src = {rows + offsets[k], row_bytes, true};
+    }
+  }
+  err = cudaEventRecord(lanes->ready, stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(lane_stream, lanes->ready, 0);
+  if (err == cudaSuccess && options.wait_lane >= 0 && options.wait_lane != options.lane) {
+    err = cudaStreamWaitEvent(lane_stream, lanes->done[options.wait_lane], 0);
+  }
+  for (size_t k = 0; k < parts.size() && err == cudaSuccess; ++k) {
+    err = EnqueueDmaCopies(lane_stream, parts[k], within);
+  }
+  if (snapshot != nullptr) {
+    // Freed in the lane's order even if enqueueing failed: nothing may leak.
+    cudaError_t freed = cudaFreeAsync(snapshot, err == cudaSuccess ? lane_stream : stream);
+    if (err == cudaSuccess) err = freed;
+  }
+  if (err == cudaSuccess) err = cudaEventRecord(lanes->done[options.lane], lane_stream);
+  dma_batches.fetch_add(1, std::memory_order_relaxed);
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy");
+}
+
 ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
                     ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                     ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                     LaneOptions options) {
-  const auto [lane, wait_lane, stream_wait_lane, whole_blocks] = options;
   PoolGeometry g;
   int64_t num_pairs = 0;
   if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
       err.failure()) {
     return err;
   }
-  auto lane_ok = [](int64_t l, bool optional) { return (optional && l < 0) || (l >= 0 && l < kLanes); };
-  if (!lane_ok(lane, false) || !lane_ok(wait_lane, true) || !lane_ok(stream_wait_lane, true)) {
-    return ffi::Error::InvalidArgument("jax_kvxfer lane copy: lane numbers must be 0 or 1");
-  }
-  if (!IsHostMemory(src_idx.typed_data()) || !IsHostMemory(dst_idx.typed_data()) ||
-      (!whole_blocks && !IsHostMemory(num_tokens.typed_data()))) {
-    return ffi::Error::InvalidArgument(
-        "jax_kvxfer lane copy: the indices must be in pinned host memory (the manager's plan "
-        "ring), where the handler reads them");
-  }
+  if (auto err = CheckLaneCall(options, src_idx, dst_idx, num_tokens); err.failure()) return err;
   int device = 0;
   DeviceLanes* lanes = nullptr;
   if (auto err = LanesFor(stream, &device, &lanes); err.failure()) return err;
@@ -167,7 +251,9 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
   const bool within = src.untyped_data() == dst.untyped_data();
   std::lock_guard<std::mutex> lock(lanes->mu);
   cudaError_t err = cudaSuccess;
-  if (stream_wait_lane >= 0) err = cudaStreamWaitEvent(stream, lanes->done[stream_wait_lane], 0);
+  if (options.stream_wait_lane >= 0) {
+    err = cudaStreamWaitEvent(stream, lanes->done[options.stream_wait_lane], 0);
+  }
   if (err == cudaSuccess && out_data != dst.untyped_data() && dst_blocks > 0) {
     // XLA did not alias: start from dst's contents, and copy within the result.
     err = cudaMemcpyAsync(out_data, dst.untyped_data(), dst_blocks * g.block_bytes,
@@ -187,58 +273,59 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
           src_blocks,
           dst_blocks,
           g,
-          whole_blocks};
-  const cudaStream_t lane_stream = lanes->stream[lane];
-  void* snapshot = nullptr;
-  if (!within && !IsHostMemory(b.src.data)) {
-    // An offload: gather the source blocks on XLA's stream (a device-to-device copy, a small
-    // part of the transfer's time), then copy the gathered blocks to the host on the lane.
-    err = cudaMallocFromPoolAsync(&snapshot, num_pairs * g.block_bytes, lanes->staging, stream);
-    if (err != cudaSuccess) {
-      // No room for a snapshot: copy on XLA's stream instead, after both lanes (the copy
-      // must come after the pending ones), ordered like any other op from then on.
-      (void)cudaGetLastError();
-      err = cudaSuccess;
-      for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
-        err = cudaStreamWaitEvent(stream, lanes->done[i], 0);
-      }
-      if (err == cudaSuccess) err = EnqueueDmaCopies(stream, b, false);
-      dma_batches.fetch_add(1, std::memory_order_relaxed);
-      return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy (in line)");
-    }
-    Batch gather = b;
-    gather.dst = {static_cast<char*>(snapshot), g.block_bytes, true};
-    ffi::Error launched = ffi::Error::Success();
-    (void)Exposed(lanes, stream, [&] {
-      launched = LaunchCopyKernel(stream, gather, 0);
-      return cudaSuccess;
-    });
-    if (launched.failure()) {
-      (void)cudaFreeAsync(snapshot, stream);
-      return launched;
-    }
-    b.src = {static_cast<char*>(snapshot), g.block_bytes, true};
-  }
-  err = cudaEventRecord(lanes->ready, stream);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(lane_stream, lanes->ready, 0);
-  if (err == cudaSuccess && wait_lane >= 0 && wait_lane != lane) {
-    err = cudaStreamWaitEvent(lane_stream, lanes->done[wait_lane], 0);
-  }
-  if (err == cudaSuccess) err = EnqueueDmaCopies(lane_stream, b, within);
-  if (snapshot != nullptr) {
-    // Freed in the lane's order even if enqueueing failed: nothing may leak.
-    cudaError_t freed = cudaFreeAsync(snapshot, err == cudaSuccess ? lane_stream : stream);
-    if (err == cudaSuccess) err = freed;
-  }
-  if (err == cudaSuccess) err = cudaEventRecord(lanes->done[lane], lane_stream);
-  dma_batches.fetch_add(1, std::memory_order_relaxed);
-  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy");
+          options.whole_blocks};
+  return EnqueueOnLane(stream, lanes, {b}, {0}, g.block_bytes, within, options);
 }
 
 ffi::Error LaneCopyWithin(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
                           ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
                           ffi::Result<ffi::AnyBuffer> out, LaneOptions options) {
   return LaneCopy(stream, pool, pool, src_idx, dst_idx, num_tokens, out, options);
+}
+
+// The layered copy (layer_copy.h) on a lane: per layer and slab a part; an offload's snapshot
+// holds whole host rows, so that whole blocks go to the host one row per pair.
+ffi::Error LayerLaneCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
+                         ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
+                         ffi::RemainingArgs arrays, ffi::RemainingRets outs,
+                         LayerLaneOptions options) {
+  const LaneOptions lane{options.lane, options.wait_lane, options.stream_wait_lane,
+                         options.whole_blocks};
+  const LayerCopyOptions copy{options.offload, options.views, true, 0, true,
+                              options.whole_blocks};
+  LayerCopyPlan plan;
+  if (auto err = PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, copy, &plan);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = CheckLaneCall(lane, src_idx, dst_idx, num_tokens); err.failure()) return err;
+  int device = 0;
+  DeviceLanes* lanes = nullptr;
+  if (auto err = LanesFor(stream, &device, &lanes); err.failure()) return err;
+  ScopedDevice on_device(device);
+  std::lock_guard<std::mutex> lock(lanes->mu);
+  cudaError_t err = cudaSuccess;
+  if (lane.stream_wait_lane >= 0) {
+    err = cudaStreamWaitEvent(stream, lanes->done[lane.stream_wait_lane], 0);
+  }
+  for (auto& [in, out] : plan.destinations) {
+    if (err == cudaSuccess && out.untyped_data() != in.untyped_data() && in.size_bytes() > 0) {
+      err = cudaMemcpyAsync(out.untyped_data(), in.untyped_data(), in.size_bytes(),
+                            cudaMemcpyDefault, stream);  // XLA did not alias
+    }
+  }
+  if (err != cudaSuccess) return CudaError(err, "lane copy: before the copy");
+  const Batch& first = plan.parts[0];
+  if (first.num_pairs == 0 || first.src_blocks == 0 || first.dst_blocks == 0) {
+    return ffi::Error::Success();
+  }
+  // The parts' offsets in a host row, and a row's bytes: where the parts write the rows.
+  const Side& rows = options.offload ? first.dst : first.src;
+  std::vector<int64_t> offsets;
+  for (const Batch& part : plan.parts) {
+    offsets.push_back((options.offload ? part.dst.data : part.src.data) - rows.data);
+  }
+  return EnqueueOnLane(stream, lanes, plan.parts, offsets, rows.stride, false, lane);
 }
 
 // XLA's stream waits for everything enqueued so far on the lanes of its device that `lanes`
@@ -270,6 +357,15 @@ ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi:
 #define KVXFER_POOLS_1 ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCuda, LaneCopy, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCuda, LaneCopyWithin, BindLaneCopy(KVXFER_POOLS_1));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCuda, LayerLaneCopy,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
+                                  .RemainingArgs()               // the host array, the layers
+                                  .RemainingRets()  // the host array or the layers, aliased
+                                  .Attrs<LayerLaneOptions>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes,
                               KVXFER_POOLS_1                   // any array: a pool
                                   .Ret<ffi::AnyBuffer>()       // the same, aliased

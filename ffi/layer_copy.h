@@ -38,6 +38,14 @@ struct LayerCopyPlan {
   std::vector<std::pair<ffi::AnyBuffer, ffi::AnyBuffer>> destinations;
 };
 
+// The layered copy on a transfer lane (lanes_cuda.cu): the views, and a lane copy's options.
+struct LayerLaneOptions {
+  bool offload;
+  ffi::Span<const int64_t> views;
+  int64_t lane, wait_lane, stream_wait_lane;
+  bool whole_blocks;
+};
+
 // Checks the operands against the views and plans the parts; never dereferences a data
 // pointer. `arrays`: the host array, then the layers; `outs`: the host result (offload) or the
 // layers' results (onboard).
@@ -125,4 +133,11 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LayerCopyOptions,
                                       xla::ffi::StructMember<bool>("unique_dst"),
                                       xla::ffi::StructMember<int64_t>("max_ctas"),
                                       xla::ffi::StructMember<bool>("dma"),
+                                      xla::ffi::StructMember<bool>("whole_blocks"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LayerLaneOptions,
+                                      xla::ffi::StructMember<bool>("offload"),
+                                      xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("views"),
+                                      xla::ffi::StructMember<int64_t>("lane"),
+                                      xla::ffi::StructMember<int64_t>("wait_lane"),
+                                      xla::ffi::StructMember<int64_t>("stream_wait_lane"),
                                       xla::ffi::StructMember<bool>("whole_blocks"));

@@ -22,6 +22,7 @@ BLOCK_COPY_WITHIN_NOGRAPH_TARGET = "jax_kvxfer_block_copy_within_nograph"
 # Between an engine's per-layer arrays and a pool's host rows (layers.py): (src_idx, dst_idx,
 # num_tokens, host, *layers)
 LAYER_COPY_TARGET = "jax_kvxfer_layer_copy"
+LAYER_LANE_COPY_TARGET = "jax_kvxfer_layer_lane_copy"  # the same on a transfer lane
 
 # The manager's copies beside compute (lanes.py): (dst, src, ...) and (pool, ...), and the join.
 LANE_COPY_TARGET = "jax_kvxfer_lane_copy"

@@ -10,6 +10,7 @@ writes one contiguous row. Every layer moves in one custom call per batch
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -211,21 +212,25 @@ def manager_copy(dst: Any, src: Any, plan: Any, *, views: LayerViews, mesh: Any,
                        views.host_spec if offload else specs)(host, arrays, plan)
 
 
+def _block_copy_within(view, src_idx, dst_idx, tokens, facts, *, whole_blocks):
+    return block_copy_call(view, view, src_idx, dst_idx, tokens, facts, whole_blocks=whole_blocks)
+
+
 def manager_copy_within(pool: Any, plan: Any, facts: Any, *, views: LayerViews, mesh: Any,
-                        whole: bool) -> Any:
-    """The manager's copy within a pool's arrays (each in its own layout) or within its host
-    rows (whole blocks only: the manager checks)."""
+                        whole: bool, copy: Any = None) -> Any:
+    """The manager's copy within a pool's arrays (each in its own layout, through `copy(view,
+    src_idx, dst_idx, tokens, facts)` of its 6-D view: by default the block copy on XLA's
+    stream) or within its host rows (whole blocks only: the manager checks)."""
     everywhere = jax.sharding.PartitionSpec()
+    copy_view = copy or functools.partial(_block_copy_within, whole_blocks=whole)
 
     if isinstance(pool, list):
         def copy(arrays, plan):
             out = []
             for a, lay in zip(arrays, views.layouts):
-                v = a.reshape(lay.view)
                 pairs = (layouts.expand_pairs(plan[0], lay), layouts.expand_pairs(plan[1], lay),
                          layouts.expand_tokens(plan[2], lay))
-                out.append(block_copy_call(v, v, *pairs, facts, whole_blocks=whole)
-                           .reshape(a.shape))
+                out.append(copy_view(a.reshape(lay.view), *pairs, facts).reshape(a.shape))
             return out
         specs = list(views.specs or ())
         return _on_devices(copy, views, mesh, (specs, everywhere), specs)(pool, plan)

@@ -12,6 +12,7 @@ bookkeeping visible.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import types
 import warnings
@@ -34,6 +35,7 @@ from .lanes import (
     join_call,
     lane_copy_call,
     lanes_idle,
+    layer_lane_copy_call,
     take_exposed_seconds,
     wait_lanes,
 )
@@ -136,23 +138,40 @@ def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan
     return tuple(r[0] for r in results), tuple(r[1] for r in results), tokens
 
 
-def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane, whole):
-    pools = tuple(lane_copy_call(d, s, plan[0], plan[1], plan[2], lane=lane, wait_lane=wait_lane,
-                                 stream_wait_lane=stream_wait_lane, whole_blocks=whole)
-                  for d, s in zip(dsts, srcs))
-    return pools, token
+def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane, whole,
+                      layers=None):
+    lanes = {"lane": lane, "wait_lane": wait_lane, "stream_wait_lane": stream_wait_lane,
+             "whole_blocks": whole}
+    pools = []
+    for d, s, views in zip(dsts, srcs, layers or (None,) * len(dsts)):
+        if views is None:  # within one pool when d is s: one traced value
+            pools.append(lane_copy_call(d, s, plan[0], plan[1], plan[2], **lanes))
+        elif d is s:  # an engine's arrays, each within itself in its own layout
+            pools.append(manager_copy_within(d, plan, None, views=views, mesh=None, whole=whole,
+                                             copy=functools.partial(_lane_within_view, **lanes)))
+        else:  # an engine's arrays and their host rows
+            offload = not isinstance(d, list)
+            pools.append(layer_lane_copy_call(d if offload else s, s if offload else d, plan[0],
+                                              plan[1], plan[2], offload=offload, views=views,
+                                              **lanes))
+    return tuple(pools), token
 
 
-def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole):
+def _lane_within_view(view, src_idx, dst_idx, tokens, facts, **lanes):
+    return lane_copy_call(view, view, src_idx, dst_idx, tokens, **lanes)
+
+
+def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole, layers=None):
     # each pool is its own source: one traced value, which lane_copy_call copies within
-    return _lane_across_impl(pools, pools, plan, token, lane, wait_lane, stream_wait_lane, whole)
+    return _lane_across_impl(pools, pools, plan, token, lane, wait_lane, stream_wait_lane, whole,
+                             layers)
 
 
 def _join_impl(arrays, lanes):
     return tuple(join_call(a, lanes) for a in arrays)
 
 
-_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole")
+_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole", "layers")
 _lane_across = jax.jit(_lane_across_impl, donate_argnums=(0, 3), static_argnames=_LANE_STATIC)
 _lane_within = jax.jit(_lane_within_impl, donate_argnums=(0, 2), static_argnames=_LANE_STATIC)
 _lane_across_undonated = jax.jit(_lane_across_impl, donate_argnums=3,
@@ -292,9 +311,7 @@ class KVCacheTransferManager:
         # The transfer lanes (lanes.py), and per slot whether a pending lane copy touches it:
         # lane 1 writes primary slots and reads secondary ones, lane 0 writes secondary ones
         # (its reads of primary slots are over once its snapshot is taken, on XLA's stream).
-        # (Pools over an engine's arrays copy on XLA's stream, in line.)
-        self._lanes = (dma is not False and self._plans is not None and first.mesh is None
-                       and self._layers is None)
+        self._lanes = dma is not False and self._plans is not None and first.mesh is None
         self._lanes_async = self._lanes and first.device.platform == "gpu"
         if self._lanes_async:
             # A manager dropped with copies in flight: its pools' arrays (which it holds) must
@@ -621,7 +638,7 @@ class KVCacheTransferManager:
         plan_arg, slot = self._plan_arrays(run)
         dsts = tuple(p.current(dst_primary, "transfer") for p in self._pools)
         static = {"lane": lane, "wait_lane": wait_lane, "stream_wait_lane": stream_wait_lane,
-                  "whole": run.whole}
+                  "whole": run.whole, "layers": self._layers}
         if src_primary == dst_primary:
             args = (dsts, plan_arg)
             donated, undonated = _lane_within, _lane_within_undonated
@@ -656,20 +673,19 @@ class KVCacheTransferManager:
                 self._offloads_done()
             return
         lanes = (OFFLOAD_LANE, ONBOARD_LANE) if everything else (ONBOARD_LANE,)
-        arrays = tuple(a for p in self._pools for a in
-                       ((p.primary, p.secondary) if everything else (p.primary,))
-                       if a is not None)
+        # the pools' arrays (a pool over an engine's arrays has a list), absent ones left out
+        arrays, tree = jax.tree.flatten([(p.primary, p.secondary) if everything else
+                                         (p.primary,) for p in self._pools])
         try:
-            joined = _join(arrays, lanes=lanes)
+            joined = _join(tuple(arrays), lanes=lanes)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
             if not pinned_by_external_reference(e):
                 raise
-            joined = _join_undonated(arrays, lanes=lanes)  # copies a pool a NumPy view pins
-        it = iter(joined)
-        for pool in self._pools:
-            pool.take_copy_result(True, next(it))
+            joined = _join_undonated(tuple(arrays), lanes=lanes)  # copies a pool a view pins
+        for pool, new in zip(self._pools, jax.tree.unflatten(tree, list(joined))):
+            pool.take_copy_result(True, new[0])
             if everything and pool.secondary is not None:
-                pool.take_copy_result(False, next(it))
+                pool.take_copy_result(False, new[1])
         self._onboards_done()
         if everything or not self._offloads_pending or lanes_idle():
             self._offloads_done()

@@ -88,7 +88,19 @@ def _check(pool, model, what):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_offload_and_onboard_through_the_manager_match_the_model(name, dtype, rng):
     pool, model = _make(rng, LAYOUTS[name], dtype)
-    mgr = kvx.KVCacheTransferManager(pool)
+    _offload_and_onboard(kvx.KVCacheTransferManager(pool), pool, model, rng)
+
+
+@pytest.mark.parametrize("dma", ["auto", False], ids=["lanes", "in line"])
+def test_both_paths_of_the_manager(dma, rng):
+    """The transfer lanes (the default) and the copies on XLA's stream (dma=False)."""
+    pool, model = _make(rng, LAYOUTS["K/V first"], ml_dtypes.bfloat16)
+    mgr = kvx.KVCacheTransferManager(pool, dma=dma)
+    assert mgr._lanes == (dma == "auto")
+    _offload_and_onboard(mgr, pool, model, rng)
+
+
+def _offload_and_onboard(mgr, pool, model, rng):
     t = pool.tokens_per_block
     blk = lambda i, primary: kvx.KVCacheBlock(i, i, primary)
     for step in range(3):
@@ -129,9 +141,10 @@ def test_host_rows_are_every_layers_block_in_order(rng):
     assert pool.block_nbytes == want.nbytes
 
 
-def test_copies_within_the_gpu_arrays_and_within_the_host_rows(rng):
+@pytest.mark.parametrize("dma", ["auto", False], ids=["lanes", "in line"])
+def test_copies_within_the_gpu_arrays_and_within_the_host_rows(dma, rng):
     pool, model = _make(rng, LAYOUTS["HND"], ml_dtypes.bfloat16)
-    mgr = kvx.KVCacheTransferManager(pool)
+    mgr = kvx.KVCacheTransferManager(pool, dma=dma)
     mgr.offload_indices([0, 1], [3, 4])
     model.offload([(0, 3), (1, 4)], [0, 0])
     # within the GPU arrays: a chain 2 -> 5 -> 6, applied in order as the manager's pairs are
