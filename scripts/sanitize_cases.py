@@ -427,9 +427,9 @@ def manager_transfers(rng):
 
 @case
 def layer_pool_transfers(rng):
-    # A pool over K/V-first per-layer arrays (from_layers): the layered custom call, one part per
-    # layer and slab, whole and partial, both ways; then the same copy traced inside jit with
-    # duplicate host rows (each part scans for later writers).
+    # A pool over K/V-first per-layer arrays (from_layers): the layered copies, one part per layer
+    # and slab, whole and partial, both ways, on the lanes and in line; then the copy traced
+    # inside jit with duplicate host rows (each part scans for later writers).
     from jax_kvxfer.layers import layer_copy_call
     nb, rows, t = 6, 5, 8
     host_arrays = [random_pool(rng, (2, nb, t, 3, 16), jnp.bfloat16) for _ in range(3)]
@@ -446,11 +446,19 @@ def layer_pool_transfers(rng):
             for d, s_ in zip(dst, src):
                 d[b, :, :n] = s_[a, :, :n]
 
-    m.offload_indices([1, 4, 0], [0, 3, 2], [0, 3, 0])
+    m.offload_indices([1, 4, 0], [0, 3, 2], [0, 3, 0])  # on the lanes (a GPU's default)
     apply(host, model, [(1, 0), (4, 3), (0, 2)], [0, 3, 0])
     m.onboard_indices([3, 0], [5, 2], [0, 5])
     apply(model, host, [(3, 5), (0, 2)], [0, 5])
+    m.offload_indices([2], [1])  # whole blocks: the snapshot's rows
+    apply(host, model, [(2, 1)], [0])
     m.sync_transfers()
+    in_line = kvx.KVCacheTransferManager(pool, dma=False)  # the copy kernel on XLA's stream
+    in_line.offload_indices([5, 3], [4, 0], [0, 2])
+    apply(host, model, [(5, 4), (3, 0)], [0, 2])
+    in_line.onboard_indices([4], [1], [6])
+    apply(model, host, [(4, 1)], [6])
+    in_line.sync_transfers()
     check(pool.secondary, np.concatenate([h.reshape(rows, -1) for h in host], 1), "layer rows")
     for k, (got, want) in enumerate(zip(pool.primary, model)):
         check(got, np.moveaxis(want, 0, 1), f"layer array {k}")
