@@ -391,3 +391,38 @@ def test_randomized_with_real_transfer_manager():
     assert t.offloaded_blocks == s.offloaded_blocks
     assert t.onboarded_blocks == s.onboarded_blocks + s.partial_onboards
     assert t.copied_blocks == s.partial_copies
+
+
+def test_randomized_with_a_pool_over_an_engines_arrays():
+    """The same through a pool over per-layer NHD arrays (`from_layers`): K and V of two layers,
+    each token's value in every array; reused prefixes hold the right values in all of them."""
+    rng = np.random.default_rng(7)  # the workload above: offloads, onboards, partial reuse
+    arrays = [jax.numpy.zeros((6, T, 2, 3), jax.numpy.float32) for _ in range(4)]
+    pool = kvx.KVCacheBlockPool.from_layers(arrays, token_axis=1, num_secondary_blocks=5)
+    bm = BlockManager(pool)
+    max_len = 2 * T
+
+    @jax.jit
+    def write(arrays, blocks, offsets, values):
+        return [a.at[blocks, offsets].set((values + k)[:, None, None], mode="drop")
+                for k, a in enumerate(arrays)]
+
+    for i, (tokens, priority) in enumerate(_random_workload(rng, 40)):
+        tokens = tokens[:max_len]
+        reused = bm.add_sequence(i, tokens, priority=priority)
+        bm.sync_transfers()
+        table = bm.block_table(i)
+        for k, a in enumerate(pool.primary):
+            got = kvx.to_numpy(a)
+            for pos in range(reused):
+                np.testing.assert_array_equal(got[table[pos // T], pos % T],
+                                              tokens[pos] + 1 + k, err_msg=f"{i} {pos} {k}")
+        blocks = np.full(max_len, pool.num_primary_blocks, np.int32)  # padding: dropped
+        offsets = np.zeros(max_len, np.int32)
+        values = np.zeros(max_len, np.float32)
+        for j, pos in enumerate(range(reused, len(tokens))):
+            blocks[j], offsets[j], values[j] = table[pos // T], pos % T, tokens[pos] + 1
+        pool.primary = write(pool.primary, blocks, offsets, values)
+        bm.release_sequence(i)
+    s = bm.stats
+    assert s.offloaded_blocks and s.onboarded_blocks and s.reused_tokens
