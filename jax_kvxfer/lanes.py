@@ -24,12 +24,11 @@ On the CPU a lane copy is done when its call is, and a join hands its array on.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
 
 from . import _native
+from .layers import LayerViews, layer_call
 
 OFFLOAD_LANE = 0
 ONBOARD_LANE = 1
@@ -53,24 +52,16 @@ def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
                 whole_blocks=np.bool_(whole_blocks))
 
 
-def layer_lane_copy_call(host, layers, src_idx, dst_idx, tokens, *, offload: bool, views: Any,
+def layer_lane_copy_call(host, layers, src_idx, dst_idx, tokens, *, offload: bool, views: LayerViews,
                          lane: int, wait_lane: int = NO_LANE, stream_wait_lane: int = NO_LANE,
                          whole_blocks: bool = False):
     """The layered copy (layers.py: between a pool's per-layer arrays and its host rows)
     enqueued on `lane`, as `lane_copy_call`. Returns the new host array (offload) or the new
     list of arrays (onboard)."""
-    operands = (src_idx, dst_idx, tokens, host, *layers)
-    if offload:
-        results, aliases = (jax.typeof(host),), {3: 0}
-    else:
-        results = tuple(jax.typeof(a) for a in layers)
-        aliases = {4 + k: k for k in range(len(layers))}
-    call = jax.ffi.ffi_call(_native.LAYER_LANE_COPY_TARGET, results,
-                            input_output_aliases=aliases, vmap_method="sequential")
-    out = call(*operands, offload=np.bool_(offload), views=views.attribute,
-               lane=np.int64(lane), wait_lane=np.int64(wait_lane),
-               stream_wait_lane=np.int64(stream_wait_lane), whole_blocks=np.bool_(whole_blocks))
-    return out[0] if offload else list(out)
+    return layer_call(_native.LAYER_LANE_COPY_TARGET, host, layers, src_idx, dst_idx, tokens,
+                      offload=offload, views=views, workspace=False, lane=np.int64(lane),
+                      wait_lane=np.int64(wait_lane), stream_wait_lane=np.int64(stream_wait_lane),
+                      whole_blocks=np.bool_(whole_blocks))
 
 
 def join_call(array, lanes: tuple[int, ...] = (OFFLOAD_LANE, ONBOARD_LANE)):

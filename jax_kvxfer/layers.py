@@ -163,27 +163,36 @@ def check_layers(name: str, arrays: Any, like: Sequence[jax.Array]) -> list[jax.
     return out
 
 
+def layer_call(target: str, host: Any, layers: Sequence[Any], src_idx: Any, dst_idx: Any,
+               tokens: Any, *, offload: bool, views: LayerViews, workspace: bool,
+               **attributes: Any) -> Any:
+    """Emits a layered custom call (`target`: the copy, or its lane form): offload (layers ->
+    host rows, returns the new host array) or onboard (host rows -> layers, returns the new
+    layers as a list). The destination is aliased to its result, so donated it is updated in
+    place. `workspace`: the first result is the GPU's int32 scan workspace, one per pair."""
+    extra = (jax.ShapeDtypeStruct((src_idx.shape[0],), jnp.int32),) if workspace else ()
+    if offload:
+        results, aliases = (*extra, jax.typeof(host)), {3: len(extra)}
+    else:
+        results = (*extra, *(jax.typeof(a) for a in layers))
+        aliases = {4 + k: len(extra) + k for k in range(len(layers))}
+    call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases,
+                            vmap_method="sequential")
+    out = call(src_idx, dst_idx, tokens, host, *layers, offload=np.bool_(offload),
+               views=views.attribute, **attributes)[len(extra):]
+    return out[0] if offload else list(out)
+
+
 def layer_copy_call(host: Any, layers: Sequence[Any], src_idx: Any, dst_idx: Any, tokens: Any,
                     *, offload: bool, views: LayerViews, unique_dst: bool = False,
                     max_ctas: int | None = None, dma: bool = False,
                     whole_blocks: bool = False) -> Any:
-    """Emits the layered copy: offload (layers -> host rows, returns the new host array) or
-    onboard (host rows -> layers, returns the new layers as a list). The destination is aliased
-    to its result, so donated it is updated in place."""
-    operands = (src_idx, dst_idx, tokens, host, *layers)
-    batch = src_idx.shape[0]
-    workspace = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    if offload:
-        results, aliases = (workspace, jax.typeof(host)), {3: 1}
-    else:
-        results = (workspace, *(jax.typeof(a) for a in layers))
-        aliases = {4 + k: 1 + k for k in range(len(layers))}
-    call = jax.ffi.ffi_call(_native.LAYER_COPY_TARGET, results, input_output_aliases=aliases,
-                            vmap_method="sequential")
-    out = call(*operands, offload=np.bool_(offload), views=views.attribute,
-               unique_dst=np.bool_(unique_dst), max_ctas=np.int64(min(max_ctas or 0, 1 << 30)),
-               dma=np.bool_(dma), whole_blocks=np.bool_(whole_blocks))
-    return out[1] if offload else list(out[1:])
+    """The layered copy on XLA's stream (`layer_call`)."""
+    return layer_call(_native.LAYER_COPY_TARGET, host, layers, src_idx, dst_idx, tokens,
+                      offload=offload, views=views, workspace=True,
+                      unique_dst=np.bool_(unique_dst),
+                      max_ctas=np.int64(min(max_ctas or 0, 1 << 30)), dma=np.bool_(dma),
+                      whole_blocks=np.bool_(whole_blocks))
 
 
 def _on_devices(fn: Any, views: LayerViews, mesh: Any, in_specs: tuple, out_specs: Any) -> Any:
