@@ -189,20 +189,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu, BindJoinCopy(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCpu, LaneCopyCpu, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu, BindLaneCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .RemainingArgs()               // the host array, the layers
+                              BindLayerOperands(ffi::Ffi::Bind())
                                   .Ret<ffi::Buffer<ffi::S32>>()  // [B]: the GPU's duplicate scan
                                   .RemainingRets()  // the host array or the layers, aliased
                                   .Attrs<LayerCopyOptions>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCpu, LayerLaneCopyCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .RemainingArgs()               // the host array, the layers
+                              BindLayerOperands(ffi::Ffi::Bind())
                                   .RemainingRets()  // the host array or the layers, aliased
                                   .Attrs<LayerLaneOptions>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,

@@ -358,12 +358,8 @@ ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCuda, LaneCopy, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCuda, LaneCopyWithin, BindLaneCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCuda, LayerLaneCopy,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .RemainingArgs()               // the host array, the layers
+                              BindLayerOperands(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
                                   .RemainingRets()  // the host array or the layers, aliased
                                   .Attrs<LayerLaneOptions>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes,

@@ -46,6 +46,12 @@ struct LayerLaneOptions {
   bool whole_blocks;
 };
 
+// A layered call's operands: the indices, then the host array and the layers.
+template <typename Binding>
+auto BindLayerOperands(Binding&& binding) {
+  return BindIndices(std::forward<Binding>(binding)).RemainingArgs();  // host, layers
+}
+
 // Checks the operands against the views and plans the parts; never dereferences a data
 // pointer. `arrays`: the host array, then the layers; `outs`: the host result (offload) or the
 // layers' results (onboard).

@@ -51,12 +51,8 @@ ffi::Error LayerCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCuda, LayerCopy,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // src_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // dst_indices [B]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens [B]
-                                  .RemainingArgs()               // the host array, the layers
+                              BindLayerOperands(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
                                   .Ret<ffi::Buffer<ffi::S32>>()  // [B]: the duplicate scan
                                   .RemainingRets()  // the host array or the layers, aliased
                                   .Attrs<LayerCopyOptions>());
