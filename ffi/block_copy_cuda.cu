@@ -237,17 +237,9 @@ ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer 
       err.failure()) {
     return err;
   }
-  Batch b{{out_data, g.block_bytes, false},
-          {static_cast<char*>(src.untyped_data()), g.block_bytes, false},
-          src_idx.typed_data(),
-          dst_idx.typed_data(),
-          num_tokens.typed_data(),
-          nullptr,
-          num_pairs,
-          src_blocks,
-          dst_blocks,
-          g,
-          options.whole_blocks};
+  Batch b = PoolBatch(out_data, static_cast<char*>(src.untyped_data()), src_idx.typed_data(),
+                      dst_idx.typed_data(), num_tokens.typed_data(), num_pairs, src_blocks,
+                      dst_blocks, g, options.whole_blocks);
   if (options.dma && !stage && IsHostMemory(b.src_idx) && IsHostMemory(b.dst_idx) &&
       (b.whole_blocks || IsHostMemory(b.num_tokens)) &&
       IsHostMemory(b.dst.data) != IsHostMemory(b.src.data)) {

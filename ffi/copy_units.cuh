@@ -49,6 +49,14 @@ struct Batch {
   bool whole_blocks;  // known on the host: every pair copies a whole block
 };
 
+// A batch between two pools of geometry `g`, their blocks one after another. Host code.
+inline Batch PoolBatch(char* dst, char* src, const int32_t* src_idx, const int32_t* dst_idx,
+                       const int32_t* num_tokens, int64_t num_pairs, int64_t src_blocks,
+                       int64_t dst_blocks, const PoolGeometry& g, bool whole_blocks) {
+  return {{dst, g.block_bytes, false}, {src, g.block_bytes, false}, src_idx, dst_idx,
+          num_tokens, nullptr, num_pairs, src_blocks, dst_blocks, g, whole_blocks};
+}
+
 // Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.
 KVXFER_HOST_DEVICE inline bool IndicesInRange(const Batch& b, int64_t s, int64_t d) {
   return s >= 0 && s < b.src_blocks && d >= 0 && d < b.dst_blocks;

@@ -263,17 +263,9 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
   if (num_pairs == 0 || dst_blocks == 0 || src_blocks == 0 || g.block_bytes == 0) {
     return ffi::Error::Success();
   }
-  Batch b{{out_data, g.block_bytes, false},
-          {within ? out_data : static_cast<char*>(src.untyped_data()), g.block_bytes, false},
-          src_idx.typed_data(),
-          dst_idx.typed_data(),
-          num_tokens.typed_data(),
-          nullptr,
-          num_pairs,
-          src_blocks,
-          dst_blocks,
-          g,
-          options.whole_blocks};
+  const Batch b = PoolBatch(out_data, within ? out_data : static_cast<char*>(src.untyped_data()),
+                            src_idx.typed_data(), dst_idx.typed_data(), num_tokens.typed_data(),
+                            num_pairs, src_blocks, dst_blocks, g, options.whole_blocks);
   return EnqueueOnLane(stream, lanes, {b}, {0}, g.block_bytes, within, options);
 }
 
