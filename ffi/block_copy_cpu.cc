@@ -180,8 +180,9 @@ ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
 
 }  // namespace
 
-#define KVXFER_POOLS_2 ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+// The start of a binding: two pools (destination, source) or one (a copy within it).
 #define KVXFER_POOLS_1 ffi::Ffi::Bind().Arg<ffi::AnyBuffer>()
+#define KVXFER_POOLS_2 KVXFER_POOLS_1.Arg<ffi::AnyBuffer>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu, BindCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu, BindCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu, BindForkCopy(KVXFER_POOLS_2));

@@ -315,8 +315,6 @@ ffi::Error BlockCopyWithin(cudaStream_t stream, ffi::AnyBuffer pool,
 // records them again whenever one of their buffers moves. The "nograph" targets run the same
 // handlers without the trait, for what a graph must not hold: dma=true copies and copies on a
 // stream of their own (a graph on the compute stream would serialize them).
-#define KVXFER_POOLS_2 ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-#define KVXFER_POOLS_1 ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCuda, BlockCopy<true>, BindCopy(KVXFER_POOLS_2),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, BlockCopyWithin<true>,

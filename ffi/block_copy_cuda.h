@@ -58,6 +58,11 @@ ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer 
                         ffi::Buffer<ffi::S32> superseded, ffi::Buffer<ffi::U8> staging,
                         const CopyOptions& options);
 
+// The start of a CUDA handler's binding: XLA's stream, then two pools (destination, source) or
+// one (a copy within it). A macro, since a binding can be neither copied nor moved.
+#define KVXFER_POOLS_1 ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>()
+#define KVXFER_POOLS_2 KVXFER_POOLS_1.Arg<ffi::AnyBuffer>()
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kBlockCopyForkCuda);  // both_ways_cuda.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kBlockCopyJoinCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kLayerCopyCuda);  // layer_copy_cuda.cu

@@ -125,7 +125,6 @@ ffi::Error Join(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
 
 }  // namespace
 
-#define KVXFER_POOLS_2 ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCuda, Fork, BindForkCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCuda, Join, BindJoinCopy(KVXFER_POOLS_2));
 

@@ -345,8 +345,6 @@ ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi:
 
 }  // namespace
 
-#define KVXFER_POOLS_2 ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-#define KVXFER_POOLS_1 ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCuda, LaneCopy, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCuda, LaneCopyWithin, BindLaneCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCuda, LayerLaneCopy,
