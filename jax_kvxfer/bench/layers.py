@@ -1,15 +1,21 @@
 """The layers section: a pool over an engine's per-layer arrays (`KVCacheBlockPool.from_layers`).
 
 32 NHD arrays `[blocks, 16 tokens, 16 heads, 128]` in bf16 (64 KiB per layer block, 2 MiB per
-host row), batches of 64 and 1,024 random blocks (16 and 64 with --quick): the manager's
-`offload_indices` / `onboard_indices` + `sync_transfers()`, all layers in one custom call per
-batch, against one contiguous copy of the same bytes (the step section's ceiling) and against a
-jitted loop of one `copy_blocks` per layer into per-layer host arrays of the same layout.
+host row), batches of 64 and 1,024 random blocks (16 and 64 with --quick), through the manager's
+`offload_indices` / `onboard_indices` (all layers in one custom call per batch):
+  - one batch, then `sync_transfers()`: what one batch costs, the call's host time included
+    (`returns_s`: when the call returned to Python);
+  - four batches back to back, then one sync (per batch): a serving loop's steady state, where
+    a call's host time overlaps the copy before it;
+against one contiguous copy of the same bytes (the step section's ceiling), and two ways without
+contiguous host rows: the manager over one pool per layer (a copy per layer and block, 64 KiB
+host blocks) and a jitted loop of one `copy_blocks` per layer into per-layer host arrays.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 import traceback
 from typing import Any
 
@@ -21,7 +27,7 @@ from ..manager import KVCacheTransferManager
 from ..ops import copy_blocks
 from ..pool import KVCacheBlockPool
 from .config import DTYPE
-from .helpers import _err_text
+from .helpers import _err_text, _median
 
 _LAYERS, _TOKENS, _HEADS, _DIM = 32, 16, 16, 128  # 64 KiB per layer block in bf16
 
@@ -53,9 +59,15 @@ class LayersMixin:
         layers, tokens = (4, 4) if self.cfg.quick else (_LAYERS, _TOKENS)
         nb = max(batches)
         shape = (nb, tokens, _HEADS, _DIM)
-        arrays = [jnp.asarray(self.rng.standard_normal(shape), DTYPE) for _ in range(layers)]
-        pool = KVCacheBlockPool.from_layers(arrays, token_axis=1, num_secondary_blocks=nb)
+
+        def fresh_arrays() -> list[jax.Array]:
+            return [jnp.asarray(self.rng.standard_normal(shape), DTYPE) for _ in range(layers)]
+
+        pool = KVCacheBlockPool.from_layers(fresh_arrays(), token_axis=1, num_secondary_blocks=nb)
         mgr = KVCacheTransferManager(pool)
+        per_layer_mgr = KVCacheTransferManager(
+            [KVCacheBlockPool.from_layers([a], token_axis=1, num_secondary_blocks=nb)
+             for a in fresh_arrays()])
         host_layers = [jax.device_put(np.zeros(shape, DTYPE), self.hsh) for _ in range(layers)]
         rows = {}
         for batch in batches:
@@ -63,26 +75,43 @@ class LayersMixin:
             total = batch * pool.block_nbytes
             rec: dict[str, Any] = {"blocks": batch, "row_bytes": pool.block_nbytes,
                                    "layers": layers, "ceiling": self._contiguous_ceiling(total)}
-            calls = (("offload_indices", lambda s=src, d=dst: mgr.offload_indices(s, d)),
-                     ("onboard_indices", lambda s=src, d=dst: mgr.onboard_indices(d, s)))
-            for name, call in calls:
-                t = self._timed(lambda c=call: (c(), mgr.sync_transfers()))
-                rec[name] = {"s": t, "gbps": total / t / 1e9}
+            for direction, name in (("d2h", "offload_indices"), ("h2d", "onboard_indices")):
+                def one(m=mgr, name=name, s=src, d=dst) -> float:
+                    t = time.perf_counter()
+                    getattr(m, name)(*((s, d) if name.startswith("off") else (d, s)))
+                    return time.perf_counter() - t
+
+                returns = []
+                t = self._timed(lambda r=returns: (r.append(one()), mgr.sync_transfers()))
+                rec[name] = {"s": t, "returns_s": _median(returns[-self.cfg.repeats:])}
+                t = self._timed(lambda: ([one() for _ in range(4)], mgr.sync_transfers())) / 4
+                rec[name + "_back_to_back"] = {"s": t}
+                t = self._timed(lambda: (one(per_layer_mgr), per_layer_mgr.sync_transfers()))
+                rec[name + "_pool_per_layer"] = {"s": t}
             si, di = np.int32(src), np.int32(dst)
 
             def loop(si=si, di=di) -> None:
                 nonlocal host_layers
                 host_layers = _per_layer_loop(host_layers, pool.primary, si, di)
                 jax.block_until_ready(host_layers)
-            t = self._timed(loop)
-            rec["per_layer_loop_offload"] = {"s": t, "gbps": total / t / 1e9}
-            for name in ("offload_indices", "onboard_indices", "per_layer_loop_offload"):
-                ceiling = rec["ceiling"].get("h2d" if name.startswith("onboard") else "d2h")
-                if ceiling:
-                    rec[name]["ratio"] = rec[name]["gbps"] / ceiling
+            rec["copy_blocks_per_layer_offload"] = {"s": self._timed(loop)}
+            for name, r in rec.items():
+                if isinstance(r, dict) and "s" in r:
+                    r["gbps"] = total / r["s"] / 1e9
+                    ceiling = rec["ceiling"].get("h2d" if name.startswith("onboard") else "d2h")
+                    if ceiling:
+                        r["ratio"] = r["gbps"] / ceiling
             rows[str(batch)] = rec
-            self.log(f"  layers: {batch} x {layers} x {pool.block_nbytes // layers >> 10} KiB: "
-                     f"offload {rec['offload_indices'].get('ratio', 0):.0%}, onboard "
-                     f"{rec['onboard_indices'].get('ratio', 0):.0%} of contiguous; a copy_blocks "
-                     f"per layer {rec['per_layer_loop_offload'].get('ratio', 0):.0%}")
+            ratio = {k: f"{v.get('ratio', 0):.0%}" for k, v in rec.items()
+                     if isinstance(v, dict) and "s" in v}
+            self.log(f"  layers: {batch} x {layers} x {pool.block_nbytes // layers >> 10} KiB, "
+                     f"offload / onboard of contiguous: one batch {ratio['offload_indices']} / "
+                     f"{ratio['onboard_indices']} (returns after "
+                     f"{rec['offload_indices']['returns_s'] * 1e3:.2f} / "
+                     f"{rec['onboard_indices']['returns_s'] * 1e3:.2f} ms), back to back "
+                     f"{ratio['offload_indices_back_to_back']} / "
+                     f"{ratio['onboard_indices_back_to_back']}; a pool per layer "
+                     f"{ratio['offload_indices_pool_per_layer']} / "
+                     f"{ratio['onboard_indices_pool_per_layer']}; a copy_blocks per layer "
+                     f"{ratio['copy_blocks_per_layer_offload']}")
         sec["batches"] = rows

@@ -62,6 +62,16 @@ def _check_common(doc: dict, sections=("host_overhead", "overlap", "bidirectiona
     for name, res in doc.get("bidirectional", {}).get("paths", {}).items():
         assert "error" not in res, (name, res)
         assert res["aggregate_gbps"] > 0
+    layers = doc.get("layers", {})
+    assert "error" not in layers, layers
+    for batch in layers.get("batches", {}).values():  # every way of moving the per-layer arrays
+        timed = {k for k, v in batch.items() if isinstance(v, dict) and "s" in v}
+        assert timed == {f"{d}_indices{how}" for d in ("offload", "onboard")
+                         for how in ("", "_back_to_back", "_pool_per_layer")} | {
+                             "copy_blocks_per_layer_offload"}, timed
+        for name in timed:
+            assert batch[name]["gbps"] > 0 and batch[name]["ratio"] > 0, (name, batch[name])
+        assert 0 < batch["offload_indices"]["returns_s"] <= batch["offload_indices"]["s"] * 2
     # our paths, on XLA's compute stream and annotated to streams of their own, copy exactly
     for sec, paths in (("overlap", ("ours", "ours_stream")),
                        ("bidirectional", ("ours", "ours_streams"))):
@@ -75,6 +85,7 @@ def test_quick_run_on_cpu(tmp_path, capsys):
     assert bench.main(["--quick", "--out", out]) == 0
     doc = _load(out)
     _check_common(doc)
+    assert set(doc["layers"]["batches"]) == {"16", "64"}  # checked in _check_common
     paths = {(r["path"], r["direction"], r["n_label"]) for r in doc["results"] if "gbps" in r}
     for d in ("d2h", "h2d", "d2d"):
         for n in ("T", "T-1", "T/2", "1"):
