@@ -229,22 +229,21 @@ inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
   for (int64_t i = 0; i < b.num_pairs; ++i) {
     const int64_t s = b.src_idx[i], d = b.dst_idx[i];
     if (!IndicesInRange(b, s, d)) continue;
-    duplicates = duplicates || (written[d] && !b.dst.by_pair);  // staged rows are distinct
+    duplicates = duplicates || written[d];
     written[d] = true;
     const int64_t n = PairTokens(b, i);
     const bool whole = n == g.tokens;
-    const int64_t from = b.src.by_pair ? i : s;  // a staged side holds pair i's block at i
-    const int64_t to = b.dst.by_pair ? i : d;
-    if (whole && last_whole && from == last_s + 1 && to == last_d + 1 && contiguous) {
+    const int64_t from = b.src.by_pair ? i : s;  // a staged source holds pair i's block at i
+    if (whole && last_whole && from == last_s + 1 && d == last_d + 1 && contiguous) {
       copies.back().width += static_cast<size_t>(g.block_bytes);
     } else {
-      copies.push_back({b.dst.data + to * b.dst.stride, b.src.data + from * b.src.stride,
+      copies.push_back({b.dst.data + d * b.dst.stride, b.src.data + from * b.src.stride,
                         static_cast<size_t>(whole ? g.block_bytes : n * g.row_bytes),
                         static_cast<size_t>(g.tokens * g.row_bytes),
                         static_cast<size_t>(whole ? 1 : g.outer)});
     }
     last_s = from;
-    last_d = to;
+    last_d = d;
     last_whole = whole;
   }
   return duplicates;

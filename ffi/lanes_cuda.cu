@@ -15,8 +15,7 @@
 //    plan's buffer is free when the call returns;
 //  - the pools' buffers stay the pools': while a lane may still use them, the pool refuses an
 //    assigned array in another buffer (pool.py), so XLA never frees them under a lane.
-// The lanes copy with the copy engines, which take no SMs from the step; the one exception is
-// a layered onboard's device-to-device half (StagedOnboard).
+// The lanes copy with the copy engines only, so they take no SMs from the step.
 // Across lanes, the manager asks for a wait (wait_lane) where one lane's copy touches slots
 // that the other's pending copies touch, and for XLA's stream to wait (stream_wait_lane) where
 // a snapshot reads blocks that lane 1 is still writing.
@@ -159,49 +158,6 @@ ffi::Error CheckLaneCall(const LaneOptions& o, ffi::Buffer<ffi::S32> src_idx,
   return ffi::Error::Success();
 }
 
-// Whether an onboard of `parts` goes through staging rows (StagedOnboard): whole blocks of a
-// layered pool from the host, every destination block written once (the copy kernel then need
-// not order the pairs). Host code: the lane copy's indices are in pinned host memory.
-bool StagesOnboard(const std::vector<Batch>& parts, bool within) {
-  const Batch& first = parts[0];
-  if (parts.size() < 2 || within || !first.whole_blocks || !IsHostMemory(first.src.data) ||
-      IsHostMemory(first.dst.data)) {
-    return false;
-  }
-  std::vector<bool> written(static_cast<size_t>(first.dst_blocks), false);
-  for (int64_t i = 0; i < first.num_pairs; ++i) {
-    const int64_t s = first.src_idx[i], d = first.dst_idx[i];
-    if (!IndicesInRange(first, s, d)) continue;
-    if (written[d]) return false;
-    written[d] = true;
-  }
-  return true;
-}
-
-// A layered onboard of whole blocks in two steps on the lane: each pair's host row into a row
-// of `staged` on the copy engines (one copy per pair), then the copy kernel from there into
-// every part. Copying each part from the host instead takes pairs x parts runtime copies, about
-// 1 us of host time each (33 ms for 1,024 blocks of 32 layers, all of it before the call
-// returns); the kernel's device-to-device copy takes about 2 % of the transfer's time.
-ffi::Error StagedOnboard(cudaStream_t lane_stream, const std::vector<Batch>& parts,
-                         const std::vector<int64_t>& offsets, int64_t row_bytes, char* staged) {
-  const Batch& first = parts[0];
-  Batch rows = first;
-  rows.src = {first.src.data - offsets[0], row_bytes, false};
-  rows.dst = {staged, row_bytes, true};
-  rows.g.outer = 1;
-  rows.g.block_bytes = row_bytes;
-  if (cudaError_t err = EnqueueDmaCopies(lane_stream, rows, false); err != cudaSuccess) {
-    return CudaError(err, "lane copy: host rows to staging");
-  }
-  for (size_t k = 0; k < parts.size(); ++k) {
-    Batch scatter = parts[k];
-    scatter.src = {staged + offsets[k], row_bytes, true};
-    if (auto err = LaunchCopyKernel(lane_stream, scatter, 0); err.failure()) return err;
-  }
-  return ffi::Error::Success();
-}
-
 // Enqueues `parts` (one batch, or a layered copy's batch per layer and slab) on lane
 // options.lane, behind XLA's stream. An offload (a source in device memory, not `within` one
 // pool) first gathers every part's sources on XLA's stream into a snapshot of one row of
@@ -261,19 +217,6 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, DeviceLanes* lanes, std::vector<Ba
   if (err == cudaSuccess) err = cudaStreamWaitEvent(lane_stream, lanes->ready, 0);
   if (err == cudaSuccess && options.wait_lane >= 0 && options.wait_lane != options.lane) {
     err = cudaStreamWaitEvent(lane_stream, lanes->done[options.wait_lane], 0);
-  }
-  if (err == cudaSuccess && StagesOnboard(parts, within)) {
-    void* staged = nullptr;
-    if (cudaMallocFromPoolAsync(&staged, first.num_pairs * row_bytes, lanes->staging,
-                                lane_stream) == cudaSuccess) {
-      ffi::Error copied =
-          StagedOnboard(lane_stream, parts, offsets, row_bytes, static_cast<char*>(staged));
-      err = cudaFreeAsync(staged, lane_stream);  // in the lane's order, even after a failure
-      if (copied.failure()) return copied;
-      parts.clear();  // enqueued
-    } else {
-      (void)cudaGetLastError();  // no room for staging rows: each part from the host, below
-    }
   }
   for (size_t k = 0; k < parts.size() && err == cudaSuccess; ++k) {
     err = EnqueueDmaCopies(lane_stream, parts[k], within);

@@ -428,8 +428,7 @@ def manager_transfers(rng):
 @case
 def layer_pool_transfers(rng):
     # A pool over K/V-first per-layer arrays (from_layers): the layered copies, one part per layer
-    # and slab, whole and partial, both ways, on the lanes (a whole-block onboard through staging
-    # rows) and in line; then the copy traced
+    # and slab, whole and partial, both ways, on the lanes and in line; then the copy traced
     # inside jit with duplicate host rows (each part scans for later writers).
     from jax_kvxfer.layers import layer_copy_call
     nb, rows, t = 6, 5, 8
@@ -453,7 +452,7 @@ def layer_pool_transfers(rng):
     apply(model, host, [(3, 5), (0, 2)], [0, 5])
     m.offload_indices([2], [1])  # whole blocks: the snapshot's rows
     apply(host, model, [(2, 1)], [0])
-    m.onboard_indices([0, 2], [3, 1])  # whole blocks: host rows staged, then the copy kernel
+    m.onboard_indices([0, 2], [3, 1])  # whole blocks: every part from its host row
     apply(model, host, [(0, 3), (2, 1)], [0, 0])
     m.sync_transfers()
     in_line = kvx.KVCacheTransferManager(pool, dma=False)  # the copy kernel on XLA's stream

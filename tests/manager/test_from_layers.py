@@ -117,7 +117,7 @@ def _offload_and_onboard(mgr, pool, model, rng):
         _check(pool, model, f"offload {step}")
         back_src = rng.choice(pool.num_secondary_blocks, 2, replace=False)
         back_dst = rng.choice(pool.num_primary_blocks, 2, replace=False)
-        if step == 0:  # whole blocks (on a GPU's lanes: host rows staged, then scattered)
+        if step == 0:  # whole blocks (the host's hint that lets every path skip token counts)
             mgr.onboard_indices(back_src, back_dst)
             model.onboard(zip(back_src, back_dst), [0] * 2)
         else:
