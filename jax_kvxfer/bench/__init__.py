@@ -67,7 +67,8 @@ Other sections:
                  return time of a 64-pair call (beside_step.py).
   layers         a pool over 32 per-layer NHD arrays (`KVCacheBlockPool.from_layers`, 64 KiB
                  per layer block, 2 MiB host rows): offload/onboard of 64 and 1,024 blocks
-                 through the manager against a contiguous copy, and a jitted loop of one
+                 through the manager, one batch and four back to back, against a contiguous
+                 copy, the manager over one pool per layer and a jitted loop of one
                  `copy_blocks` per layer (layers.py).
 
 Results: JSON (written after every section, so a run that is cut short still leaves data) and a
