@@ -75,10 +75,10 @@ class LayersMixin:
             total = batch * pool.block_nbytes
             rec: dict[str, Any] = {"blocks": batch, "row_bytes": pool.block_nbytes,
                                    "layers": layers, "ceiling": self._contiguous_ceiling(total)}
-            for direction, name in (("d2h", "offload_indices"), ("h2d", "onboard_indices")):
-                def one(m=mgr, name=name, s=src, d=dst) -> float:
+            for name, args in (("offload_indices", (src, dst)), ("onboard_indices", (dst, src))):
+                def one(m=mgr, name=name, args=args) -> float:  # seconds until the call returns
                     t = time.perf_counter()
-                    getattr(m, name)(*((s, d) if name.startswith("off") else (d, s)))
+                    getattr(m, name)(*args)
                     return time.perf_counter() - t
 
                 returns = []
