@@ -53,9 +53,11 @@ class LayerViews(NamedTuple):
     @property
     def attribute(self) -> np.ndarray:
         """The custom call's `views`: per layer copies, num_blocks, outer, tokens, row bytes."""
-        return np.array([x for lay in self.layouts for x in (
-            lay.copies, lay.num_blocks, self._part(lay)[1], self.tokens_per_block,
-            self._part(lay)[2])], np.int64)
+        views = []
+        for lay in self.layouts:
+            copies, outer, row = self._part(lay)
+            views += [copies, lay.num_blocks, outer, self.tokens_per_block, row]
+        return np.array(views, np.int64)
 
     @property
     def row_nbytes(self) -> int:
@@ -234,7 +236,7 @@ def manager_copy_within(pool: Any, plan: Any, facts: Any, *, views: LayerViews, 
     copy_view = copy or functools.partial(_block_copy_within, whole_blocks=whole)
 
     if isinstance(pool, list):
-        def copy(arrays, plan):
+        def copy_arrays(arrays, plan):
             out = []
             for a, lay in zip(arrays, views.layouts):
                 pairs = (layouts.expand_pairs(plan[0], lay), layouts.expand_pairs(plan[1], lay),
@@ -242,7 +244,7 @@ def manager_copy_within(pool: Any, plan: Any, facts: Any, *, views: LayerViews, 
                 out.append(copy_view(a.reshape(lay.view), *pairs, facts).reshape(a.shape))
             return out
         specs = list(views.specs or ())
-        return _on_devices(copy, views, mesh, (specs, everywhere), specs)(pool, plan)
+        return _on_devices(copy_arrays, views, mesh, (specs, everywhere), specs)(pool, plan)
 
     def copy_rows(host, plan):
         v = host.reshape(host.shape[0], 1, 1, 1, 1, math.prod(host.shape[1:]))

@@ -223,10 +223,11 @@ class KVCacheBlockPool:
           arrays: device arrays on one device (or split by heads: along one axis after
             `block_axis` other than `token_axis`, by one mesh axis, the same for all; the host
             array is then `[num_secondary_blocks, devices, part]`, one part per device), one
-            per layer (or per layer and K/V), of one dtype of whole bytes, each with its blocks along `block_axis` (all the same number)
-            and its tokens along `token_axis` (all the same number): NHD `[nb, T, H, D]`:
-            token_axis=1; HND `[nb, H, T, D]`: 2; K/V first `[2, nb, T, H, D]`: block_axis=1,
-            token_axis=2; fused `[nb, T, 2H, D]`: 1; MLA `[nb, T, D]`: 1.
+            per layer (or per layer and K/V), of one dtype of whole bytes, each with its blocks
+            along `block_axis` (all the same number) and its tokens along `token_axis` (all the
+            same number): NHD `[nb, T, H, D]`: token_axis=1; HND `[nb, H, T, D]`: 2; K/V
+            first `[2, nb, T, H, D]`: block_axis=1, token_axis=2; fused `[nb, T, 2H, D]`: 1;
+            MLA `[nb, T, D]`: 1.
           token_axis, block_axis: as for `copy_blocks`.
           num_secondary_blocks: rows of the host array (0: none).
 

@@ -379,18 +379,25 @@ def test_randomized_with_real_transfer_manager():
         primary = np.asarray(pool.primary)[:, 0, 0, 0, :, 0]
         for pos in range(reused):
             assert primary[table[pos // T], pos % T] == tokens[pos] + 1, (i, pos)
-        blocks = np.full(max_len, pool.num_primary_blocks, np.int32)  # padding: dropped
-        offsets = np.zeros(max_len, np.int32)
-        values = np.zeros(max_len, np.float32)
-        for j, pos in enumerate(range(reused, len(tokens))):
-            blocks[j], offsets[j], values[j] = table[pos // T], pos % T, tokens[pos] + 1
-        pool.primary = write(pool.primary, blocks, offsets, values)
+        pool.primary = write(pool.primary, *_new_token_writes(pool, table, tokens, reused,
+                                                              max_len))
         bm.release_sequence(i)
     s, t = bm.stats, bm.transfer_manager.get_and_reset_transfer_stats()
     assert s.offloaded_blocks and s.onboarded_blocks and s.reused_tokens
     assert t.offloaded_blocks == s.offloaded_blocks
     assert t.onboarded_blocks == s.onboarded_blocks + s.partial_onboards
     assert t.copied_blocks == s.partial_copies
+
+
+def _new_token_writes(pool, table, tokens, reused, max_len):
+    """(blocks, offsets, values) writing token value + 1 at each position after the reused
+    prefix, padded to max_len with an out-of-range block (dropped by the scatter)."""
+    blocks = np.full(max_len, pool.num_primary_blocks, np.int32)
+    offsets = np.zeros(max_len, np.int32)
+    values = np.zeros(max_len, np.float32)
+    for j, pos in enumerate(range(reused, len(tokens))):
+        blocks[j], offsets[j], values[j] = table[pos // T], pos % T, tokens[pos] + 1
+    return blocks, offsets, values
 
 
 def test_randomized_with_a_pool_over_an_engines_arrays():
@@ -417,12 +424,8 @@ def test_randomized_with_a_pool_over_an_engines_arrays():
             for pos in range(reused):
                 np.testing.assert_array_equal(got[table[pos // T], pos % T],
                                               tokens[pos] + 1 + k, err_msg=f"{i} {pos} {k}")
-        blocks = np.full(max_len, pool.num_primary_blocks, np.int32)  # padding: dropped
-        offsets = np.zeros(max_len, np.int32)
-        values = np.zeros(max_len, np.float32)
-        for j, pos in enumerate(range(reused, len(tokens))):
-            blocks[j], offsets[j], values[j] = table[pos // T], pos % T, tokens[pos] + 1
-        pool.primary = write(pool.primary, blocks, offsets, values)
+        pool.primary = write(pool.primary, *_new_token_writes(pool, table, tokens, reused,
+                                                              max_len))
         bm.release_sequence(i)
     s = bm.stats
     assert s.offloaded_blocks and s.onboarded_blocks and s.reused_tokens
