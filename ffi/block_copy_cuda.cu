@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace nb = nanobind;
@@ -94,6 +95,19 @@ __global__ void __launch_bounds__(kThreads) LaterWriterTokensKernel(Batch b, int
   if (threadIdx.x == 0) superseded[blockIdx.x] = most;
 }
 
+// The copy kernel over the parts of a PartsLaunch (copy_units.cuh), as CopyKernel without the scan.
+// __grid_constant__: the parts are read where they were passed, not copied per thread.
+template <typename V>
+__global__ void __launch_bounds__(1024) PartsKernel(const __grid_constant__ PartsLaunch p) {
+  const int per_cta = blockDim.x / kThreads;
+  const int64_t units = p.first_unit[p.count];
+  for (int64_t u = int64_t{blockIdx.x} * per_cta + threadIdx.x / kThreads; u < units;
+       u += int64_t{gridDim.x} * per_cta) {
+    const int k = PartOf(p, u);
+    CopyUnit<V>(p.part[k], u - p.first_unit[k], p.units_per_pair[k], threadIdx.x % kThreads);
+  }
+}
+
 // SMs per device, read when the module loads: the handlers run inside CUDA graph capture, where
 // device queries are not allowed.
 constexpr int kMaxDevices = 64;
@@ -116,37 +130,88 @@ bool ScanInCopy(const Batch& b, int64_t units_per_pair, int64_t max_ctas) {
   return max_ctas <= 0 && b.num_pairs <= kMaxReads / b.num_pairs / units_per_pair;
 }
 
-template <typename V>
-void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas, bool scan) {
-  const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, WaveCtas());
-  const int64_t units = b.num_pairs * units_per_pair;
-  // Uncapped: one CTA per unit, what a device-to-device copy needs to fill HBM. Capped: CTAs of
-  // 1024 threads (about an SM each); on an H200, 8 keep PCIe busy for whole blocks, leaving the
-  // other SMs to compute running beside the copy.
+// The grid for `units` work units. Uncapped: one CTA per unit, what a device-to-device copy
+// needs to fill HBM. Capped: CTAs of 1024 threads (about an SM each); on an H200, 8 keep PCIe
+// busy for whole blocks, leaving the other SMs to compute running beside the copy.
+std::pair<unsigned, int> Grid(int64_t units, int64_t max_ctas) {
   const int threads = max_ctas > 0 ? 4 * kThreads : kThreads;
   const int64_t ctas = std::min((units * kThreads + threads - 1) / threads,
                                 max_ctas > 0 ? max_ctas : int64_t{1} << 30);
-  CopyKernel<V><<<static_cast<unsigned>(ctas), threads, 0, stream>>>(b, units_per_pair, scan);
+  return {static_cast<unsigned>(ctas), threads};
+}
+
+template <typename V>
+void LaunchWith(cudaStream_t stream, const Batch& b, int64_t max_ctas, bool scan) {
+  const int64_t units_per_pair = UnitsPerPair(b.g, b.num_pairs, b.whole_blocks, WaveCtas());
+  const auto [ctas, threads] = Grid(b.num_pairs * units_per_pair, max_ctas);
+  CopyKernel<V><<<ctas, threads, 0, stream>>>(b, units_per_pair, scan);
+}
+
+template <typename V>
+void LaunchPartsWith(cudaStream_t stream, const PartsLaunch& p, int64_t max_ctas) {
+  const auto [ctas, threads] = Grid(p.first_unit[p.count], max_ctas);
+  PartsKernel<V><<<ctas, threads, 0, stream>>>(p);
+}
+
+// Calls f with a value of the vector type of `bytes` (VectorBytes: 16, 8, 4 or 1).
+template <typename F>
+void WithVector(int bytes, F&& f) {
+  switch (bytes) {
+    case 16:
+      return f(uint4{});
+    case 8:
+      return f(uint2{});
+    case 4:
+      return f(uint32_t{});
+    default:
+      return f(uint8_t{});
+  }
+}
+
+// The copy kernel over batch `b` on `stream`; max_ctas > 0 caps the grid (CTAs of 1024 threads).
+// `scan`: the kernel applies the duplicate-destination rule itself (an uncapped grid only).
+ffi::Error LaunchCopyKernel(cudaStream_t stream, const Batch& b, int64_t max_ctas,
+                            bool scan = false) {
+  WithVector(VectorBytes(b), [&](auto v) { LaunchWith<decltype(v)>(stream, b, max_ctas, scan); });
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
 }
 
 }  // namespace
 
-ffi::Error LaunchCopyKernel(cudaStream_t stream, const Batch& b, int64_t max_ctas, bool scan) {
-  switch (VectorBytes(b)) {
-    case 16:
-      LaunchWith<uint4>(stream, b, max_ctas, scan);
-      break;
-    case 8:
-      LaunchWith<uint2>(stream, b, max_ctas, scan);
-      break;
-    case 4:
-      LaunchWith<uint32_t>(stream, b, max_ctas, scan);
-      break;
-    default:
-      LaunchWith<uint8_t>(stream, b, max_ctas, scan);
+ffi::Error LaunchPartsKernel(cudaStream_t stream, const std::vector<Batch>& parts,
+                             int64_t max_ctas) {
+  const int64_t wave_ctas = WaveCtas();
+  for (size_t begin = 0; begin < parts.size();) {
+    const size_t end = LaunchEnd(parts, begin);
+    const PartsLaunch p = PlanParts(parts.data() + begin, static_cast<int>(end - begin),
+                                    wave_ctas);
+    if (p.first_unit[p.count] > 0) {
+      WithVector(VectorBytes(parts[begin]),
+                 [&](auto v) { LaunchPartsWith<decltype(v)>(stream, p, max_ctas); });
+      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+        return CudaError(err, "copy kernel launch (parts)");
+      }
+    }
+    begin = end;
   }
-  cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "copy kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error CopyParts(cudaStream_t stream, std::vector<Batch> parts, int32_t* superseded,
+                     bool unique_dst, int64_t max_ctas) {
+  if (parts.size() == 1) return CopyBatch(stream, parts[0], superseded, unique_dst, max_ctas);
+  const Batch& first = parts[0];
+  if (first.num_pairs > 1 && !unique_dst) {
+    // The parts share their pairs and tokens per block, so one scan answers for all of them.
+    LaterWriterTokensKernel<<<static_cast<unsigned>(first.num_pairs), kThreads, 0, stream>>>(
+        first, superseded);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+      return CudaError(err, "duplicate-scan kernel launch");
+    }
+    for (Batch& part : parts) part.superseded = superseded;
+  }
+  return LaunchPartsKernel(stream, parts, max_ctas);
 }
 
 namespace {

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <string>
+#include <vector>
 
 #include "block_copy.h"
 #include "copy_units.cuh"
@@ -37,10 +38,15 @@ class ScopedDevice {
 // Batches copied by the copy engines so far (read by tests).
 extern std::atomic<int64_t> dma_batches;
 
-// The copy kernel over batch `b` on `stream`; max_ctas > 0 caps the grid (CTAs of 1024 threads).
-// `scan`: the kernel applies the duplicate-destination rule itself (an uncapped grid only).
-ffi::Error LaunchCopyKernel(cudaStream_t stream, const Batch& b, int64_t max_ctas,
-                            bool scan = false);
+// The copy kernel over `parts`, batches that share their pairs and token counts (a layered copy's
+// layers and slabs, copy_units.cuh's PartsLaunch): one launch per kMaxParts parts of one vector
+// width. No duplicate scan: set each part's `superseded` where destinations may repeat.
+ffi::Error LaunchPartsKernel(cudaStream_t stream, const std::vector<Batch>& parts,
+                             int64_t max_ctas);
+
+// CopyBatch over such parts: where destinations may repeat, one duplicate scan for all of them.
+ffi::Error CopyParts(cudaStream_t stream, std::vector<Batch> parts, int32_t* superseded,
+                     bool unique_dst, int64_t max_ctas);
 
 // The kernel copy of batch `b` (no staging): where destinations may repeat, the duplicate scan
 // first, in the copy itself or (`superseded`: an int32 per pair) in a kernel before it.

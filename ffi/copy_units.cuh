@@ -190,6 +190,47 @@ inline int64_t UnitsPerPair(const PoolGeometry& g, int64_t num_pairs, bool whole
   return std::clamp<int64_t>(units, 1, kMaxUnitsPerPair);
 }
 
+// One launch of the copy kernel over several batches that share their pairs and token counts
+// (a layered copy's parts: a layer or K/V slab each, with geometries and buffers of their own):
+// part k's work units are [first_unit[k], first_unit[k + 1]) of the launch. One launch instead
+// of one per part saves the host a launch per layer and the GPU a ramp per kernel. Passed to the
+// kernel by value (about 10 KiB of parameters: Volta and later take 32 KiB).
+constexpr int kMaxParts = 64;
+
+struct PartsLaunch {
+  Batch part[kMaxParts];
+  int64_t units_per_pair[kMaxParts];
+  int64_t first_unit[kMaxParts + 1];
+  int count;
+};
+
+// The launch over parts[0, count), 1 <= count <= kMaxParts, on a GPU whose wave holds
+// `wave_ctas` CTAs. Host code.
+inline PartsLaunch PlanParts(const Batch* parts, int count, int64_t wave_ctas) {
+  PartsLaunch p;
+  p.count = count;
+  p.first_unit[0] = 0;
+  for (int k = 0; k < count; ++k) {
+    p.part[k] = parts[k];
+    p.units_per_pair[k] = UnitsPerPair(parts[k].g, parts[k].num_pairs, parts[k].whole_blocks,
+                                       wave_ctas);
+    p.first_unit[k + 1] = p.first_unit[k] + parts[k].num_pairs * p.units_per_pair[k];
+  }
+  return p;
+}
+
+// Where the launch that starts at parts[begin] ends: up to kMaxParts neighbouring parts of one
+// vector width (VectorBytes, below). Host code.
+inline size_t LaunchEnd(const std::vector<Batch>& parts, size_t begin);
+
+// The part that unit u of the launch belongs to (u < first_unit[count]). A linear walk: the
+// table is short, and every thread of a CTA reads the same entries.
+KVXFER_HOST_DEVICE inline int PartOf(const PartsLaunch& p, int64_t u) {
+  int k = 0;
+  while (k + 1 < p.count && u >= p.first_unit[k + 1]) ++k;
+  return k;
+}
+
 // The widest vector (16, 8, 4 or 1 bytes) every address the kernel forms is aligned to: each is
 // a pool base plus multiples of the strides and of the block and row sizes. Host code.
 inline int VectorBytes(const Batch& b) {
@@ -203,6 +244,13 @@ inline int VectorBytes(const Batch& b) {
     if (align % bytes == 0) return bytes;
   }
   return 1;
+}
+
+inline size_t LaunchEnd(const std::vector<Batch>& parts, size_t begin) {
+  const int bytes = VectorBytes(parts[begin]);
+  size_t end = begin + 1;
+  while (end < parts.size() && end - begin < kMaxParts && VectorBytes(parts[end]) == bytes) ++end;
+  return end;
 }
 
 // One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart

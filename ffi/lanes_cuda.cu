@@ -189,13 +189,11 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, DeviceLanes* lanes, std::vector<Ba
       return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy (in line)");
     }
     char* rows = static_cast<char*>(snapshot);
+    std::vector<Batch> gathers = parts;
+    for (size_t k = 0; k < parts.size(); ++k) gathers[k].dst = {rows + offsets[k], row_bytes, true};
     ffi::Error launched = ffi::Error::Success();
     (void)Exposed(lanes, stream, [&] {
-      for (size_t k = 0; k < parts.size() && launched.success(); ++k) {
-        Batch gather = parts[k];
-        gather.dst = {rows + offsets[k], row_bytes, true};
-        launched = LaunchCopyKernel(stream, gather, 0);
-      }
+      launched = LaunchPartsKernel(stream, gathers, 0);  // one slot per pair: no duplicates
       return cudaSuccess;
     });
     if (launched.failure()) {

@@ -1,5 +1,6 @@
-// CUDA handler of the layered copy (layer_copy.h): per layer and slab, the copy kernel, or with
-// dma=true and indices in pinned host memory the copy engines, on XLA's stream.
+// CUDA handler of the layered copy (layer_copy.h), on XLA's stream: the copy kernel over every
+// layer and slab in one launch, or with dma=true and indices in pinned host memory the copy
+// engines, per layer and slab.
 #include "block_copy_cuda.h"
 #include "layer_copy.h"
 
@@ -33,18 +34,16 @@ ffi::Error LayerCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
   const bool dma = options.dma && IsHostMemory(src_idx.typed_data()) &&
                    IsHostMemory(dst_idx.typed_data()) &&
                    (options.whole_blocks || IsHostMemory(num_tokens.typed_data()));
+  if (!dma) {
+    return CopyParts(stream, plan.parts, superseded->typed_data(), options.unique_dst,
+                     options.max_ctas);
+  }
   for (const Batch& part : plan.parts) {
-    if (dma) {
-      if (cudaError_t err = EnqueueDmaCopies(stream, part, false); err != cudaSuccess) {
-        return CudaError(err, "layer copy on the copy engines");
-      }
-    } else if (auto err = CopyBatch(stream, part, superseded->typed_data(), options.unique_dst,
-                                    options.max_ctas);
-               err.failure()) {
-      return err;
+    if (cudaError_t err = EnqueueDmaCopies(stream, part, false); err != cudaSuccess) {
+      return CudaError(err, "layer copy on the copy engines");
     }
   }
-  if (dma) dma_batches.fetch_add(1, std::memory_order_relaxed);
+  dma_batches.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 

@@ -276,6 +276,71 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   return "";
 }
 
+// A layered copy's launch (PartsLaunch): `count` parts of geometries and strides of their own
+// that share one case's pairs and tokens per block, split into launches as the handler splits
+// them (LaunchEnd), every unit and thread of each in `reverse` order or not; each part's bytes
+// against the reference of its own case. The parts' shared duplicate scan comes from part 0.
+std::string CheckParts(const Case& shared, int count, std::mt19937_64& rng) {
+  std::vector<Case> cases;
+  std::vector<Buffer> srcs, dsts;
+  std::vector<std::vector<uint8_t>> wants;
+  const std::vector<int32_t> superseded = LaterWriters(shared);
+  std::vector<Batch> parts;
+  for (int k = 0; k < count; ++k) {
+    Case c = shared;
+    c.g.outer = 1 + static_cast<int64_t>(rng() % 9);
+    c.g.row_bytes = int64_t{1} << (rng() % 6);
+    c.g.block_bytes = c.g.outer * c.g.tokens * c.g.row_bytes;
+    c.src_stride = c.g.block_bytes + (rng() % 3 == 0 ? 16 * static_cast<int64_t>(rng() % 4) : 0);
+    c.dst_stride = c.g.block_bytes + (rng() % 3 == 0 ? 16 * static_cast<int64_t>(rng() % 4) : 0);
+    srcs.emplace_back(c.src_blocks * c.src_stride);
+    dsts.emplace_back((c.gather ? c.num_pairs : c.dst_blocks) * c.dst_stride);
+    for (int64_t i = 0; i < srcs.back().size; ++i) srcs.back().data()[i] = static_cast<uint8_t>(rng());
+    for (int64_t i = 0; i < dsts.back().size; ++i) dsts.back().data()[i] = static_cast<uint8_t>(rng());
+    wants.emplace_back(dsts.back().data(), dsts.back().data() + dsts.back().size);
+    Reference(c, srcs.back().data(), wants.back().data());
+    cases.push_back(c);
+  }
+  for (int k = 0; k < count; ++k) {
+    const Case& c = cases[k];
+    parts.push_back({{reinterpret_cast<char*>(dsts[k].data()), c.dst_stride, c.gather},
+                     {reinterpret_cast<char*>(srcs[k].data()), c.src_stride, false},
+                     c.src_idx.data(), c.dst_idx.data(), c.tokens.data(),
+                     c.gather ? nullptr : superseded.data(), c.num_pairs, c.src_blocks,
+                     c.dst_blocks, c.g, false});
+  }
+  const bool reverse = rng() & 1;
+  const int64_t wave_ctas = 8 * std::uniform_int_distribution<int64_t>(1, 132)(rng);
+  for (size_t begin = 0; begin < parts.size();) {
+    const size_t end = kvxfer::LaunchEnd(parts, begin);
+    const kvxfer::PartsLaunch p =
+        kvxfer::PlanParts(parts.data() + begin, static_cast<int>(end - begin), wave_ctas);
+    WithVector(parts[begin], [&](auto v) {
+      const int64_t units = p.first_unit[p.count];
+      for (int64_t n = 0; n < units; ++n) {
+        const int64_t u = reverse ? units - 1 - n : n;
+        const int k = kvxfer::PartOf(p, u);
+        if (u < p.first_unit[k] || u >= p.first_unit[k + 1]) return;  // a wrong part: undone
+        for (int t = 0; t < kvxfer::kThreads; ++t) {
+          kvxfer::CopyUnit<decltype(v)>(p.part[k], u - p.first_unit[k], p.units_per_pair[k],
+                                        reverse ? kvxfer::kThreads - 1 - t : t);
+        }
+      }
+    });
+    begin = end;
+  }
+  for (int k = 0; k < count; ++k) {
+    if (!dsts[k].GuardsIntact() || !srcs[k].GuardsIntact()) {
+      return "a write outside part " + std::to_string(k) + "'s buffers";
+    }
+    if (std::memcmp(dsts[k].data(), wants[k].data(), wants[k].size()) != 0) {
+      return "part " + std::to_string(k) + " of " + std::to_string(count) +
+             " differs from its reference";
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -284,7 +349,12 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(seed);
   for (int k = 0; k < cases; ++k) {
     const Case c = RandomCase(rng);
-    const std::string error = Check(c, rng);
+    std::string error = Check(c, rng);
+    if (error.empty() && c.g.row_bytes > 0) {
+      // a layered copy's parts over the same pairs: up to a few more than one launch holds
+      const int count = 1 + static_cast<int>(rng() % (k % 20 == 0 ? kvxfer::kMaxParts + 6 : 6));
+      error = CheckParts(c, count, rng);
+    }
     if (!error.empty()) {
       std::printf("FAIL case %d (seed %llu): %s; %s\n", k, static_cast<unsigned long long>(seed),
                   error.c_str(), Describe(c).c_str());
