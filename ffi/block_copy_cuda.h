@@ -53,9 +53,10 @@ ffi::Error CopyParts(cudaStream_t stream, std::vector<Batch> parts, int32_t* sup
 ffi::Error CopyBatch(cudaStream_t stream, Batch b, int32_t* superseded, bool unique_dst,
                      int64_t max_ctas);
 
-// The batch on the copy engines, indices read on the host: in any order where destinations are
-// distinct, else (or with `in_order`) one copy after another in pair order.
-cudaError_t EnqueueDmaCopies(cudaStream_t stream, const Batch& b, bool in_order);
+// Batches on the copy engines, indices read on the host: one batch, or a layered copy's parts
+// (which write bytes of their own). In any order where a batch's destinations are distinct, else
+// (or with `in_order`) one copy after another in pair order.
+cudaError_t EnqueueDmaCopies(cudaStream_t stream, const std::vector<Batch>& parts, bool in_order);
 
 // The whole block copy on `stream`, as the block-copy targets run it.
 ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,

@@ -182,9 +182,7 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, DeviceLanes* lanes, std::vector<Ba
       for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
         err = cudaStreamWaitEvent(stream, lanes->done[i], 0);
       }
-      for (size_t k = 0; k < parts.size() && err == cudaSuccess; ++k) {
-        err = EnqueueDmaCopies(stream, parts[k], false);
-      }
+      if (err == cudaSuccess) err = EnqueueDmaCopies(stream, parts, false);
       dma_batches.fetch_add(1, std::memory_order_relaxed);
       return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy (in line)");
     }
@@ -216,9 +214,7 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, DeviceLanes* lanes, std::vector<Ba
   if (err == cudaSuccess && options.wait_lane >= 0 && options.wait_lane != options.lane) {
     err = cudaStreamWaitEvent(lane_stream, lanes->done[options.wait_lane], 0);
   }
-  for (size_t k = 0; k < parts.size() && err == cudaSuccess; ++k) {
-    err = EnqueueDmaCopies(lane_stream, parts[k], within);
-  }
+  if (err == cudaSuccess) err = EnqueueDmaCopies(lane_stream, parts, within);
   if (snapshot != nullptr) {
     // Freed in the lane's order even if enqueueing failed: nothing may leak.
     cudaError_t freed = cudaFreeAsync(snapshot, err == cudaSuccess ? lane_stream : stream);

@@ -38,10 +38,8 @@ ffi::Error LayerCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
     return CopyParts(stream, plan.parts, superseded->typed_data(), options.unique_dst,
                      options.max_ctas);
   }
-  for (const Batch& part : plan.parts) {
-    if (cudaError_t err = EnqueueDmaCopies(stream, part, false); err != cudaSuccess) {
-      return CudaError(err, "layer copy on the copy engines");
-    }
+  if (cudaError_t err = EnqueueDmaCopies(stream, plan.parts, false); err != cudaSuccess) {
+    return CudaError(err, "layer copy on the copy engines");
   }
   dma_batches.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();

@@ -428,8 +428,9 @@ def manager_transfers(rng):
 @case
 def layer_pool_transfers(rng):
     # A pool over K/V-first per-layer arrays (from_layers): the layered copies, one part per layer
-    # and slab, whole and partial, both ways, on the lanes and in line; then the copy traced
-    # inside jit with duplicate host rows (each part scans for later writers).
+    # and slab in one kernel launch, whole and partial, both ways, on the lanes and in line; then
+    # the copy traced inside jit with duplicate host rows (one scan for later writers serves
+    # every part).
     from jax_kvxfer.layers import layer_copy_call
     nb, rows, t = 6, 5, 8
     host_arrays = [random_pool(rng, (2, nb, t, 3, 16), jnp.bfloat16) for _ in range(3)]

@@ -100,6 +100,37 @@ def test_both_paths_of_the_manager(dma, rng):
     _offload_and_onboard(mgr, pool, model, rng)
 
 
+@pytest.mark.parametrize("dma", ["auto", False], ids=["lanes", "in line"])
+@pytest.mark.parametrize("name,count", [("K/V first", 3), ("NHD, K and V apart", 6),
+                                        ("MLA", 70)], ids=["slabs", "pairs of arrays",
+                                                           "more arrays than one launch takes"])
+def test_repeated_destinations_the_later_pair_wins(name, count, dma, rng):
+    """Batches that write a block twice, partly and wholly, through every path of the layered
+    copy: the later pair wins for the tokens it writes (on the GPU one duplicate scan serves
+    every layer; 70 arrays take two kernel launches of a layered copy)."""
+    shape, block_axis, token_axis, _ = LAYOUTS[name]
+    pool, model = _make(rng, (shape, block_axis, token_axis, count), np.float32)
+    mgr = kvx.KVCacheTransferManager(pool, dma=dma)
+    t = pool.tokens_per_block
+    for _ in range(2):
+        src = rng.choice(pool.num_primary_blocks, 6, replace=False)
+        dst = rng.choice(pool.num_secondary_blocks, 6)
+        dst[3] = dst[1]  # at least one block written twice
+        tokens = rng.integers(-1, t + 1, 6)
+        mgr.offload_indices(src, dst, tokens)
+        model.offload(zip(src, dst), tokens)
+        mgr.sync_transfers()
+        _check(pool, model, "offload")
+        src = rng.choice(pool.num_secondary_blocks, 6)
+        dst = rng.choice(pool.num_primary_blocks, 6)
+        dst[4] = dst[0]
+        tokens = rng.integers(-1, t + 1, 6)
+        mgr.onboard_indices(src, dst, tokens)
+        model.onboard(zip(src, dst), tokens)
+        mgr.sync_transfers()
+        _check(pool, model, "onboard")
+
+
 def _offload_and_onboard(mgr, pool, model, rng):
     t = pool.tokens_per_block
     blk = lambda i, primary: kvx.KVCacheBlock(i, i, primary)
