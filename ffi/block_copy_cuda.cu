@@ -222,9 +222,10 @@ cudaError_t EnqueueOne(cudaStream_t stream, const DmaCopy& c) {
                            stream);
 }
 
-// Copies per batch call. The runtime spends about 0.8 us of host time per copy of a batch
-// before any of it starts (H200, CUDA 13); in batches of this many the copy engines start
-// after the first and then run while the host enqueues the rest.
+// Copies per batch call. The copy engines start after the first call and then run while the
+// host enqueues the rest. Measured on the H200 (CUDA 13), 2,048 copies of 64 KiB: 0.5 us of host
+// time per copy in calls of 256 (0.7 us in calls of 64); one call of all 2,048 delays the start
+// (37 GB/s instead of 52).
 constexpr size_t kCopiesPerBatchCall = 256;
 
 // Contiguous copies in any order, as batches where the runtime has batched copies.

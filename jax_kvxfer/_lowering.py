@@ -27,7 +27,7 @@ HOST_COPY_CTAS = 8
 # many bytes between the two memories. Measured on the H200, one call at a time: the copy
 # engines are ahead from 256 KiB (90/91 % of the memcpy ceiling against the kernel's 86/83 %;
 # at 4 MiB 96/96 % against 92/89 %) and behind at 16-64 KiB, where the runtime's host time per
-# copy (about 0.8 us) costs more than the copy moves; a partial block is one strided copy each,
+# copy (0.5-0.8 us) costs more than the copy moves; a partial block is one strided copy each,
 # slower than the kernel at every size measured.
 DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
 
