@@ -203,6 +203,7 @@ struct PartsLaunch {
   int64_t first_unit[kMaxParts + 1];
   int count;
 };
+static_assert(sizeof(PartsLaunch) <= 32764, "a kernel's parameters hold at most 32,764 bytes");
 
 // The launch over parts[0, count), 1 <= count <= kMaxParts, on a GPU whose wave holds
 // `wave_ctas` CTAs. Host code.
@@ -218,10 +219,6 @@ inline PartsLaunch PlanParts(const Batch* parts, int count, int64_t wave_ctas) {
   }
   return p;
 }
-
-// Where the launch that starts at parts[begin] ends: up to kMaxParts neighbouring parts of one
-// vector width (VectorBytes, below). Host code.
-inline size_t LaunchEnd(const std::vector<Batch>& parts, size_t begin);
 
 // The part that unit u of the launch belongs to (u < first_unit[count]). A linear walk: the
 // table is short, and every thread of a CTA reads the same entries.
@@ -246,6 +243,8 @@ inline int VectorBytes(const Batch& b) {
   return 1;
 }
 
+// Where the launch of the copy kernel that starts at parts[begin] ends: up to kMaxParts
+// neighbouring parts of one vector width. Host code.
 inline size_t LaunchEnd(const std::vector<Batch>& parts, size_t begin) {
   const int bytes = VectorBytes(parts[begin]);
   size_t end = begin + 1;
