@@ -1,6 +1,6 @@
 // CUDA handler of the layered copy (layer_copy.h), on XLA's stream: the copy kernel over every
 // layer and slab in one launch, or with dma=true and indices in pinned host memory the copy
-// engines, per layer and slab.
+// engines, one list of copies over every layer and slab.
 #include "block_copy_cuda.h"
 #include "layer_copy.h"
 
