@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _kvxfer_cpu
@@ -82,6 +83,36 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
                      tokens=tokens, whole=whole, direction=direction, unique_dst=unique_dst)
 
 
+# What each verb may copy, as (source is primary, destination is primary): an offload moves
+# GPU blocks to the host; an onboard moves host blocks to the GPU, or copies within the GPU
+# (TensorRT-LLM's partial-reuse copy).
+VERB_DIRECTIONS = {"offload": ((True, False),), "onboard": ((False, True), (True, True))}
+
+
+def check_direction(op: str, name: str, pairs: Any, batch: PairBatch) -> None:
+    """Raises ValueError naming the first pair of `batch` (argument `name`) that goes against
+    the verb `op`'s direction: a reversed pair would silently copy the other way."""
+    allowed = VERB_DIRECTIONS[op]
+    if batch.direction in allowed:
+        return
+    ok = np.zeros(len(batch), np.bool_)
+    for src_primary, dst_primary in allowed:
+        ok |= (batch.src_primary == src_primary) & (batch.dst_primary == dst_primary)
+    bad = np.flatnonzero(~ok)
+    if not bad.size:
+        return
+    i = int(bad[0])
+    src, dst = list(pairs)[i]
+    memory = {True: "primary", False: "secondary"}
+    wanted = " or ".join(f"{memory[s]} -> {memory[d]}" for s, d in allowed)
+    other = next((verb for verb, directions in VERB_DIRECTIONS.items()
+                  if (src.is_primary, dst.is_primary) in directions), None)
+    raise ValueError(
+        f"{op}: {name}[{i}] copies a {memory[src.is_primary]} block into a "
+        f"{memory[dst.is_primary]} block ({src!r} -> {dst!r}), but {op} copies {wanted}"
+        + (f"; that pair is an {other}" if other else ""))
+
+
 def check_index_batch(src: Any, dst: Any, num_tokens: Any, src_primary: bool,
                       dst_primary: bool, num_primary: int, num_secondary: int,
                       tokens_per_block: int) -> PairBatch:
@@ -90,10 +121,7 @@ def check_index_batch(src: Any, dst: Any, num_tokens: Any, src_primary: bool,
     `num_tokens` and the first bad entry."""
     columns = []
     for name, values, primary in (("src", src, src_primary), ("dst", dst, dst_primary)):
-        if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-            raise TypeError(f"{name} must be a 1-D array or sequence of slot indices, "
-                            f"got {type(values).__name__}")
-        array = np.asarray(values)
+        array = _host_array(name, values, "a 1-D array or sequence of slot indices")
         if array.size == 0:
             array = array.astype(np.int64).reshape(-1)
         if array.ndim != 1:
@@ -115,14 +143,27 @@ def check_index_batch(src: Any, dst: Any, num_tokens: Any, src_primary: bool,
         raise ValueError(f"src has {len(columns[0])} entries but dst has {len(columns[1])}; "
                          "give one destination per source")
     n = len(columns[0])
-    if isinstance(num_tokens, np.ndarray) and num_tokens.ndim == 0:
-        num_tokens = num_tokens[()]  # a NumPy scalar: one count for every pair
     tokens = _check_tokens(num_tokens, n)
     whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
     return PairBatch(src=columns[0], src_primary=np.full(n, src_primary),
                      dst=columns[1], dst_primary=np.full(n, dst_primary), tokens=tokens,
                      whole=whole, direction=(src_primary, dst_primary) if n else None,
                      unique_dst=len(np.unique(columns[1])) == n)
+
+
+def _host_array(name: str, values: Any, expected: str) -> np.ndarray:
+    """`values` (a NumPy array, a sequence or a concrete jax.Array, which engines keep their
+    slot tables in: read on the host once) as a NumPy array."""
+    if isinstance(values, jax.core.Tracer):
+        raise TypeError(f"{name} must be {expected} known on the host, got a traced value; "
+                        "the manager's verbs are called outside jax.jit")
+    if isinstance(values, jax.Array):
+        if values.is_deleted():
+            raise ValueError(f"{name}: the jax.Array has been deleted (donated?)")
+        return np.asarray(values)
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise TypeError(f"{name} must be {expected}, got {type(values).__name__}")
+    return np.asarray(values)
 
 
 def _explain_bad_pair(pairs: list, num_primary: int, num_secondary: int) -> None:
@@ -149,6 +190,10 @@ def _check_tokens(num_tokens: Any, count: int) -> np.ndarray:
     """Token counts for `count` pairs from None, an int or a sequence of ints."""
     if num_tokens is None:
         return np.zeros(count, np.int32)
+    if isinstance(num_tokens, jax.Array):
+        num_tokens = _host_array("num_tokens", num_tokens, "None, an int or a sequence of ints")
+    if isinstance(num_tokens, np.ndarray) and num_tokens.ndim == 0:
+        num_tokens = num_tokens[()]  # a scalar array: one count for every pair
     if isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, (bool, np.bool_)):
         return np.full(count, min(max(int(num_tokens), -1), _INT32_MAX), np.int32)
     if not isinstance(num_tokens, (Sequence, np.ndarray)) or isinstance(num_tokens, str):

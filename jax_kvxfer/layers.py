@@ -11,7 +11,6 @@ writes one contiguous row. Every layer moves in one custom call per batch
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -229,27 +228,19 @@ def _block_copy_within(view, src_idx, dst_idx, tokens, facts, *, whole_blocks):
 
 def manager_copy_within(pool: Any, plan: Any, facts: Any, *, views: LayerViews, mesh: Any,
                         whole: bool, copy: Any = None) -> Any:
-    """The manager's copy within a pool's arrays (each in its own layout, through `copy(view,
-    src_idx, dst_idx, tokens, facts)` of its 6-D view: by default the block copy on XLA's
-    stream) or within its host rows (whole blocks only: the manager checks)."""
+    """The manager's copy within a pool's arrays (the partial-reuse copy within the GPU), each
+    in its own layout, through `copy(view, src_idx, dst_idx, tokens, facts)` of its 6-D view:
+    by default the block copy on XLA's stream."""
     everywhere = jax.sharding.PartitionSpec()
     copy_view = copy or functools.partial(_block_copy_within, whole_blocks=whole)
 
-    if isinstance(pool, list):
-        def copy_arrays(arrays, plan):
-            out = []
-            for a, lay in zip(arrays, views.layouts):
-                pairs = (layouts.expand_pairs(plan[0], lay), layouts.expand_pairs(plan[1], lay),
-                         layouts.expand_tokens(plan[2], lay))
-                out.append(copy_view(a.reshape(lay.view), *pairs, facts).reshape(a.shape))
-            return out
-        specs = list(views.specs or ())
-        return _on_devices(copy_arrays, views, mesh, (specs, everywhere), specs)(pool, plan)
-
-    def copy_rows(host, plan):
-        v = host.reshape(host.shape[0], 1, 1, 1, 1, math.prod(host.shape[1:]))
-        return block_copy_call(v, v, plan[0], plan[1], plan[2], facts,
-                               whole_blocks=True).reshape(host.shape)
-    return _on_devices(copy_rows, views, mesh, (views.host_spec, everywhere),
-                       views.host_spec)(pool, plan)
+    def copy_arrays(arrays, plan):
+        out = []
+        for a, lay in zip(arrays, views.layouts):
+            pairs = (layouts.expand_pairs(plan[0], lay), layouts.expand_pairs(plan[1], lay),
+                     layouts.expand_tokens(plan[2], lay))
+            out.append(copy_view(a.reshape(lay.view), *pairs, facts).reshape(a.shape))
+        return out
+    specs = list(views.specs or ())
+    return _on_devices(copy_arrays, views, mesh, (specs, everywhere), specs)(pool, plan)
 

@@ -26,7 +26,7 @@ import numpy as np
 from ._checks import IndexFacts, check_dma_choice, index_facts
 from ._jax_seams import pinned_by_external_reference
 from ._lowering import HOST_COPY_CTAS, block_copy_call
-from .batch import PairBatch, check_batch, check_index_batch, split_runs
+from .batch import PairBatch, check_batch, check_direction, check_index_batch, split_runs
 from .both_ways import BothWaysPlan, both_ways_call, both_ways_plan
 from .lanes import (
     NO_LANE,
@@ -116,7 +116,7 @@ def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False, layer
     for pool, spec, views in zip(pools, specs, layers or (None,) * len(pools)):
         if views is None:
             out.append(_on_shards(copy, mesh, spec, 1)(pool, plan))
-        else:  # an engine's arrays, or their host rows
+        else:  # an engine's arrays
             out.append(manager_copy_within(pool, plan, facts, views=views, mesh=mesh,
                                            whole=whole))
     return tuple(out), token
@@ -265,8 +265,7 @@ class KVCacheTransferManager:
             with the copy engines, beside the model step (lanes.py), where the pools are on one
             device and the plan ring is on; "auto" falls back to the copy kernel on XLA's
             stream for sharded pools or plan_ring=False, True raises there. False: the copy
-            kernel on XLA's stream, in line with compute (no lanes; copies within the
-            secondary pool always go this way).
+            kernel on XLA's stream, in line with compute (no lanes).
         """
         check_dma_choice(dma)
         if isinstance(pools, KVCacheBlockPool):
@@ -318,6 +317,10 @@ class KVCacheTransferManager:
             # outlive the copies, so the last moment it exists waits for the lanes.
             weakref.finalize(self, wait_lanes)
         self._onboards_pending = self._offloads_pending = False
+        # What a pool calls when user code reads or assigns an array the lanes still use
+        # (KVCacheBlockPool.hold_for_lanes); weak, so that pools do not keep their manager.
+        this = weakref.ref(self)
+        self._join_for_user = lambda name: (m := this()) is not None and m._user_join(name)
         self._onboard_writes = np.zeros(first.num_primary_blocks, np.bool_)
         self._onboard_reads = np.zeros(first.num_secondary_blocks, np.bool_)
         self._offload_writes = np.zeros(first.num_secondary_blocks, np.bool_)
@@ -416,8 +419,8 @@ class KVCacheTransferManager:
           nothing is copied.
         """
         with self._lock:
-            off = self._checked("offload", offload_pairs, offload_tokens)
-            on = self._checked("onboard", onboard_pairs, onboard_tokens)
+            off = self._checked("offload", offload_pairs, offload_tokens, "offload_pairs")
+            on = self._checked("onboard", onboard_pairs, onboard_tokens, "onboard_pairs")
             # On the lanes both directions run at once anyway (lane 1 waits for lane 0 only
             # where an onboard reads a slot that an offload writes).
             if (len(off) and len(on) and not self._lanes and self._layers is None
@@ -451,7 +454,7 @@ class KVCacheTransferManager:
                 return
             # Once the pools' arrays are ready, every lane copy is enqueued; once the lanes are
             # idle, all is done, and later work needs no join on XLA's stream.
-            arrays = jax.tree.leaves([(p.primary, p.secondary) for p in self._pools])
+            arrays = jax.tree.leaves([(p.stored(True), p.stored(False)) for p in self._pools])
             jax.block_until_ready([a for a in arrays if not a.is_deleted()])
             if self._onboards_pending or self._offloads_pending:
                 wait_lanes()
@@ -506,11 +509,14 @@ class KVCacheTransferManager:
                 self._check_live(op, batch)
                 self._issue(op, batch)
 
-    def _checked(self, op: str, pairs: Sequence[Any], num_tokens: Any) -> PairBatch:
-        """The batch, checked against every pool; raises before anything is dispatched."""
+    def _checked(self, op: str, pairs: Sequence[Any], num_tokens: Any,
+                 name: str = "pairs") -> PairBatch:
+        """The batch, checked against every pool and against the verb's direction; raises
+        before anything is dispatched. name: the argument that holds the pairs."""
         first = self._pools[0]
         batch = check_batch(pairs, num_tokens, first.num_primary_blocks,
                             first.num_secondary_blocks, first.tokens_per_block)
+        check_direction(op, name, pairs, batch)
         if len(batch):
             self._check_live(op, batch)
         return batch
@@ -518,14 +524,8 @@ class KVCacheTransferManager:
     def _check_live(self, op: str, batch: PairBatch) -> None:
         """Byte rows for partial copies, and every array live, before anything is dispatched."""
         if not batch.whole:
-            t = self._pools[0].tokens_per_block
-            host_to_host = ~batch.src_primary & ~batch.dst_primary & (batch.tokens > 0) & (
-                batch.tokens < t)
             for pool in self._pools:
                 pool.check_partial()
-                if pool.layers is not None and host_to_host.any():
-                    raise ValueError(f"{op}: copies within the secondary pool of a pool over "
-                                     "an engine's arrays take whole blocks (num_tokens 0)")
         memories = (set(batch.direction) if batch.direction is not None else
                     set(batch.src_primary.tolist()) | set(batch.dst_primary.tolist()))
         for pool in self._pools:
@@ -653,7 +653,7 @@ class KVCacheTransferManager:
             held = (("secondary",) if not dst_primary else
                     ("primary",) if src_primary else ("primary", "secondary"))
             for pool in self._pools:
-                pool.hold_for_lanes(held)
+                pool.hold_for_lanes(held, self._join_for_user)
         if dst_primary:
             self._onboard_writes[run.dst] = True
             if not src_primary:
@@ -663,19 +663,23 @@ class KVCacheTransferManager:
             self._offload_writes[run.dst] = True
             self._offloads_pending = True
 
-    def _join_lanes(self, everything: bool) -> None:
+    def _join_lanes(self, everything: bool, through: tuple[bool, ...] | None = None) -> None:
         """XLA's stream waits for lane 1 (onboards and copies within the GPU pool: everything
         compute may read) or, with `everything`, for both lanes; one dispatch. Later copies
         and steps then come after those lanes' pending copies, whose slots are pending no more.
+        through: the memories (True: primary) whose arrays the join takes and hands on, which
+        only places it in XLA's order (default: the primary, and with `everything` the
+        secondary too); the arrays it takes are replaced, so a reference user code kept to
+        one of them is deleted.
         """
         if not (self._onboards_pending or (everything and self._offloads_pending)):
             if self._offloads_pending and lanes_idle():
                 self._offloads_done()
             return
         lanes = (OFFLOAD_LANE, ONBOARD_LANE) if everything else (ONBOARD_LANE,)
+        through = through or ((True, False) if everything else (True,))
         # the pools' arrays (a pool over an engine's arrays has a list), absent ones left out
-        arrays, tree = jax.tree.flatten([(p.primary, p.secondary) if everything else
-                                         (p.primary,) for p in self._pools])
+        arrays, tree = jax.tree.flatten([[p.stored(m) for m in through] for p in self._pools])
         try:
             joined = _join(tuple(arrays), lanes=lanes)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
@@ -683,18 +687,33 @@ class KVCacheTransferManager:
                 raise
             joined = _join_undonated(tuple(arrays), lanes=lanes)  # copies a pool a view pins
         for pool, new in zip(self._pools, jax.tree.unflatten(tree, list(joined))):
-            pool.take_copy_result(True, new[0])
-            if everything and pool.secondary is not None:
-                pool.take_copy_result(False, new[1])
+            for memory, array in zip(through, new):
+                if array is not None:
+                    pool.take_copy_result(memory, array)
         self._onboards_done()
         if everything or not self._offloads_pending or lanes_idle():
             self._offloads_done()
 
+    def _user_join(self, name: str) -> None:
+        """User code reads or assigns a pool's `name` array ("primary" or "secondary") while
+        lane copies use it: XLA's stream waits for them before anything dispatched later (the
+        primary: for lane 1, whose copies write it; the secondary: for both lanes). A
+        non-blocking sync of what that array needs: offloads still run beside the next step
+        when only the primary is read, and the join takes only that array, so references
+        user code holds to the other stay live."""
+        with self._lock:
+            if name == "primary":
+                self._join_lanes(everything=False)
+            else:
+                self._join_lanes(everything=True, through=(False,))
+
     def _onboards_done(self) -> None:
         """No onboard or copy within the GPU pool is pending: XLA's stream joined lane 1, or
         the host waited for it."""
+        # the secondary arrays, which onboards read, stay held while offloads write them
+        held = ("primary",) if self._offloads_pending else ("primary", "secondary")
         for pool in self._pools:
-            pool.release_lanes(("primary",))
+            pool.release_lanes(held)
         self._onboard_writes[:] = False
         self._onboard_reads[:] = False
         self._onboards_pending = False

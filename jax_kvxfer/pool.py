@@ -59,8 +59,17 @@ def to_numpy(array: jax.Array, *, local: bool = False) -> Any:
         that spans devices of other processes (`jax.distributed`) needs it.
 
     Raises:
-      ValueError: the array spans devices of other processes and `local` is False.
+      TypeError: `array` is not a jax.Array.
+      ValueError: the array has been deleted (donated), or it spans devices of other
+        processes and `local` is False.
     """
+    if not isinstance(array, jax.Array) or isinstance(array, jax.core.Tracer):
+        raise TypeError(f"to_numpy: array must be a concrete jax.Array (a pool's primary or "
+                        f"secondary array), got {type(array).__name__}")
+    if array.is_deleted():
+        raise ValueError(
+            "to_numpy: the array has been deleted — it was donated to a jitted function or a "
+            "transfer; read the pool's current array (pool.primary / pool.secondary) instead")
     if not local and not array.is_fully_addressable:
         raise ValueError(
             "to_numpy: the array spans devices of other processes, whose shards this process "
@@ -97,12 +106,6 @@ def local_zeros(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Shard
     array = jax.make_array_from_callback(shape, sharding, shard)
     check_memory_space("a pool array made from local shards", array)  # an error, not an abort
     return array
-
-
-def _buffers(array: Any) -> list[int]:
-    """The addresses of an array's device buffers (one per shard; a list of arrays: all)."""
-    arrays = array if isinstance(array, (list, tuple)) else [array]
-    return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
 
 
 def _process_devices(mesh: jax.sharding.Mesh) -> list[jax.Device]:
@@ -149,6 +152,11 @@ class KVCacheBlockPool:
             raise TypeError(f"dtype must be a JAX dtype, got {dtype!r}") from e
         dtype_bits(self.dtype)
         check_byte_rows(self.block_shape, self.dtype, partial_possible=False)
+        if device is not None and not isinstance(device, jax.Device):
+            raise TypeError(f"device must be a jax.Device (for example jax.devices()[0]), "
+                            f"got {device!r}")
+        if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         self.mesh, self.kv_head_axis = mesh, kv_head_axis
         if mesh is not None:
             if device is not None:
@@ -171,9 +179,7 @@ class KVCacheBlockPool:
         self.device = device if device is not None else jax.devices()[0]
         self._primary: Any = None
         self._secondary: jax.Array | None = None
-        # While the manager's transfer lanes may still read or write the arrays' buffers
-        # (until its sync_transfers): their addresses, which an assigned array must keep.
-        self._lane_buffers: dict[str, list[int]] | None = None
+        self._lane_joins: dict[str, Any] = {}  # see hold_for_lanes
 
     @classmethod
     def create(cls, *, num_layers: int, num_kv_heads: int, size_per_head: int,
@@ -259,7 +265,7 @@ class KVCacheBlockPool:
         else:
             pool.mesh, pool.kv_head_axis = arrays[0].sharding.mesh, views.host_spec[1]
             pool.device = _process_devices(pool.mesh)[0]
-        pool._primary, pool._secondary, pool._lane_buffers = list(arrays), None, None
+        pool._primary, pool._secondary, pool._lane_joins = list(arrays), None, {}
         if pool.num_secondary_blocks:
             pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
         return pool
@@ -333,29 +339,34 @@ class KVCacheBlockPool:
     @property
     def primary(self) -> Any:
         """The current primary pool (memory kind `device`); for a pool over an engine's arrays,
-        the list of them."""
+        the list of them. While onboards into it are in flight on the transfer lanes, reading
+        it first orders XLA's later work on it after them (see `hold_for_lanes`)."""
+        self._settle("primary")
         return list(self._primary) if self.layers is not None else self._primary
 
     @primary.setter
     def primary(self, value: Any) -> None:
         if self.layers is not None:
-            value = check_layers("pool.primary", value, self._primary)
-            self._check_lane_buffers("primary", value)
-            self._primary = list(value)
-            return
-        self._primary = self._checked("primary", value, self.num_primary_blocks, "device")
+            value = list(check_layers("pool.primary", value, self._primary))
+        else:
+            value = self._checked("primary", value, self.num_primary_blocks, "device")
+        self._settle("primary")
+        self._primary = value
 
     @property
     def secondary(self) -> jax.Array | None:
-        """The current secondary pool (memory kind `pinned_host`), None with 0 blocks."""
+        """The current secondary pool (memory kind `pinned_host`), None with 0 blocks; read
+        or assigned while transfers are in flight, as `primary`."""
+        self._settle("secondary")
         return self._secondary
 
     @secondary.setter
     def secondary(self, value: jax.Array) -> None:
         if self.num_secondary_blocks == 0:
             raise ValueError("secondary: this pool has 0 secondary blocks; nothing can be assigned")
-        self._secondary = self._checked("secondary", value, self.num_secondary_blocks,
-                                        "pinned_host")
+        value = self._checked("secondary", value, self.num_secondary_blocks, "pinned_host")
+        self._settle("secondary")
+        self._secondary = value
 
     def _checked(self, name: str, value: Any, num_blocks: int, memory_kind: str) -> jax.Array:
         if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
@@ -373,16 +384,7 @@ class KVCacheBlockPool:
             raise ValueError(f"pool.{name} must have the pool's sharding "
                              f"{self.sharding(memory_kind)}, got {value.sharding}")
         check_memory_space(f"pool.{name}", value)
-        self._check_lane_buffers(name, value)
         return value
-
-    def _check_lane_buffers(self, name: str, value: Any) -> None:
-        held = self._lane_buffers
-        if held is not None and name in held and _buffers(value) != held[name]:
-            raise ValueError(
-                f"pool.{name}: transfers into or out of this pool are still in flight, and the "
-                "new array is another buffer, which would miss them; donate the pool to the "
-                "function that returns it (updated in place), or call sync_transfers() first")
 
     def take_copy_result(self, is_primary: bool, array: jax.Array) -> None:
         """Called by the manager with what its copy of this pool's primary or secondary array
@@ -394,19 +396,30 @@ class KVCacheBlockPool:
         else:
             self._secondary = array
 
-    def hold_for_lanes(self, names: tuple[str, ...]) -> None:
+    def hold_for_lanes(self, names: tuple[str, ...], join: Any) -> None:
         """Called by the manager as it enqueues lane copies that use these arrays ("primary",
-        "secondary") on a GPU: until `release_lanes`, only an array in the same buffers may be
-        assigned to them."""
-        held = self._lane_buffers = self._lane_buffers or {}
+        "secondary") on a GPU, behind XLA's back. Until `release_lanes`, reading or assigning
+        them first calls `join(name)`: XLA's stream then waits for those copies before anything
+        dispatched later, so what user code computes from the array holds what they wrote, and
+        an array it replaces outlives them. The CPU needs none of this (a lane copy is done
+        when its call is), so a program behaves the same on both."""
         for name in names:
-            held[name] = _buffers(getattr(self, f"_{name}"))
+            self._lane_joins[name] = join
 
     def release_lanes(self, names: tuple[str, ...]) -> None:
         """Called by the manager once no lane copy uses these arrays any more."""
-        if self._lane_buffers is not None:
-            for name in names:
-                self._lane_buffers.pop(name, None)
+        for name in names:
+            self._lane_joins.pop(name, None)
+
+    def _settle(self, name: str) -> None:
+        join = self._lane_joins.get(name)
+        if join is not None:
+            join(name)
+
+    def stored(self, is_primary: bool) -> Any:
+        """The primary or secondary array as held (for a pool over an engine's arrays, the list
+        itself), without joining the lanes: for the manager, which orders its own copies."""
+        return self._primary if is_primary else self._secondary
 
     def current(self, is_primary: bool, what: str) -> jax.Array:
         """The live primary or secondary array, with a clear error if it was deleted or absent."""

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Stress run of the KV-cache transfer manager against a NumPy shadow.
 
-Random onboard / offload / partial / batched (with repeated indices, mixed directions) / user
-write / sync operations over two pools of one manager that differ in head count, dtype and
-kv_factor. At every sync the pools are compared bitwise with a NumPy shadow of both pools, the
+Random onboard / offload / partial / batched (with repeated indices; onboards mixing host ->
+GPU and GPU -> GPU pairs) / user write (donated, and non-donated: a new array assigned back) /
+sync operations over two pools of one manager that differ in head count, dtype and kv_factor. At every sync the pools are compared bitwise with a NumPy shadow of both pools, the
 manager's `pending_transfers` and transfer statistics are checked against the operations issued,
 and the memory in use is sampled: live jax arrays (`jax.live_arrays()`), their bytes by memory
 kind, and the device allocator's `bytes_in_use` where the backend reports it. After a warm-up
@@ -103,6 +103,7 @@ def _user_write(pool, index, value):
 
 
 _user_write_donated = jax.jit(_user_write, donate_argnums=0)
+_user_write_new_array = jax.jit(_user_write)  # another buffer, as `pool.primary.at[i].set(x)`
 
 
 @dataclass
@@ -164,8 +165,14 @@ class Run:
 
     # -- random operations ----------------------------------------------------------------
 
-    def block(self, hot: list[int] | None = None) -> kvx.KVCacheBlock:
-        primary = bool(self.rng.random() < 0.5)
+    def pair(self, verb: str, hot: list[int] | None = None) -> tuple[kvx.KVCacheBlock, ...]:
+        """A pair the verb takes: an offload's GPU -> host, an onboard's host -> GPU or (the
+        partial-reuse copy) GPU -> GPU."""
+        if verb.startswith("offload"):
+            return self.block(True, hot), self.block(False, hot)
+        return self.block(bool(self.rng.random() < 0.3), hot), self.block(True, hot)
+
+    def block(self, primary: bool, hot: list[int] | None = None) -> kvx.KVCacheBlock:
         limit = self.cfg.num_primary if primary else self.cfg.num_secondary
         if hot is not None and self.rng.random() < 0.6:  # repeats within one batch
             index = int(hot[int(self.rng.integers(len(hot)))]) % limit
@@ -180,20 +187,21 @@ class Run:
 
     def step(self) -> None:
         r = self.rng.random()
-        if r < 0.02:
-            self.user_write()
+        if r < 0.04:
+            self.user_write(donated=r < 0.02)
             return
         if r < 0.1:
             self.offload_and_onboard()
             return
         if r < 0.45:
-            pairs, tokens = [(self.block(), self.block())], [self.tokens()]
             verb = "offload" if self.rng.random() < 0.5 else "onboard"
+            pairs, tokens = [self.pair(verb)], [self.tokens()]
             getattr(self.manager, verb)(*pairs[0], num_tokens=tokens[0])
             self.counts[verb] += 1
         else:
             hot = [int(i) for i in self.rng.integers(0, 1 << 16, 3)]
-            pairs = [(self.block(hot), self.block(hot))
+            verb = "offload_blocks" if self.rng.random() < 0.5 else "onboard_blocks"
+            pairs = [self.pair(verb, hot)
                      for _ in range(int(self.rng.integers(1, self.cfg.max_batch + 1)))]
             form = self.rng.random()
             if form < 0.2:
@@ -204,7 +212,6 @@ class Run:
             else:
                 tokens = [self.tokens() for _ in pairs]
                 arg = tokens if self.rng.random() < 0.5 else np.asarray(tokens, np.int64)
-            verb = "offload_blocks" if self.rng.random() < 0.5 else "onboard_blocks"
             getattr(self.manager, verb)(pairs, num_tokens=arg)
             self.counts[verb] += 1
         self.apply(verb, pairs, tokens)
@@ -256,20 +263,20 @@ class Run:
         self.ops_done += 1
         self.pairs_done += len(pairs)
 
-    def user_write(self) -> None:
-        """User code overwrites a primary block right away (donated), between transfers: any
-        block but those that onboards or copies within the GPU pool write before the next sync
-        (the caller's side of the lanes' bargain, lanes.py), an offload's sources included."""
-        free = [i for i in range(self.cfg.num_primary) if not self.pending.get((i, True), [0, 0])[1]]
-        if not free:
-            return
-        index = int(self.rng.choice(free))
+    def user_write(self, donated: bool) -> None:
+        """User code overwrites any primary block right away, between transfers: in place
+        (donated), or as JAX's ordinary functional update whose new array is assigned back.
+        Reading `pool.primary` orders the update after the onboards in flight, so it may be a
+        block an onboard writes, or an offload's source."""
+        index = int(self.rng.integers(self.cfg.num_primary))
+        write = _user_write_donated if donated else _user_write_new_array
         for pool, arrays in zip(self.pools, self.shadow):
             value = random_bits(self.rng, pool.block_shape, pool.dtype)
-            pool.primary = _user_write_donated(pool.primary, np.int32(index), value)
+            pool.primary = write(pool.primary, np.int32(index), value)
             arrays[0][index] = value
-        self.counts["user_write"] += 1
-        self.log.append(f"user_write primary[{index}]")
+        kind = "user_write" if donated else "user_update"
+        self.counts[kind] += 1
+        self.log.append(f"{kind} primary[{index}]")
         self.ops_done += 1
 
     # -- checks -----------------------------------------------------------------------------

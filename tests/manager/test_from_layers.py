@@ -177,26 +177,19 @@ def test_host_rows_are_every_layers_block_in_order(rng):
 
 
 @pytest.mark.parametrize("dma", ["auto", False], ids=["lanes", "in line"])
-def test_copies_within_the_gpu_arrays_and_within_the_host_rows(dma, rng):
+def test_copies_within_the_gpu_arrays(dma, rng):
     pool, model = _make(rng, LAYOUTS["HND"], ml_dtypes.bfloat16)
     mgr = kvx.KVCacheTransferManager(pool, dma=dma)
     mgr.offload_indices([0, 1], [3, 4])
     model.offload([(0, 3), (1, 4)], [0, 0])
-    # within the GPU arrays: a chain 2 -> 5 -> 6, applied in order as the manager's pairs are
-    # (the second reads what the first wrote), partial too
+    # a chain 2 -> 5 -> 6, applied in order as the manager's pairs are (the second reads what
+    # the first wrote), partial too
     mgr.onboard_blocks([(kvx.KVCacheBlock(0, 2, True), kvx.KVCacheBlock(1, 5, True)),
                         (kvx.KVCacheBlock(2, 5, True), kvx.KVCacheBlock(3, 6, True))], [0, 3])
     model._copy(model.arrays, model.arrays, [(2, 5)], [0])
     model._copy(model.arrays, model.arrays, [(5, 6)], [3])
-    # within the host rows: whole blocks
-    mgr.offload_blocks([(kvx.KVCacheBlock(0, 3, False), kvx.KVCacheBlock(1, 0, False))])
-    model._copy(model.rows, model.rows, [(3, 0)], [0])
     mgr.sync_transfers()
     _check(pool, model, "within")
-    with pytest.raises(ValueError, match="take whole blocks"):
-        mgr.offload_blocks([(kvx.KVCacheBlock(0, 3, False), kvx.KVCacheBlock(1, 1, False))],
-                           [2])
-    _check(pool, model, "unchanged after the refused copy")
 
 
 def test_the_engine_reads_and_donates_the_arrays_and_assigns_them_back(rng):

@@ -155,21 +155,50 @@ def test_unsynced_transfers_are_complete_for_to_numpy(pool, rng):
     np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), sec)  # no sync at all
 
 
-@pytest.mark.skipif(not ON_GPU, reason="on the CPU a lane copy is done when its call returns")
-def test_assigning_another_buffer_while_an_onboard_is_in_flight_raises(pool, rng):
+@pytest.mark.parametrize("dma", [True, False], ids=["lanes", "in line"])
+def test_an_ordinary_update_right_after_an_onboard_keeps_the_onboard(pool, rng, dma):
+    """`pool.primary = pool.primary.at[i].set(x)` (a new buffer, not donated) with onboards in
+    flight: reading pool.primary orders the update after them, so the new array holds them."""
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool], dma=dma)
+    mgr.onboard_indices(np.arange(NB), np.arange(NB))
+    mgr.offload_indices(np.arange(NB, 2 * NB), np.arange(NB, 2 * NB))
+    value = rng.standard_normal(prim.shape[1:], np.float32)
+    pool.primary = pool.primary.at[2].set(value)  # block 2 is being onboarded
+    pool.primary = pool.primary.at[NB + 3].set(value + 1)  # block NB + 3 is being offloaded
+    prim[:NB] = sec[:NB]
+    sec[NB:] = prim[NB:]
+    prim[2], prim[NB + 3] = value, value + 1
+    mgr.sync_transfers()
+    assert_pools(pool, prim, sec)
+
+
+def test_assigning_a_fresh_array_while_transfers_are_in_flight(pool, rng):
+    """A new array not made from the pool replaces it at once; the transfers in flight land
+    in the old buffers, which outlive them, and the new secondary is not touched."""
     prim, sec = shadow(pool)
     mgr = kvx.KVCacheTransferManager([pool])
-    mgr.onboard_indices(np.arange(NB), np.arange(NB))
-    fresh = jax.jit(lambda a: a + 0.0)(pool.primary)  # not donated: another buffer
-    kept = pool.primary
-    with pytest.raises(ValueError, match="still in flight"):
-        pool.primary = fresh
-    assert pool.primary is kept  # the pool is unchanged
+    mgr.offload_indices(np.arange(NB), np.arange(NB))
+    mgr.onboard_indices(np.arange(NB, 2 * NB), np.arange(NB, 2 * NB))
+    fresh_prim = rng.standard_normal(prim.shape, np.float32)
+    fresh_sec = rng.standard_normal(sec.shape, np.float32)
+    pool.primary = jax.device_put(fresh_prim, pool.sharding("device"))
+    pool.secondary = jax.device_put(fresh_sec, pool.sharding("pinned_host"))
     mgr.sync_transfers()
-    prim[:NB] = sec[:NB]
-    np.testing.assert_array_equal(kvx.to_numpy(pool.primary), prim)
-    pool.primary = fresh  # after the join any array may be assigned
-    assert pool.primary is fresh
+    assert_pools(pool, fresh_prim, fresh_sec)
+
+
+def test_reading_the_secondary_leaves_a_held_primary_live(pool, rng):
+    """Reading pool.secondary while an offload writes it joins the lanes through the secondary
+    array only: a reference the step holds to pool.primary stays usable."""
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    held = pool.primary
+    mgr.offload_indices(np.arange(NB), np.arange(NB))
+    sec[:NB] = prim[:NB]
+    np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), sec)
+    assert not held.is_deleted()
+    np.testing.assert_array_equal(kvx.to_numpy(held), prim)
 
 
 def test_in_line_manager_is_exact_too(pool, rng):

@@ -352,27 +352,32 @@ def run_random_operations(seed: int, num_ops: int, manager=None, pools=None):
     shadow = [list(s) for s in snapshot(pools)]
     npri, nsec = pools[0].num_primary_blocks, pools[0].num_secondary_blocks
 
-    def block():
-        if rng.random() < 0.5:
-            return P(int(rng.integers(npri)))
-        return S(int(rng.integers(nsec)))
+    def pair(offload: bool):
+        """An offload's GPU -> host pair, or an onboard's host -> GPU or GPU -> GPU pair."""
+        dst = S(int(rng.integers(nsec))) if offload else P(int(rng.integers(npri)))
+        if offload or rng.random() < 0.7:
+            src = P(int(rng.integers(npri))) if offload else S(int(rng.integers(nsec)))
+        else:
+            src = P(int(rng.integers(npri)))
+        return src, dst
 
     def tokens():
         return int(rng.choice([-1, 0, 1, 2, 3, 4, 7]))
 
     for _ in range(num_ops):
         r = rng.random()
+        offload = bool(rng.random() < 0.5)
         if r < 0.08:
             m.sync_transfers()
             assert_same(snapshot(pools), shadow)
             continue
         if r < 0.5:
-            pairs, n = [(block(), block())], [tokens()]
-            (m.offload if rng.random() < 0.5 else m.onboard)(*pairs[0], num_tokens=n[0])
+            pairs, n = [pair(offload)], [tokens()]
+            (m.offload if offload else m.onboard)(*pairs[0], num_tokens=n[0])
         else:
-            pairs = [(block(), block()) for _ in range(int(rng.integers(1, 9)))]
+            pairs = [pair(offload) for _ in range(int(rng.integers(1, 9)))]
             n = [tokens() for _ in pairs]
-            (m.offload_blocks if rng.random() < 0.5 else m.onboard_blocks)(pairs, num_tokens=n)
+            (m.offload_blocks if offload else m.onboard_blocks)(pairs, num_tokens=n)
         apply_to_shadow(shadow, pairs, n)
     m.sync_transfers()
     assert_same(snapshot(pools), shadow)

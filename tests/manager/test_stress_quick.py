@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stress.py"
 # On a GPU the test process already holds XLA's preallocated 75 % of the memory.
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -31,6 +33,20 @@ def test_stress_quick_mode_passes():
     assert mismatches == 0 and bookkeeping == 0
     assert live1 <= live0 + 2
     assert summary.endswith(": OK"), summary
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_programs_with_ordinary_updates_match_a_numpy_shadow(seed):
+    """1,000 random operations: manager calls, donated steps and ordinary (non-donated)
+    updates assigned back, each seed a different program; on a GPU the copies run on the lanes,
+    beside the updates."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--ops", "1000", "--seed", str(seed)],
+                          check=False, capture_output=True, text=True, timeout=300, env=ENV)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, f"seed {seed}:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    mix = re.search(r"op mix: (\{.*?\})", proc.stdout)
+    assert mix and "'user_update'" in mix.group(1) and "'user_write'" in mix.group(1), proc.stdout
+    assert re.search(r" 0 mismatches, 0 bookkeeping errors", summary), summary
 
 
 # The GPU sanitizer scripts, run here in their CPU dry-run modes so that CI keeps them working.
