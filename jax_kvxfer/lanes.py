@@ -16,8 +16,9 @@ Who keeps what safe (the manager, manager.py, uses these):
   other's pending copies touch, and XLA's stream waits for lane 1 before snapshotting blocks
   that lane 1 is still writing;
 - until a join, compute must not read or write the blocks that onboards and copies within the
-  GPU pool write (nor the sources of the latter): the caller's side of the bargain, as with
-  TensorRT-LLM's `syncTransfers`.
+  GPU pool write (nor the sources of the latter): the pool keeps this, by joining lane 1 when
+  user code reads its primary array (pool.py, `hold_for_lanes`), as TensorRT-LLM's
+  `syncTransfers` does at the step boundary.
 
 On the CPU a lane copy is done when its call is, and a join hands its array on.
 """
