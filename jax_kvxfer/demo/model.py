@@ -58,6 +58,11 @@ class ModelConfig:
                      + 3 * d * f)
         return 2 * self.vocab_size * d + d + self.num_layers * per_layer
 
+    @property
+    def weights_nbytes(self) -> int:
+        """The weights' bytes in the model's dtype (what `init_params` puts on a device)."""
+        return self.num_params * jnp.dtype(self.dtype).itemsize
+
     def token_flops(self, context: int) -> int:
         """The matrix products' floating-point operations to compute one token that attends to
         `context` tokens (itself included), without the unembedding."""
@@ -92,6 +97,13 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
 
 
 TP_AXIS = "tp"  # the mesh axis that splits KV heads in a tensor-parallel run
+
+
+def kv_block_nbytes(config: ModelConfig, tokens_per_block: int) -> int:
+    """Bytes of one block of `create_pool`'s pools: every layer's K and V of `tokens_per_block`
+    tokens (`[num_layers, 2, num_kv_heads, tokens_per_block, head_dim]`)."""
+    return (config.num_layers * 2 * config.num_kv_heads * tokens_per_block * config.head_dim
+            * jnp.dtype(config.dtype).itemsize)
 
 
 def create_pool(config: ModelConfig, *, tokens_per_block: int, num_primary_blocks: int,

