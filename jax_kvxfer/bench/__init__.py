@@ -97,7 +97,7 @@ from .config import (
 )
 from .core import BenchCore
 from .cupy_tools import CupyTools
-from .helpers import CompileCounter, _gpu_name
+from .helpers import CompileCounter, gpu_name
 from .host_overhead import HostOverheadMixin
 from .layers import LayersMixin
 from .overlap import OverlapMixin
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None, *, _cupy_module: Any = None) -> int:
 
 def _run(bench: Bench) -> int:
     cfg = bench.cfg
-    bench.log(f"jax {jax.__version__} on {_gpu_name(bench.dev)} ({bench.backend}); "
+    bench.log(f"jax {jax.__version__} on {gpu_name(bench.dev)} ({bench.backend}); "
               f"sizes {','.join(fmt_size(s) for s in cfg.sizes)}, {cfg.blocks} blocks, "
               f"{cfg.repeats} repeats; results -> {bench.json_path}")
     for note in bench.notes:

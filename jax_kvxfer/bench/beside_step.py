@@ -28,7 +28,7 @@ import numpy as np
 from ..manager import KVCacheTransferManager
 from ..pool import KVCacheBlock, KVCacheBlockPool
 from .config import DTYPE, MiB
-from .helpers import _err_text, _median
+from .helpers import err_text, median
 
 _STEP_GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "size_per_head": 128,
                   "tokens_per_block": 16}  # 2 MiB blocks in bf16
@@ -52,12 +52,12 @@ class BesideStepMixin:
         try:
             self._beside_step(sec)
         except Exception as e:  # noqa: BLE001
-            sec["error"] = _err_text(e)
+            sec["error"] = err_text(e)
             self.log(traceback.format_exc())
         try:
             self._host_overhead_figures(sec)
         except Exception as e:  # noqa: BLE001
-            sec["overhead_error"] = _err_text(e)
+            sec["overhead_error"] = err_text(e)
             self.log(traceback.format_exc())
         self.save()
 
@@ -70,7 +70,7 @@ class BesideStepMixin:
             t = time.perf_counter()
             run()
             times.append(time.perf_counter() - t)
-        return _median(times)
+        return median(times)
 
     def _beside_step(self, sec: dict[str, Any]) -> None:
         cfg = self.cfg
@@ -142,7 +142,7 @@ class BesideStepMixin:
                 alone = self._timed(lambda c=case, m=mgr: (issue(c), wait(m)))
                 together = self._timed(lambda c=case, m=mgr: wait(m, (issue(c), step(x))[1]))
             except Exception as e:  # noqa: BLE001
-                sec["cases"][case] = {"error": _err_text(e)}
+                sec["cases"][case] = {"error": err_text(e)}
                 self.log(traceback.format_exc())
                 continue
             moved = total // 2 if case.startswith("partial") else total  # n = T/2 of each block
@@ -185,7 +185,7 @@ class BesideStepMixin:
                 call()
                 returns.append(time.perf_counter() - t0)
                 mgr.sync_transfers()
-            rec[name] = {"s": t, "gbps": total / t / 1e9, "returns_s": _median(returns)}
+            rec[name] = {"s": t, "gbps": total / t / 1e9, "returns_s": median(returns)}
         rec["ceiling"] = self._contiguous_ceiling(total)
         for name in calls:
             ceiling = rec["ceiling"].get("d2h" if name.startswith("offload") else "h2d")
@@ -201,7 +201,7 @@ class BesideStepMixin:
             if i % 8 == 7:
                 mgr.sync_transfers()
         mgr.sync_transfers()
-        rec["call_64_pairs_us"] = 1e6 * _median(times[cfg.warmup:])
+        rec["call_64_pairs_us"] = 1e6 * median(times[cfg.warmup:])
         sec["overhead"] = rec
         self.log(f"  {nb} x 64 KiB: offload {rec['offload']['gbps']:.1f} GB/s "
                  f"({rec['offload'].get('ratio', 0) * 100:.0f} % of contiguous), onboard "
@@ -225,7 +225,7 @@ class BesideStepMixin:
                 times, _ = cu.time_ops(lambda st, d=d, s=s: cu.memcpy(d, s, nbytes, st), reps=1,
                                        samples=self.cfg.repeats, warmup=self.cfg.warmup,
                                        gpu_only=True)
-                out[name] = nbytes / _median(times) / 1e9
+                out[name] = nbytes / median(times) / 1e9
             out["source"] = "cupy memcpy"
             return out
         dev = jnp.zeros((nbytes // 2,), DTYPE, device=self.dsh)

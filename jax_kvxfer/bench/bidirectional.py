@@ -12,8 +12,9 @@ import numpy as np
 
 from ..both_ways import copy_blocks_both_ways
 from ..ops import copy_blocks
+from ..testing import dma_batches
 from .config import fmt_size, geometry_for
-from .helpers import _block, _dma_batches, _err_text, _median, xla_onboard_rows
+from .helpers import block_on, err_text, median, xla_onboard_rows
 
 
 class BidirectionalMixin:
@@ -41,8 +42,8 @@ class BidirectionalMixin:
             si2, di2 = (jnp.asarray(self.perms(1, B, B)[0]) for _ in range(2))
             # the DMA variant reads its indices on the host: jit arguments in pinned_host
             pinned = jax.device_put((si1, di1, si2, di2), self.hsh)
-            _block(pinned)
-            _block([dev_a, host_b, st])
+            block_on(pinned)
+            block_on([dev_a, host_b, st])
             pipe = self.pipe_for(total, False)
 
             def xla_onboard_body(dst, src, si, di):
@@ -110,13 +111,13 @@ class BidirectionalMixin:
                     sec["paths"][name] = {"skipped": "past the deadline"}
                     continue
                 try:
-                    before = _dma_batches()
-                    t_off = _median(self.time_jax(off, pipe=pipe)[0])
-                    t_on = _median(self.time_jax(on, pipe=pipe)[0])
-                    t_both = _median(self.time_jax(both, pipe=pipe)[0])
+                    before = dma_batches()
+                    t_off = median(self.time_jax(off, pipe=pipe)[0])
+                    t_on = median(self.time_jax(on, pipe=pipe)[0])
+                    t_both = median(self.time_jax(both, pipe=pipe)[0])
                     res = self._bidir_result(total, t_off, t_on, t_both)
                     if "dma" in name and before is not None:
-                        res["dma_used"] = _dma_batches() > before
+                        res["dma_used"] = dma_batches() > before
                     if name.startswith("ours"):  # both destinations hold their blocks
                         ends = [0, B - 1]
                         i1, j1, i2, j2 = (np.asarray(a)[ends] for a in (si1, di1, si2, di2))
@@ -125,7 +126,7 @@ class BidirectionalMixin:
                             and np.array_equal(self.fetch(st["dev_b"], j2),
                                                self.fetch(host_b, i2)))
                 except Exception as e:  # noqa: BLE001
-                    res["error"] = _err_text(e)
+                    res["error"] = err_text(e)
                     self.log(f"bidirectional {name}: ERROR {res['error'][:300]}")
                 sec["paths"][name] = res
                 if "factor" in res:
@@ -144,8 +145,8 @@ class BidirectionalMixin:
                     ha, hb = cu.ptr("host_a"), cu.ptr("host_b")
                     kw = {"reps": 1, "samples": cfg.repeats, "warmup": cfg.warmup,
                           "gpu_only": True}
-                    t_off = _median(cu.time_ops(lambda s: cu.memcpy(hb, da, total, s), **kw)[0])
-                    t_on = _median(cu.time_ops(lambda s: cu.memcpy(db, ha, total, s), **kw)[0])
+                    t_off = median(cu.time_ops(lambda s: cu.memcpy(hb, da, total, s), **kw)[0])
+                    t_on = median(cu.time_ops(lambda s: cu.memcpy(db, ha, total, s), **kw)[0])
                     with cu.device:
                         fork, join = cu.cp.cuda.Event(), cu.cp.cuda.Event()
 
@@ -157,16 +158,16 @@ class BidirectionalMixin:
                         join.record(cu.stream2)
                         s.wait_event(join)
 
-                    t_both = _median(cu.time_ops(both_streams, **kw)[0])
+                    t_both = median(cu.time_ops(both_streams, **kw)[0])
                     res = self._bidir_result(total, t_off, t_on, t_both)
                     res["variant"] = "contiguous memcpy, D2H and H2D on two streams"
                     sec["paths"]["memcpy_two_streams"] = res
                     self._log_bidir("memcpy_two_streams", res)
                 except Exception as e:  # noqa: BLE001
-                    sec["paths"]["memcpy_two_streams"] = {"error": _err_text(e)}
-                    self.log(f"bidirectional memcpy: ERROR {_err_text(e)[:300]}")
+                    sec["paths"]["memcpy_two_streams"] = {"error": err_text(e)}
+                    self.log(f"bidirectional memcpy: ERROR {err_text(e)[:300]}")
         except Exception as e:  # noqa: BLE001
-            sec["error"] = _err_text(e)
+            sec["error"] = err_text(e)
             sec["traceback"] = traceback.format_exc(limit=6)
             self.log(f"bidirectional: ERROR {sec['error'][:300]}")
         gc.collect()
@@ -189,7 +190,7 @@ class BidirectionalMixin:
                 self.perms(1, B, B)[0] + base for base in (0, 0, B, B))
             if dma:  # traced, in pinned_host memory, where the handler reads them
                 idx = jax.device_put((off_src, off_dst, on_src, on_dst), self.hsh)
-                _block(idx)
+                block_on(idx)
                 kw = {"dma": True, "disjoint": True}
                 f_off = jax.jit(lambda h, g, s, d: copy_blocks(h, g, s, d, dma=True),
                                 donate_argnums=0)
@@ -219,13 +220,13 @@ class BidirectionalMixin:
                 st["gpu"], st["host"] = f_both(st["gpu"], st["host"], *idx)
                 return st["gpu"], st["host"]
 
-            before = _dma_batches()
-            t_off = _median(self.time_jax(c_off, pipe=pipe)[0])
-            t_on = _median(self.time_jax(c_on, pipe=pipe)[0])
-            t_both = _median(self.time_jax(c_both, pipe=pipe)[0])
+            before = dma_batches()
+            t_off = median(self.time_jax(c_off, pipe=pipe)[0])
+            t_on = median(self.time_jax(c_on, pipe=pipe)[0])
+            t_both = median(self.time_jax(c_both, pipe=pipe)[0])
             res = self._bidir_result(total, t_off, t_on, t_both)
             if dma and before is not None:
-                res["dma_used"] = _dma_batches() > before
+                res["dma_used"] = dma_batches() > before
             ends = [0, B - 1]  # every copy is idempotent: the pools it reads never change
             res["verified"] = bool(
                 np.array_equal(self.fetch(st["host"], off_dst[ends]),
@@ -235,7 +236,7 @@ class BidirectionalMixin:
             res["variant"] = "one copy_blocks_both_ways call between one GPU and one host pool"
             self._log_bidir(name, res)
         except Exception as e:  # noqa: BLE001
-            res["error"] = _err_text(e)
+            res["error"] = err_text(e)
             self.log(f"bidirectional {name}: ERROR {res['error'][:300]}")
         return res
 

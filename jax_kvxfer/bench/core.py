@@ -20,13 +20,13 @@ from .config import DTYPE, Config, Geometry, fmt_size
 from .cupy_tools import CupyTools
 from .helpers import (
     CompileCounter,
-    _block,
-    _clamp,
-    _err_text,
-    _gpu_name,
-    _median,
-    _pattern_fn,
-    _zeros_fn,
+    block_on,
+    clamp,
+    err_text,
+    gpu_name,
+    median,
+    pattern_fn,
+    zeros_fn,
 )
 
 
@@ -106,7 +106,7 @@ class BenchCore:
             try:
                 self.cupy = CupyTools(cupy_module, getattr(self.dev, "local_hardware_id", None) or 0)
             except Exception as e:  # noqa: BLE001
-                self.cupy_note = f"cupy unavailable ({_err_text(e)}): memcpy ceilings fall back " \
+                self.cupy_note = f"cupy unavailable ({err_text(e)}): memcpy ceilings fall back " \
                                  "to jax_contig, TensorRT-LLM-style paths skipped"
         else:
             self.cupy_note = ("CPU backend: cupy/GPU-only paths (memcpy ceilings, TensorRT-LLM-style "
@@ -119,7 +119,7 @@ class BenchCore:
             self.notes.append(self.cupy_note)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         tag = "cpu" if not self.on_gpu else "".join(
-            c if c.isalnum() else "-" for c in _gpu_name(self.dev).lower()).strip("-")
+            c if c.isalnum() else "-" for c in gpu_name(self.dev).lower()).strip("-")
         base = f"bench-{stamp}-{tag}{'-quick' if cfg.quick else ''}"
         os.makedirs(cfg.out, exist_ok=True)
         self.json_path = os.path.join(cfg.out, base + ".json")
@@ -143,15 +143,15 @@ class BenchCore:
         return (self.cfg.seed * 1_000_003 + self.seed_counter) & 0x7FFFFFFF
 
     def random_pool(self, geom: Geometry, num_blocks: int, sharding: Any) -> jax.Array:
-        x = _pattern_fn(geom.pool_shape(num_blocks), self.dsh)(jnp.uint32(self._next_seed()))
+        x = pattern_fn(geom.pool_shape(num_blocks), self.dsh)(jnp.uint32(self._next_seed()))
         return x if sharding is self.dsh else jax.device_put(x, sharding)
 
     def zero_pool(self, geom: Geometry, num_blocks: int, sharding: Any) -> jax.Array:
-        x = _zeros_fn(geom.pool_shape(num_blocks), self.dsh)()
+        x = zeros_fn(geom.pool_shape(num_blocks), self.dsh)()
         return x if sharding is self.dsh else jax.device_put(x, sharding)
 
     def matrix(self, n: int, scale: float) -> jax.Array:
-        bits = _pattern_fn((n, n), self.dsh)(jnp.uint32(self._next_seed()))
+        bits = pattern_fn((n, n), self.dsh)(jnp.uint32(self._next_seed()))
         # small finite values from the pattern's low bits
         f = jax.jit(lambda b: ((lax.bitcast_convert_type(b, jnp.uint16) & 0xFF).astype(jnp.float32)
                                / 255.0 - 0.5) * scale)
@@ -173,7 +173,7 @@ class BenchCore:
         """(K ops per jit call, calls per sample) so that dispatch is amortised."""
         c = self.cfg
         call_t = c.call_target_d2d if d2d else c.call_target_host
-        k = _clamp(math.ceil(call_t / max(op_bytes, 1)), 1, kmax if kmax is not None else c.kmax)
+        k = clamp(math.ceil(call_t / max(op_bytes, 1)), 1, kmax if kmax is not None else c.kmax)
         return k, self.pipe_for(k * op_bytes, d2d)
 
     def pipe_for(self, call_bytes: int, d2d: bool) -> int:
@@ -181,20 +181,20 @@ class BenchCore:
         before the GPU starts and one sync at its end, so it moves about the sample target."""
         c = self.cfg
         sample_t = c.sample_target_d2d if d2d else c.sample_target_host
-        return _clamp(math.ceil(sample_t / max(call_bytes, 1)), 2, c.max_pipe)
+        return clamp(math.ceil(sample_t / max(call_bytes, 1)), 2, c.max_pipe)
 
     def time_jax(self, call: Callable[[], Any], *, pipe: int, samples: int | None = None
                  ) -> tuple[list[float], float]:
         """Seconds per call(): `pipe` calls dispatched back to back, then one block."""
         samples = samples or self.cfg.repeats
         t0 = time.perf_counter()
-        _block(call())
+        block_on(call())
         first = time.perf_counter() - t0
 
         def sample() -> float:
             t = time.perf_counter()
             outs = [call() for _ in range(pipe)]
-            _block(outs)
+            block_on(outs)
             return (time.perf_counter() - t) / pipe
 
         for _ in range(self.cfg.warmup):
@@ -211,7 +211,7 @@ class BenchCore:
         such kernels in the trace (CPU, the copy engines' path, no CUPTI)."""
         if self.backend != "gpu":
             return None
-        profile = traced_profile(lambda: _block([call() for _ in range(calls)]))
+        profile = traced_profile(lambda: block_on([call() for _ in range(calls)]))
         if profile is None:
             return None
         kernel, span, others = timeline_ns(profile)
@@ -235,7 +235,7 @@ class BenchCore:
             rec.update(fn())
             rec["error"] = None
         except Exception as e:  # noqa: BLE001 - one failing path must not stop the run
-            rec["error"] = _err_text(e)
+            rec["error"] = err_text(e)
             rec["traceback"] = traceback.format_exc(limit=6)
             self.log(f"{label}: ERROR {rec['error'][:300]}")
             self.results.append(rec)
@@ -251,6 +251,6 @@ class BenchCore:
 
     @staticmethod
     def timing(times: list[float], bytes_moved: int, **extra: Any) -> dict[str, Any]:
-        med = _median(times)
+        med = median(times)
         return {"seconds": med, "seconds_all": times, "bytes_moved": bytes_moved,
                 "gbps": bytes_moved / med / 1e9 if med > 0 else None, **extra}

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .config import MiB
-from .helpers import _clamp, _err_text
+from .helpers import clamp, err_text
 
 # A scalar partial-copy kernel in the style TensorRT-LLM uses (written here, not copied): one
 # element per thread, 32-bit flat index, launched once per block.
@@ -125,7 +125,7 @@ class CupyTools:
                 self.kernel("kvx_bench_spin")((1,), (1,), (np.uint64(ns),), stream=stream)
             return True
         except Exception as e:  # noqa: BLE001 - no NVRTC etc.: fall back to plain events
-            self.spin_error = _err_text(e)
+            self.spin_error = err_text(e)
             return False
 
     def time_ops(self, enqueue: Callable[[Any], None], *, reps: int, samples: int, warmup: int,
@@ -157,7 +157,7 @@ class CupyTools:
 
         one(0)  # warm-up (the first call of a kernel compiles it)
         _, t_enq, _ = one(0)  # measures the enqueue time
-        spin_ns = _clamp(3 * t_enq * 1e9, 1_000_000, 500_000_000)
+        spin_ns = clamp(3 * t_enq * 1e9, 1_000_000, 500_000_000)
         for _ in range(warmup):
             one(spin_ns)
         times, suspect = [], 0

@@ -17,25 +17,15 @@ from jax import lax
 from .config import DTYPE
 
 
-def _clamp(x: float, lo: int, hi: int) -> int:
+def clamp(x: float, lo: int, hi: int) -> int:
     return int(max(lo, min(hi, x)))
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def _dma_batches() -> int | None:
-    """Batches the CUDA handler has copied on the copy engines (None off GPUs): the DMA paths
-    record whether their copies really took that path (`dma_used`)."""
-    from .. import _native
-
-    if jax.default_backend() != "gpu" or _native._kvxfer_cuda is None:
-        return None
-    return _native._kvxfer_cuda.dma_batches()
-
-
-def _block(tree: Any) -> None:
+def block_on(tree: Any) -> None:
     leaves = [x for x in jax.tree.leaves(tree)
               if isinstance(x, jax.Array) and not x.is_deleted()]
     jax.block_until_ready(leaves)
@@ -59,7 +49,7 @@ def time_calls(call: Callable[[int], Any], sync: Callable[[], Any], calls: int,
     return times
 
 
-def _err_text(e: BaseException) -> str:
+def err_text(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) < 1500 else text[:1500] + " ..."
 
@@ -77,7 +67,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _gpu_name(dev: Any) -> str:
+def gpu_name(dev: Any) -> str:
     if dev.platform != "cpu":
         return str(getattr(dev, "device_kind", dev.platform))
     return "cpu: " + cpu_model()
@@ -95,7 +85,7 @@ def xla_onboard_rows(dst: jax.Array, src: jax.Array, si: jax.Array, di: jax.Arra
 
 
 @functools.cache
-def _pattern_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
+def pattern_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
     """Pseudo-random bf16 pool from a seed: an integer hash of the element index (compiles fast,
     unlike jax.random on CPU), top exponent bit cleared so no value is NaN or inf and paths that
     pass values through float ops still compare bit-exact."""
@@ -113,7 +103,7 @@ def _pattern_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], 
 
 
 @functools.cache
-def _zeros_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[], jax.Array]:
+def zeros_fn(shape: tuple[int, ...], sharding: Any) -> Callable[[], jax.Array]:
     return jax.jit(lambda: jnp.zeros(shape, DTYPE), out_shardings=sharding)
 
 
@@ -144,7 +134,7 @@ class CompileCounter:
             self.registered = False
 
 
-def _cache_size(fn: Any) -> int | None:
+def cache_size(fn: Any) -> int | None:
     try:
         return int(fn._cache_size()) if fn is not None else None
     except Exception:  # noqa: BLE001

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..ops import copy_blocks
 from .config import DTYPE, fmt_size, geometry_for
-from .helpers import _block, _cache_size, _err_text, _median, time_calls
+from .helpers import block_on, cache_size, err_text, median, time_calls
 
 HOST_ROUNDS = 4  # rounds in which the variants take turns (see _time_interleaved)
 # No JAX and no GPU: the manager's batch check alone, timed with the other variants, so that
@@ -145,7 +145,7 @@ class HostOverheadMixin:
                             st["dst"] = copy_blocks(st["dst"], src_pool,
                                                     *batches[i % len(batches)])
                         fn = None
-                    return call, lambda: _block(st["dst"]), fn
+                    return call, lambda: block_on(st["dst"]), fn
 
                 setups.append((variant, setup))
 
@@ -175,7 +175,7 @@ class HostOverheadMixin:
             except Exception as e:  # noqa: BLE001
                 self._host_error(rec, name, e)
         for t in timed:  # after every warm-up: the jit variants share one jitted function
-            t.cache0 = _cache_size(t.fn)
+            t.cache0 = cache_size(t.fn)
         per_round = -(-self.cfg.host_calls // HOST_ROUNDS)
         for _ in range(HOST_ROUNDS):
             for t in timed:
@@ -190,12 +190,12 @@ class HostOverheadMixin:
         for t in timed:
             if "error" in t.rec:
                 continue
-            cache1 = _cache_size(t.fn)
+            cache1 = cache_size(t.fn)
             us = sorted(x * 1e6 for x in t.times)
             recompiled = (t.compiles > 0 if self.compiles.registered
                           else None if t.cache0 is None else cache1 != t.cache0)
             t.rec.update({
-                "median_us": _median(us), "p10_us": us[len(us) // 10],
+                "median_us": median(us), "p10_us": us[len(us) // 10],
                 "p90_us": us[(9 * len(us)) // 10], "min_us": us[0], "calls": len(us),
                 "rounds": HOST_ROUNDS,
                 "compiles_during_timing": t.compiles if self.compiles.registered else None,
@@ -206,6 +206,6 @@ class HostOverheadMixin:
                      f"recompiled={recompiled}")
 
     def _host_error(self, rec: dict[str, Any], name: str, e: BaseException) -> None:
-        rec["error"] = _err_text(e)
+        rec["error"] = err_text(e)
         rec["traceback"] = traceback.format_exc(limit=6)
         self.log(f"host overhead {name} [{rec['variant']}]: ERROR {rec['error'][:300]}")

@@ -27,7 +27,7 @@ from ..manager import KVCacheTransferManager
 from ..ops import copy_blocks
 from ..pool import KVCacheBlockPool
 from .config import DTYPE
-from .helpers import _err_text, _median
+from .helpers import err_text, median
 
 _LAYERS, _TOKENS, _HEADS, _DIM = 32, 16, 16, 128  # 64 KiB per layer block in bf16
 
@@ -50,7 +50,7 @@ class LayersMixin:
         try:
             self._layers(sec)
         except Exception as e:  # noqa: BLE001
-            sec["error"] = _err_text(e)
+            sec["error"] = err_text(e)
             self.log(traceback.format_exc())
         self.save()
 
@@ -83,7 +83,7 @@ class LayersMixin:
 
                 returns = []
                 t = self._timed(lambda r=returns: (r.append(one()), mgr.sync_transfers()))
-                rec[name] = {"s": t, "returns_s": _median(returns[-self.cfg.repeats:])}
+                rec[name] = {"s": t, "returns_s": median(returns[-self.cfg.repeats:])}
                 t = self._timed(lambda: ([one() for _ in range(4)], mgr.sync_transfers())) / 4
                 rec[name + "_back_to_back"] = {"s": t}
                 t = self._timed(lambda: (one(per_layer_mgr), per_layer_mgr.sync_transfers()))

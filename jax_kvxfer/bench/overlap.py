@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._lowering import on_stream
+from .. import on_stream
 from ..ops import copy_blocks
+from ..testing import dma_batches
 from .config import DTYPE, MiB, fmt_size, geometry_for
-from .helpers import _block, _clamp, _dma_batches, _err_text, _median
+from .helpers import block_on, clamp, err_text, median
 
 
 class OverlapMixin:
@@ -44,10 +45,10 @@ class OverlapMixin:
             si_dev, di_dev = jnp.asarray(si), jnp.asarray(di)
             # the DMA variants read their indices on the host: jit arguments in pinned_host
             si_pin, di_pin = jax.device_put((si, di), self.hsh)
-            _block([si_pin, di_pin])
+            block_on([si_pin, di_pin])
             x = self.matrix(N, 2.0)
             w = self.matrix(N, 2.0 * math.sqrt(3.0 / N))
-            _block([src, st["dst"], x, w])
+            block_on([src, st["dst"], x, w])
 
             def matmuls(x: jax.Array, w: jax.Array, iters: int) -> jax.Array:
                 for _ in range(iters):
@@ -98,9 +99,9 @@ class OverlapMixin:
             transfer_calls["xla"] = lambda: xla_fn(src, si_dev)
             for name, call in transfer_calls.items():
                 try:
-                    transfer[name] = _median(self.time_jax(call, pipe=1)[0])
+                    transfer[name] = median(self.time_jax(call, pipe=1)[0])
                 except Exception as e:  # noqa: BLE001
-                    errors[name] = _err_text(e)
+                    errors[name] = err_text(e)
             cu = self.cupy
             if cu is not None:
                 try:
@@ -108,20 +109,20 @@ class OverlapMixin:
                     dp, sp = cu.ptr("host_b"), cu.ptr("dev_a")
                     times, _ = cu.time_ops(lambda s: cu.memcpy(dp, sp, total, s), reps=1,
                                            samples=cfg.repeats, warmup=cfg.warmup, gpu_only=True)
-                    transfer["memcpy_side_stream"] = _median(times)
+                    transfer["memcpy_side_stream"] = median(times)
                 except Exception as e:  # noqa: BLE001
-                    errors["memcpy_side_stream"] = _err_text(e)
+                    errors["memcpy_side_stream"] = err_text(e)
 
             # calibrate the step to last about as long as the slowest transfer
             probe_iters = 4
             probe = jax.jit(lambda a, b: matmuls(a, b, probe_iters))
-            t_probe = _median(self.time_jax(lambda: probe(x, w), pipe=1)[0])
+            t_probe = median(self.time_jax(lambda: probe(x, w), pipe=1)[0])
             per_iter = max(t_probe / probe_iters, 1e-7)
             # as long as our default offload (a slower variant would lengthen every step)
             goal = transfer.get("ours", max(transfer.values())) if transfer else t_probe
-            iters = _clamp(round(goal / per_iter), 1, 2000 if not cfg.quick else 64)
+            iters = clamp(round(goal / per_iter), 1, 2000 if not cfg.quick else 64)
             step = jax.jit(lambda a, b: matmuls(a, b, iters))
-            step_s = _median(self.time_jax(lambda: step(x, w), pipe=1)[0])
+            step_s = median(self.time_jax(lambda: step(x, w), pipe=1)[0])
             flops = 2.0 * N ** 3 * iters
             sec.update({"step_iters": iters, "step_s": step_s,
                         "step_tflops": flops / step_s / 1e12})
@@ -193,9 +194,9 @@ class OverlapMixin:
                     res["skipped"] = "past the deadline"
                 else:
                     try:
-                        before = _dma_batches()
-                        both_s = _median(self.time_jax(call, pipe=1)[0])
-                        used = None if before is None else _dma_batches() > before
+                        before = dma_batches()
+                        both_s = median(self.time_jax(call, pipe=1)[0])
+                        used = None if before is None else dma_batches() > before
                         t = transfer[name]
                         res = {"transfer_s": t, "transfer_gbps": total / t / 1e9, "step_s": step_s,
                                "both_s": both_s, "no_overlap_sum_s": t + step_s,
@@ -221,13 +222,13 @@ class OverlapMixin:
                                  f"both {both_s * 1e3:.2f} ms, sum {(t + step_s) * 1e3:.2f} ms "
                                  f"-> +{res['added_to_step']:.1%} on the step")
                     except Exception as e:  # noqa: BLE001
-                        res["error"] = _err_text(e)
+                        res["error"] = err_text(e)
                         self.log(f"overlap {name}: ERROR {res['error'][:300]}")
                 sec["paths"][name] = res
             if cu is None:
                 sec["note"] = self.cupy_note
         except Exception as e:  # noqa: BLE001
-            sec["error"] = _err_text(e)
+            sec["error"] = err_text(e)
             sec["traceback"] = traceback.format_exc(limit=6)
             self.log(f"overlap: ERROR {sec['error'][:300]}")
         gc.collect()
@@ -241,7 +242,7 @@ def schedule_summary(fn: Any, *args: Any) -> str:
     try:
         text = fn.lower(*args).compile().as_text()
     except Exception as e:  # noqa: BLE001 - a diagnostic only
-        return f"unavailable: {_err_text(e)[:200]}"
+        return f"unavailable: {err_text(e)[:200]}"
     entry = text[text.find("ENTRY"):]
     entry = entry[:entry.find("\n}") if "\n}" in entry else len(entry)]
     kinds = []

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from .config import DIRECTIONS, KiB, fmt_size, geometry_for
-from .helpers import _gpu_name, cpu_model
+from .helpers import cpu_model, gpu_name
 
 
 class ReportMixin:
@@ -25,11 +25,11 @@ class ReportMixin:
     def meta(self) -> dict[str, Any]:
         import jaxlib
 
+        from .. import HAS_CUDA_HANDLERS
         from .. import __version__ as kvx_version
-        from .._native import HAS_CUDA_HANDLERS
         return {
             "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "gpu": _gpu_name(self.dev),
+            "gpu": gpu_name(self.dev),
             "backend": self.backend,
             "jax": jax.__version__,
             "jaxlib": getattr(jaxlib, "__version__", None),
@@ -326,7 +326,7 @@ class ReportMixin:
             ax.set_title(titles[d])
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=6.5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-        fig.suptitle(f"jax_kvxfer, {_gpu_name(self.dev)}, jax {jax.__version__}, "
+        fig.suptitle(f"jax_kvxfer, {gpu_name(self.dev)}, jax {jax.__version__}, "
                      f"{self.cfg.blocks} blocks per batch")
         fig.tight_layout()
         fig.savefig(self.png_path, dpi=110)

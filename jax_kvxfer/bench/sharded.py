@@ -21,7 +21,7 @@ import numpy as np
 from ..manager import KVCacheTransferManager
 from ..pool import KVCacheBlock, KVCacheBlockPool, to_numpy
 from .config import DTYPE, fmt_size, geometry_for
-from .helpers import _err_text, _median
+from .helpers import err_text, median
 
 
 class ShardedMixin:
@@ -65,9 +65,9 @@ class ShardedMixin:
                             f"of {n} x one device" if n > 1 and single else "")
                          + ("" if res["verified"] else "  VERIFY FAILED"))
             except Exception as e:  # noqa: BLE001 - one failing case must not stop the run
-                sec["cases"].append({"devices": n, "error": _err_text(e),
+                sec["cases"].append({"devices": n, "error": err_text(e),
                                      "traceback": traceback.format_exc(limit=6)})
-                self.log(f"sharded x{n}: ERROR {_err_text(e)[:300]}")
+                self.log(f"sharded x{n}: ERROR {err_text(e)[:300]}")
             gc.collect()
             self.save()
 
@@ -99,7 +99,7 @@ class ShardedMixin:
                     verb(pairs)
                 manager.sync_transfers()
                 times.append((time.perf_counter() - t) / reps)
-            return _median(times)
+            return median(times)
 
         t_off = timed(manager.offload_blocks, offload)
         verified = bool(np.array_equal(to_numpy(pool.secondary)[di].view(np.uint16), bits[si]))
@@ -114,7 +114,7 @@ class ShardedMixin:
                    for i, d in enumerate(devices)]
             per_device = B * geom.block_bytes
             for d, to_host in (("offload", True), ("onboard", False)):
-                t = _median(self.cupy.concurrent_memcpy(ids, per_device, to_host,
+                t = median(self.cupy.concurrent_memcpy(ids, per_device, to_host,
                                                         self.cfg.repeats))
                 res[f"memcpy_{d}_gbps"] = batch_bytes / t / 1e9
                 res[f"{d}_of_memcpy"] = res[f"{d}_gbps"] / res[f"memcpy_{d}_gbps"]

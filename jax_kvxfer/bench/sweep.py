@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ops import copy_blocks
+from ..testing import dma_batches
 from .config import DIRECTIONS, DTYPE, Geometry, MiB, fmt_size, geometry_for, n_cases
-from .helpers import _block, _clamp, _dma_batches, _err_text, xla_onboard_rows
+from .helpers import block_on, clamp, err_text, xla_onboard_rows
 
 
 class SweepMixin:
@@ -30,9 +31,9 @@ class SweepMixin:
             try:
                 self.sweep_size(size)
             except Exception as e:  # noqa: BLE001
-                self.log(f"size {fmt_size(size)}: setup ERROR {_err_text(e)[:300]}")
+                self.log(f"size {fmt_size(size)}: setup ERROR {err_text(e)[:300]}")
                 self.results.append({"path": "setup", "block_bytes": size,
-                                     "error": _err_text(e),
+                                     "error": err_text(e),
                                      "traceback": traceback.format_exc(limit=6)})
             gc.collect()
             self.save()
@@ -53,7 +54,7 @@ class SweepMixin:
                 sh = self.dsh if name.startswith("dev") else self.hsh
                 maker = self.random_pool if name.endswith("src") else self.zero_pool
                 p = pools[name] = maker(geom, B, sh)
-                _block(p)
+                block_on(p)
             return p
 
         base = {"block_bytes": geom.block_bytes, "geometry": geom.as_dict(), "blocks": B}
@@ -138,7 +139,7 @@ class SweepMixin:
         sp, dp = cu.ptr(s_name), cu.ptr(d_name)
         target = self.cfg.sample_target_d2d if d2d else self.cfg.sample_target_host
         return cu.time_ops(lambda s: cu.memcpy(dp, sp, nbytes, s),
-                           reps=_clamp(math.ceil(target / nbytes), 1, 32),
+                           reps=clamp(math.ceil(target / nbytes), 1, 32),
                            samples=self.cfg.repeats, warmup=self.cfg.warmup, gpu_only=True)
 
     def same_bytes_ceilings(self, geom: Geometry, B: int, dbase: dict[str, Any]) -> None:
@@ -199,9 +200,9 @@ class SweepMixin:
                 # calls per sample by the bytes this case moves (a partial copy moves less than
                 # the whole blocks that k was planned for)
                 pipe = self.pipe_for(k * B * geom.moved(n), d2d)
-                before = _dma_batches()
+                before = dma_batches()
                 times, first = self.time_jax(call, pipe=pipe)
-                extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
+                extra = {"dma_used": dma_batches() > before} if dma and before is not None else {}
                 times = [t / k for t in times]
                 gpu = None if dma else self.gpu_times(call)
                 if gpu:  # the kernels' own time and the GPU timeline's span, beside the wall
@@ -253,9 +254,9 @@ class SweepMixin:
                     return kvpool.secondary if offload else kvpool.primary
 
                 pipe = self.pipe_for(B * geom.block_bytes, False)
-                before = _dma_batches()
+                before = dma_batches()
                 times, first = self.time_jax(call, pipe=pipe)
-                extra = {"dma_used": _dma_batches() > before} if dma and before is not None else {}
+                extra = {"dma_used": dma_batches() > before} if dma and before is not None else {}
                 si, di = batches[(calls[0] - 1) % len(batches)]
                 src, dst = ((kvpool.primary, kvpool.secondary) if offload else
                             (kvpool.secondary, kvpool.primary))
@@ -286,9 +287,9 @@ class SweepMixin:
                     st["calls"] += 1
                     return st["dst"]
 
-                before = _dma_batches()
+                before = dma_batches()
                 times, first = self.time_jax(call, pipe=pipe)
-                extra = {} if before is None else {"dma_used": _dma_batches() > before}
+                extra = {} if before is None else {"dma_used": dma_batches() > before}
                 si, di = batches[(st["calls"] - 1) % len(batches)]
                 pairs = [0, B - 1]
                 ok = np.array_equal(self.fetch(st["dst"], di[pairs]), self.fetch(s_pool, si[pairs]))
@@ -385,7 +386,7 @@ class SweepMixin:
             if d == "h2d":
                 blocks = [jax.device_put(b, self.hsh) for b in blocks]
                 target = self.dsh
-            _block(blocks)
+            block_on(blocks)
             last: dict[str, Any] = {}
 
             def call() -> list[jax.Array]:

@@ -12,8 +12,8 @@ import pytest
 from jax import lax
 
 import jax_kvxfer as kvx
-from jax_kvxfer import _native
 from jax_kvxfer import manager as manager_module
+from jax_kvxfer import testing
 
 T = 4  # tokens per block
 
@@ -624,7 +624,7 @@ def test_dma_manager_matches_the_kernel_manager(rng):
     kernel = kvx.KVCacheTransferManager(pools_ref)
     t = pools_dma[0].tokens_per_block
     gpu = jax.default_backend() == "gpu"
-    before = _native._kvxfer_cuda.dma_batches() if gpu else 0
+    before = testing.dma_batches() if gpu else 0
     for _ in range(12):
         k = int(rng.integers(1, 5))
         src, dst = rng.integers(0, 5, k), rng.integers(0, 5, k)
@@ -654,7 +654,7 @@ def test_dma_manager_matches_the_kernel_manager(rng):
                not np.array_equal(kvx.to_numpy(p.primary), prim)
                for p, (prim, sec) in zip(pools_dma, initial)), "nothing was copied"
     if gpu:
-        assert _native._kvxfer_cuda.dma_batches() > before
+        assert testing.dma_batches() > before
 
 
 def test_auto_dma_puts_every_transfer_with_a_gpu_side_on_the_lanes(rng):
@@ -679,7 +679,7 @@ def test_auto_dma_puts_every_transfer_with_a_gpu_side_on_the_lanes(rng):
     auto = kvx.KVCacheTransferManager(auto_pools)
     ref = kvx.KVCacheTransferManager(ref_pools, dma=False)
     gpu = jax.default_backend() == "gpu"
-    counter = _native._kvxfer_cuda.dma_batches if gpu else (lambda: 0)
+    counter = testing.dma_batches if gpu else (lambda: 0)
     src, dst = rng.permutation(4)[:3], rng.permutation(4)[:3]
     steps = [  # (verb, pairs, num_tokens)
         ("offload_blocks", [(P(int(s)), S(int(d))) for s, d in zip(src, dst)], None),

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 import jax_kvxfer as kvx
-from jax_kvxfer import _native
+from jax_kvxfer import testing
 from jax_kvxfer._checks import UNKNOWN
 from jax_kvxfer.both_ways import FORK_TARGET, BothWaysPlan, both_ways_call, both_ways_plan
 
@@ -196,13 +196,13 @@ def test_copy_engines_with_traced_disjoint_indices(rng):
         disjoint=True), donate_argnums=(0, 1))
     assert FORK_TARGET in fn.lower(put(a), put(b, "pinned_host"), *pinned).as_text()
     gpu = jax.default_backend() == "gpu"
-    before = _native._kvxfer_cuda.dma_batches() if gpu else 0
+    before = testing.dma_batches() if gpu else 0
     new_a, new_b = fn(put(a), put(b, "pinned_host"), *pinned)
     expected_a, expected_b = reference(a, b, ab, ba)
     assert_bitwise_equal(new_a, expected_a, "pool a")
     assert_bitwise_equal(new_b, expected_b, "pool b")
     if gpu:
-        assert _native._kvxfer_cuda.dma_batches() - before == 2  # the fork and the join
+        assert testing.dma_batches() - before == 2  # the fork and the join
 
 
 def test_disjoint_is_checked_where_indices_are_known(rng):

@@ -26,7 +26,7 @@ from conftest import (
 )
 
 import jax_kvxfer as kvx
-from jax_kvxfer import _native
+from jax_kvxfer import testing
 
 SHAPE = (24, 2, 2, 4, 16, 64)  # 24 blocks of 64 KiB (float32)
 T = SHAPE[4]
@@ -35,7 +35,7 @@ DIRECTIONS = [("pinned_host", "device"), ("device", "pinned_host")]  # (dst, src
 
 def dma_batches() -> int | None:
     """Batches the CUDA handler has copied on the copy engines (None without a GPU)."""
-    return _native._kvxfer_cuda.dma_batches() if ON_GPU else None
+    return testing.dma_batches() if ON_GPU else None
 
 
 def check_dma_used(before: int | None, calls: int) -> None:
