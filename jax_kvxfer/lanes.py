@@ -29,11 +29,8 @@ import jax
 import numpy as np
 
 from . import _native
+from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE
 from .layers import LayerViews, layer_call
-
-OFFLOAD_LANE = 0
-ONBOARD_LANE = 1
-NO_LANE = -1
 
 
 def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,

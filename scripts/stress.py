@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kvxfer as kvx
+from jax_kvxfer import testing
 
 QUICK_OPS = 5_000
 FULL_OPS = 100_000
@@ -121,7 +122,8 @@ def sample_memory(manager: kvx.KVCacheTransferManager, collect: bool = False) ->
     pinned-host arrays, 16 per batch bucket, allocated when a bucket is first used."""
     if collect:
         gc.collect()
-    ring = {id(a) for a in manager._plans.arrays()} if manager._plans is not None else set()
+    plans = testing.plan_ring(manager)
+    ring = {id(a) for a in plans.arrays()} if plans is not None else set()
     arrays = [a for a in jax.live_arrays() if id(a) not in ring]
     by_kind: Counter[str] = Counter()
     for a in arrays:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jax_kvxfer as kvx
+from jax_kvxfer import testing
 
 # name: (one array's shape with the block axis None, block_axis, token_axis, arrays per pool)
 LAYOUTS = {
@@ -96,7 +97,7 @@ def test_both_paths_of_the_manager(dma, rng):
     """The transfer lanes (the default) and the copies on XLA's stream (dma=False)."""
     pool, model = _make(rng, LAYOUTS["K/V first"], ml_dtypes.bfloat16)
     mgr = kvx.KVCacheTransferManager(pool, dma=dma)
-    assert mgr._lanes == (dma == "auto")
+    assert testing.copy_engine(mgr) == ("lanes" if dma == "auto" else "in line")
     _offload_and_onboard(mgr, pool, model, rng)
 
 

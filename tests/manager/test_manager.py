@@ -12,7 +12,6 @@ import pytest
 from jax import lax
 
 import jax_kvxfer as kvx
-from jax_kvxfer import manager as manager_module
 from jax_kvxfer import testing
 
 T = 4  # tokens per block
@@ -235,13 +234,11 @@ def test_a_batch_is_one_copy_per_pool_and_matches_sequential_semantics(rng, monk
     pools = make_pools(rng)
     old = snapshot(pools)
     m = kvx.KVCacheTransferManager(pools)
-    calls = []
-    real = manager_module._lane_across  # the lanes: the default wherever the plan ring is
-    monkeypatch.setattr(manager_module, "_lane_across",
-                        lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
     pairs = [(P(0), S(0)), (P(1), S(1)), (P(2), S(0)), (P(4), S(3))]
-    m.offload_blocks(pairs, num_tokens=[0, 2, 1, 9])
-    assert calls == [len(pools)]  # one dispatch, one custom call per pool
+    # the lanes: the default wherever the plan ring is
+    with testing.count_dispatches("LANE_ACROSS") as calls:
+        m.offload_blocks(pairs, num_tokens=[0, 2, 1, 9])
+    assert [c["pools"] for c in calls] == [len(pools)]  # one dispatch, one call per pool
     m.sync_transfers()
     for pool, (prim, sec) in zip(pools, old):
         expected = sec.copy()
@@ -270,10 +267,10 @@ def test_batch_sizes_are_bucketed_so_they_do_not_recompile(rng):
     pools = make_pools(rng, num_primary=8, num_secondary=8)
     m = kvx.KVCacheTransferManager(pools)
     m.offload_blocks([(P(i), S(i)) for i in range(5)])
-    size = manager_module._lane_across._cache_size()
+    size = testing.dispatcher("LANE_ACROSS")._cache_size()
     for n in (6, 7, 8):
         m.offload_blocks([(P(i), S(7 - i)) for i in range(n)])
-    assert manager_module._lane_across._cache_size() == size
+    assert testing.dispatcher("LANE_ACROSS")._cache_size() == size
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -446,7 +443,7 @@ def test_plans_come_round_again_only_after_their_dispatch(rng, plan_ring):
     pools = make_pools(rng, num_primary=6, num_secondary=5)
     old = snapshot(pools)
     m = kvx.KVCacheTransferManager(pools, plan_ring=plan_ring)
-    assert (m._plans is not None) == plan_ring
+    assert (testing.plan_ring(m) is not None) == plan_ring
     order = [(int(rng.integers(0, 6)), int(rng.integers(0, 5))) for _ in range(40)]
     for s, d in order:  # 40 single-pair dispatches: bucket 1, 16 slots
         m.offload(P(s), S(d))
@@ -480,7 +477,7 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
     too early would let a later plan overwrite one still to be read, and a copy go astray."""
     pools = make_pools(rng, num_primary=46, num_secondary=46)
     m = kvx.KVCacheTransferManager(pools)
-    if m._plans is None:
+    if testing.plan_ring(m) is None:
         pytest.skip("no pinned_host memory: no plan ring")
     m.offload_and_onboard([(P(0), S(0))], [(S(40), P(6))])  # compiles both verbs' copies
     m.offload(P(0), S(0))
@@ -514,17 +511,17 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
 
 
 def test_plan_slot_gets_a_fresh_token_only_where_a_failed_dispatch_consumed_it(rng):
-    """A dispatch retried after a failed donation (manager._tokens(..., retry=True)) must not
+    """A dispatch retried after a failed donation (testing.plan_tokens(..., retry=True)) must not
     pass a deleted token, nor replace one still live (its readiness is what the ring waits on)."""
     pools = make_pools(rng)
     m = kvx.KVCacheTransferManager(pools)
-    if m._plans is None:
+    if testing.plan_ring(m) is None:
         pytest.skip("no pinned_host memory: no plan ring")
-    slot = m._plans.next_slot(2)
+    slot = testing.plan_ring(m).next_slot(2)
     live = slot.token
-    assert manager_module._tokens((slot, None), retry=True) == (live, None)
+    assert testing.plan_tokens((slot, None), retry=True) == (live, None)
     live.delete()
-    (fresh,) = manager_module._tokens((slot,), retry=True)
+    (fresh,) = testing.plan_tokens((slot,), retry=True)
     assert fresh is slot.token and fresh is not live and not fresh.is_deleted()
     assert fresh.sharding == live.sharding and np.asarray(fresh).tolist() == [0]
 
@@ -534,9 +531,9 @@ def test_plan_slots_have_buffers_of_their_own(rng):
     m = kvx.KVCacheTransferManager(pools)
     m.offload_blocks([(P(0), S(0)), (P(1), S(1))])
     m.sync_transfers()
-    if m._plans is None:
+    if testing.plan_ring(m) is None:
         pytest.skip("no pinned_host memory: plans go as NumPy arrays")
-    arrays = [a for a in m._plans.arrays() if a.sharding.memory_kind == "pinned_host"]
+    arrays = [a for a in testing.plan_ring(m).arrays() if a.sharding.memory_kind == "pinned_host"]
     pointers = {s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards}
     assert len(pointers) == 16 * 3  # one bucket (2 pairs), 16 slots of 3 arrays
 
@@ -573,15 +570,13 @@ def test_offload_and_onboard_equals_one_after_the_other(case, plan_ring, lanes, 
     seed = 1234
     expected, expected_stats = sequential_reference(seed, off_pairs, on_pairs, off_tokens,
                                                     on_tokens)
-    calls = []
-    monkeypatch.setattr(manager_module, "_both_ways",
-                        _counting(manager_module._both_ways, calls))
     pools = make_pools(np.random.default_rng(seed), num_primary=8, num_secondary=8)
     # The copy kernel on XLA's stream (no lanes): offload and onboard in one both-ways call
     # where that is exact; on the lanes they run at once anyway, as two calls.
     tm = kvx.KVCacheTransferManager(pools, plan_ring=plan_ring,
                                    dma="auto" if lanes else False)
-    tm.offload_and_onboard(off_pairs, on_pairs, off_tokens, on_tokens)
+    with testing.count_dispatches("BOTH_WAYS") as calls:
+        tm.offload_and_onboard(off_pairs, on_pairs, off_tokens, on_tokens)
     pending = tm.pending_transfers
     tm.sync_transfers()
     assert_same(snapshot(pools), expected)
@@ -589,13 +584,6 @@ def test_offload_and_onboard_equals_one_after_the_other(case, plan_ring, lanes, 
     one_call = case in ("disjoint", "reuse_evicted_block") and not (lanes and plan_ring)
     assert len(calls) == (1 if one_call else 0), case
     assert pending[(2, True)].reads == 1 and pending[(1, False)].writes == 1
-
-
-def _counting(fn, calls):
-    def wrapper(*args, **kwargs):
-        calls.append(kwargs.get("plan"))
-        return fn(*args, **kwargs)
-    return wrapper
 
 
 def test_offload_and_onboard_bad_onboard_leaves_everything_unchanged(rng):

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_kvxfer as kvx
-from jax_kvxfer import manager as manager_module
+from jax_kvxfer import testing
 
 DEVICES = jax.devices()
 multi_device = pytest.mark.skipif(len(DEVICES) < 2, reason="needs 2 or more devices")
@@ -81,9 +81,9 @@ def test_sharded_copy_compiles_without_collectives():
     plan = np.zeros((3, 4), np.int32)
     # the plan ring slot's token, replicated as the ring makes it
     token = (jnp.zeros((1,), jnp.int32, device=NamedSharding(pool.mesh, P())),)
-    for fn, args in ((manager_module._copy_across,
+    for fn, args in ((testing.dispatcher("COPY_ACROSS"),
                       ((pool.secondary,), (pool.primary,), plan, token)),
-                     (manager_module._copy_within, ((pool.primary,), plan, token))):
+                     (testing.dispatcher("COPY_WITHIN"), ((pool.primary,), plan, token))):
         hlo = fn.lower(*args, facts=facts, mesh=pool.mesh,
                        specs=(pool.partition_spec,)).compile().as_text()
         assert "jax_kvxfer_block_copy" in hlo

@@ -1,0 +1,397 @@
+"""How the transfer manager's copies run: in line on XLA's stream, or on the transfer lanes.
+
+The manager (manager.py) checks a batch and splits it into runs of one direction; an engine
+dispatches each run as one jitted call that copies it in every pool, the destinations donated
+(updated in place), and gives the pools their new arrays.
+
+- `InLineEngine`: the copy kernel on XLA's stream, in line with compute; every later use of a
+  pool sees the copies. For `dma=False`, sharded pools and `plan_ring=False`.
+- `LaneEngine`: the copies enqueued on the transfer lanes (lanes.py), beside compute, ordered by
+  `LaneHazards` (_hazards.py), joined at the step boundary or when user code reads a pool array
+  that lane copies use.
+
+Both take block indices from the plan ring (plan_ring.py) when there is one, and share one
+fallback for a destination that cannot be donated (a NumPy view pins it): the same call without
+donating, with a `DonationWarning`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._checks import IndexFacts, index_facts
+from ._hazards import OFFLOAD_LANE, ONBOARD_LANE, LaneHazards
+from ._jax_seams import pinned_by_external_reference
+from ._lowering import HOST_COPY_CTAS, block_copy_call
+from .batch import PairBatch
+from .both_ways import both_ways_call, both_ways_plan
+from .lanes import join_call, lane_copy_call, lanes_idle, layer_lane_copy_call, wait_lanes
+from .layers import manager_copy, manager_copy_within
+from .plan_ring import PlanRing, PlanSlot
+
+
+class DonationWarning(UserWarning):
+    """A pool array could not be donated, so a transfer copied the whole pool."""
+
+
+# One jitted dispatch per run covers every pool: one custom call per pool, the destinations
+# donated so that each copy happens in place. `plan` holds the source indices, destination
+# indices and token counts: three pinned-host arrays from the plan ring, or one [3, B] NumPy
+# array where there is no pinned_host memory. `specs` holds each pool's PartitionSpec over
+# `mesh` (None: unsharded): a sharded pool is copied by every device on its own shard, with no
+# traffic between devices.
+#
+# Besides the pools, a dispatch takes donated and hands back unchanged the tokens of the plan
+# ring slots it reads (plan_ring.py): XLA aliases them to outputs, so no op runs for them, and
+# each returned token is ready when the dispatch has run. Without the ring, tokens are None.
+def _on_shards(fn, mesh, spec, num_pools: int):
+    if spec is None:
+        return fn
+    whole = jax.sharding.PartitionSpec()
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
+
+
+def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, specs, whole=False, layers=None):
+    """whole: every pair copies a whole block; layers: per pool, its LayerViews (None: none
+    has)."""
+    pools = []
+    for d, s, spec, views in zip(dsts, srcs, specs, layers or (None,) * len(dsts)):
+        if views is not None:  # an engine's arrays (a list) and the host rows
+            pools.append(manager_copy(d, s, plan, views=views, mesh=mesh,
+                                      unique_dst=facts.unique_dst, dma=False, whole=whole))
+            continue
+
+        def copy(d, s, p):
+            return block_copy_call(d, s, p[0], p[1], p[2], facts, whole_blocks=whole)
+        pools.append(_on_shards(copy, mesh, spec, 2)(d, s, plan))
+    return tuple(pools), token
+
+
+def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False, layers=None):
+    def copy(pool, p):
+        return block_copy_call(pool, pool, p[0], p[1], p[2], facts, whole_blocks=whole)
+    out = []
+    for pool, spec, views in zip(pools, specs, layers or (None,) * len(pools)):
+        if views is None:
+            out.append(_on_shards(copy, mesh, spec, 1)(pool, plan))
+        else:  # an engine's arrays
+            out.append(manager_copy_within(pool, plan, facts, views=views, mesh=mesh,
+                                           whole=whole))
+    return tuple(out), token
+
+
+def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan, mesh, specs):
+    """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) in one custom call."""
+    results = []
+    for g, h, spec in zip(gpus, hosts, specs):
+        def copy(g, h, off, on):
+            return both_ways_call(g, h, off, on, facts, plan, HOST_COPY_CTAS, dma=False)
+        if spec is not None:
+            replicated = jax.sharding.PartitionSpec()
+            copy = jax.shard_map(copy, mesh=mesh, in_specs=(spec, spec, replicated, replicated),
+                                 out_specs=(spec, spec))
+        results.append(copy(g, h, offload_plan, onboard_plan))
+    return tuple(r[0] for r in results), tuple(r[1] for r in results), tokens
+
+
+def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane, whole,
+                      layers=None):
+    lanes = {"lane": lane, "wait_lane": wait_lane, "stream_wait_lane": stream_wait_lane,
+             "whole_blocks": whole}
+    pools = []
+    for d, s, views in zip(dsts, srcs, layers or (None,) * len(dsts)):
+        if views is None:  # within one pool when d is s: one traced value
+            pools.append(lane_copy_call(d, s, plan[0], plan[1], plan[2], **lanes))
+        elif d is s:  # an engine's arrays, each within itself in its own layout
+            pools.append(manager_copy_within(d, plan, None, views=views, mesh=None, whole=whole,
+                                             copy=functools.partial(_lane_within_view, **lanes)))
+        else:  # an engine's arrays and their host rows
+            offload = not isinstance(d, list)
+            pools.append(layer_lane_copy_call(d if offload else s, s if offload else d, plan[0],
+                                              plan[1], plan[2], offload=offload, views=views,
+                                              **lanes))
+    return tuple(pools), token
+
+
+def _lane_within_view(view, src_idx, dst_idx, tokens, facts, **lanes):
+    return lane_copy_call(view, view, src_idx, dst_idx, tokens, **lanes)
+
+
+def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole, layers=None):
+    # each pool is its own source: one traced value, which lane_copy_call copies within
+    return _lane_across_impl(pools, pools, plan, token, lane, wait_lane, stream_wait_lane, whole,
+                             layers)
+
+
+def _join_impl(arrays, token, lanes):
+    return tuple(join_call(a, lanes) for a in arrays), token
+
+
+def _donated_and_not(impl, pools_argnums: tuple[int, ...], token_argnum: int, static):
+    """The jitted `impl` donating its pools (updated in place) and its plan-ring tokens, and the
+    same donating only the tokens: for a pool a NumPy view pins (XLA then copies it)."""
+    return (jax.jit(impl, donate_argnums=pools_argnums + (token_argnum,), static_argnames=static),
+            jax.jit(impl, donate_argnums=token_argnum, static_argnames=static))
+
+
+_STATIC = ("facts", "mesh", "specs", "whole", "layers")
+_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole", "layers")
+COPY_ACROSS = _donated_and_not(_copy_across_impl, (0,), 3, _STATIC)
+COPY_WITHIN = _donated_and_not(_copy_within_impl, (0,), 2, _STATIC)
+BOTH_WAYS = _donated_and_not(_both_ways_impl, (0, 1), 4, ("facts", "plan", "mesh", "specs"))
+LANE_ACROSS = _donated_and_not(_lane_across_impl, (0,), 3, _LANE_STATIC)
+LANE_WITHIN = _donated_and_not(_lane_within_impl, (0,), 2, _LANE_STATIC)
+JOIN = _donated_and_not(_join_impl, (0,), 1, ("lanes",))
+
+
+def _bucket(n: int) -> int:
+    """Batch sizes are padded to powers of two so a new batch size rarely recompiles."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def plan_tokens(slots: Sequence[PlanSlot | None], retry: bool = False) -> tuple[Any, ...]:
+    """The tokens a dispatch reading these plan ring slots donates (None for a NumPy plan).
+    retry: after a dispatch that failed, which may have consumed them."""
+    if retry:
+        for slot in slots:
+            if slot is not None:
+                slot.fresh_token()
+    return tuple(None if slot is None else slot.token for slot in slots)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The stack level, counted from warnings.warn's caller, of the first frame outside this
+    package: the user's call, however deep the manager's own frames go."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level - 1
+
+
+class Engine:
+    """What both engines share: the pools, the plan ring, and the donating dispatch."""
+
+    def __init__(self, pools: Sequence[Any], plans: PlanRing | None) -> None:
+        self.pools = tuple(pools)
+        self.plans = plans
+        first = self.pools[0]
+        layers = tuple(p.layers for p in self.pools)
+        self.layers = layers if any(v is not None for v in layers) else None
+        self.mesh = first.mesh
+        self.specs = tuple(p.partition_spec for p in self.pools)
+
+    def plan_arrays(self, run: PairBatch) -> tuple[Any, PlanSlot | None]:
+        """(what to pass for the run's [3, bucket] plan, its ring slot or None)."""
+        n = len(run)
+        if self.plans is None:
+            plan = np.full((3, _bucket(n)), -1, np.int32)  # -1: a padding pair, skipped
+            plan[0, :n], plan[1, :n], plan[2, :n] = run.src, run.dst, run.tokens
+            return plan, None
+        slot = self.plans.next_slot(_bucket(n))
+        return slot.write((run.src, run.dst, run.tokens)), slot
+
+    def dispatch(self, fns: tuple[Any, Any], args: tuple, slots: Sequence[PlanSlot | None],
+                 static: dict[str, Any], which: str) -> Any:
+        """Runs the donating form of `fns`; where a NumPy view pins a pool array (it cannot be
+        donated), the other form, which copies that pool, with a DonationWarning naming
+        `which` pool array. The slots' tokens are passed last and handed back to them."""
+        donated, undonated = fns
+        try:
+            *results, tokens = donated(*args, plan_tokens(slots), **static)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            if not pinned_by_external_reference(e):
+                raise
+            warnings.warn(
+                f"pool.{which} could not be updated in place because a NumPy view of it exists "
+                "(np.asarray on a host-memory array keeps one); this transfer copied the whole "
+                "pool instead. Read pools with jax_kvxfer.to_numpy.", DonationWarning,
+                stacklevel=_user_stacklevel())
+            *results, tokens = undonated(*args, plan_tokens(slots, True), **static)
+        for slot, token in zip(slots, tokens):
+            if slot is not None:
+                slot.dispatched(token)
+        return results[0] if len(results) == 1 else results
+
+    def current(self, is_primary: bool) -> tuple[Any, ...]:
+        return tuple(p.current(is_primary, "transfer") for p in self.pools)
+
+    def take(self, is_primary: bool, arrays: Sequence[Any]) -> None:
+        for pool, array in zip(self.pools, arrays):
+            pool.take_copy_result(is_primary, array)
+
+    def sync(self) -> None:
+        """Blocks until every copy dispatched so far is done."""
+        self._arrays_ready()
+        if self.plans is not None:
+            self.plans.all_done()
+
+    def _arrays_ready(self) -> None:
+        arrays = jax.tree.leaves([(p.stored(True), p.stored(False)) for p in self.pools])
+        jax.block_until_ready([a for a in arrays if not a.is_deleted()])
+
+
+class InLineEngine(Engine):
+    """The copy kernel on XLA's stream, in line with compute."""
+
+    def copy(self, run: PairBatch) -> None:
+        src_primary, dst_primary = run.direction
+        plan, slot = self.plan_arrays(run)
+        static = {"mesh": self.mesh, "specs": self.specs, "whole": run.whole,
+                  "layers": self.layers}
+        if src_primary == dst_primary:  # within the GPU pool
+            blocks = self.pools[0].num_primary_blocks
+            static["facts"] = index_facts(run.src, run.dst, blocks, blocks)
+            args, fns = (self.current(True), plan), COPY_WITHIN
+        else:
+            static["facts"] = IndexFacts(hazard_free=True, unique_dst=run.unique_dst)
+            args, fns = (self.current(dst_primary), self.current(src_primary), plan), COPY_ACROSS
+        self.take(dst_primary, self.dispatch(fns, args, (slot,), static,
+                                             "primary" if dst_primary else "secondary"))
+
+    def copy_both_ways(self, off: PairBatch, on: PairBatch) -> bool:
+        """Both runs in one custom call per pool, where that is exact and possible: every
+        offload primary -> secondary, every onboard secondary -> primary, no onboard reading a
+        secondary slot that an offload writes, and pools of one layout. False: not done."""
+        if (self.layers is not None or on.direction != (False, True)
+                or set(on.src.tolist()) & set(off.dst.tolist())):
+            return False
+        (off_plan, off_slot), (on_plan, on_slot) = self.plan_arrays(off), self.plan_arrays(on)
+        first = self.pools[0]
+        static = {"facts": (IndexFacts(hazard_free=True, unique_dst=off.unique_dst),
+                            IndexFacts(hazard_free=True, unique_dst=on.unique_dst)),
+                  "plan": both_ways_plan(off.src, off.dst, on.src, on.dst,
+                                         first.num_primary_blocks, first.num_secondary_blocks),
+                  "mesh": self.mesh, "specs": self.specs}
+        args = (self.current(True), self.current(False), tuple(off_plan), tuple(on_plan))
+        gpus, hosts = self.dispatch(BOTH_WAYS, args, (off_slot, on_slot), static,
+                                    "primary and secondary")
+        self.take(True, gpus)
+        self.take(False, hosts)
+        return True
+
+    def join(self, everything: bool) -> None:
+        """Nothing to join: every copy is on XLA's stream already."""
+
+
+class LaneEngine(Engine):
+    """The copies on the transfer lanes, beside compute (lanes.py), ordered by LaneHazards.
+
+    asynchronous: the lanes really run behind XLA's back (a GPU); on the CPU a lane copy is
+    done when its call is, and nothing needs joining.
+    """
+
+    def __init__(self, pools: Sequence[Any], plans: PlanRing, lock: Any) -> None:
+        super().__init__(pools, plans)
+        first = self.pools[0]
+        self.hazards = LaneHazards(first.num_primary_blocks, first.num_secondary_blocks)
+        self.asynchronous = first.device.platform == "gpu"
+        self._lock = lock
+        if self.asynchronous:
+            # An engine dropped with copies in flight: its pools' arrays must outlive them.
+            weakref.finalize(self, wait_lanes)
+        # What a pool calls when user code reads or assigns an array the lanes still use
+        # (KVCacheBlockPool.hold_for_lanes); weak, so that pools do not keep their manager.
+        this = weakref.ref(self)
+        self._user_join = lambda name: (e := this()) is not None and e.user_join(name)
+
+    def copy(self, run: PairBatch) -> None:
+        src_primary, dst_primary = run.direction
+        order = self.hazards.order(run.src, run.dst, src_primary, dst_primary)
+        plan, slot = self.plan_arrays(run)
+        static = {"lane": order.lane, "wait_lane": order.wait_lane,
+                  "stream_wait_lane": order.stream_wait_lane, "whole": run.whole,
+                  "layers": self.layers}
+        if src_primary == dst_primary:
+            args, fns = (self.current(True), plan), LANE_WITHIN
+        else:
+            args, fns = (self.current(dst_primary), self.current(src_primary), plan), LANE_ACROSS
+        self.take(dst_primary, self.dispatch(fns, args, (slot,), static,
+                                             "primary" if dst_primary else "secondary"))
+        if self.asynchronous:
+            # the arrays the lane still uses: what it writes, and an onboard's source (an
+            # offload's source was snapshotted)
+            held = (("secondary",) if not dst_primary else
+                    ("primary",) if src_primary else ("primary", "secondary"))
+            for pool in self.pools:
+                pool.hold_for_lanes(held, self._user_join)
+        self.hazards.record(run.src, run.dst, src_primary, dst_primary)
+
+    def copy_both_ways(self, off: PairBatch, on: PairBatch) -> bool:
+        """On the lanes both directions run at once anyway: lane 1 waits for lane 0 only where
+        an onboard reads a slot that an offload writes."""
+        return False
+
+    def join(self, everything: bool, through: tuple[bool, ...] | None = None) -> None:
+        """XLA's stream waits for lane 1 (onboards and copies within the GPU pool: everything
+        compute may read) or, with `everything`, for both lanes; one dispatch. Later copies
+        and steps then come after those lanes' pending copies, whose slots are pending no more.
+        through: the memories (True: primary) whose arrays the join takes and hands on, which
+        only places it in XLA's order (default: the primary, and with `everything` the
+        secondary too); the arrays it takes are replaced, so a reference user code kept to
+        one of them is deleted.
+        """
+        hazards = self.hazards
+        if not (hazards.onboards_pending or (everything and hazards.offloads_pending)):
+            if hazards.offloads_pending and lanes_idle():
+                self._offloads_done()
+            return
+        lanes = (OFFLOAD_LANE, ONBOARD_LANE) if everything else (ONBOARD_LANE,)
+        through = through or ((True, False) if everything else (True,))
+        # the pools' arrays (a pool over an engine's arrays has a list), absent ones left out
+        arrays, tree = jax.tree.flatten([[p.stored(m) for m in through] for p in self.pools])
+        which = " and ".join(("primary", "secondary")[not m] for m in through)
+        joined = self.dispatch(JOIN, (tuple(arrays),), (), {"lanes": lanes}, which)
+        for pool, new in zip(self.pools, jax.tree.unflatten(tree, list(joined))):
+            for memory, array in zip(through, new):
+                if array is not None:
+                    pool.take_copy_result(memory, array)
+        self._onboards_done()
+        if everything or not hazards.offloads_pending or lanes_idle():
+            self._offloads_done()
+
+    def user_join(self, name: str) -> None:
+        """User code reads or assigns a pool's `name` array ("primary" or "secondary") while
+        lane copies use it: XLA's stream waits for them before anything dispatched later (the
+        primary: for lane 1, whose copies write it; the secondary: for both lanes). A
+        non-blocking sync of what that array needs: offloads still run beside the next step
+        when only the primary is read, and the join takes only that array, so references
+        user code holds to the other stay live."""
+        with self._lock:
+            if name == "primary":
+                self.join(everything=False)
+            else:
+                self.join(everything=True, through=(False,))
+
+    def sync(self) -> None:
+        # Once the pools' arrays are ready, every lane copy is enqueued; once the lanes are
+        # idle, all is done, and later work needs no join on XLA's stream.
+        self._arrays_ready()
+        if self.hazards.onboards_pending or self.hazards.offloads_pending:
+            wait_lanes()
+            self._onboards_done()
+            self._offloads_done()
+        self.plans.all_done()
+
+    def _onboards_done(self) -> None:
+        # the secondary arrays, which onboards read, stay held while offloads write them
+        held = ("primary",) if self.hazards.offloads_pending else ("primary", "secondary")
+        for pool in self.pools:
+            pool.release_lanes(held)
+        self.hazards.onboards_done()
+
+    def _offloads_done(self) -> None:
+        for pool in self.pools:
+            pool.release_lanes(("secondary",))
+        self.hazards.offloads_done()
