@@ -180,6 +180,43 @@ def _user_stacklevel() -> int:
     return level - 1
 
 
+class Fence:
+    """Every copy an engine dispatched before the fence was made: `done()` says whether they
+    have all finished without waiting, `wait()` waits; both may be called from any thread.
+
+    The last dispatch's plan-ring token is ready once XLA has run that dispatch, and XLA runs
+    a device's dispatches in order; a lane copy is enqueued when its dispatch runs, so after
+    that, idle lanes mean the copies are done. A token that has been deleted was donated to a
+    later dispatch reading its ring slot, which the ring hands out only once the token was
+    ready.
+    """
+
+    def __init__(self, token: jax.Array | None, lanes: bool) -> None:
+        self._token, self._lanes = token, lanes
+
+    def done(self) -> bool:
+        return self._dispatches_ran(wait=False) and (not self._lanes or lanes_idle())
+
+    def wait(self) -> None:
+        self._dispatches_ran(wait=True)
+        if self._lanes:
+            wait_lanes()
+
+    def _dispatches_ran(self, wait: bool) -> bool:
+        token = self._token
+        if token is None:
+            return True
+        try:
+            if wait:
+                token.block_until_ready()
+                return True
+            return token.is_ready()
+        except Exception:  # donated meanwhile, by the serving thread
+            if token.is_deleted():
+                return True
+            raise
+
+
 class Engine:
     """What both engines share: the pools, the plan ring, and the donating dispatch."""
 
@@ -191,6 +228,7 @@ class Engine:
         self.layers = layers if any(v is not None for v in layers) else None
         self.mesh = first.mesh
         self.specs = tuple(p.partition_spec for p in self.pools)
+        self.last_token: jax.Array | None = None  # of the last copy dispatched (see Fence)
 
     def plan_arrays(self, run: PairBatch) -> tuple[Any, PlanSlot | None]:
         """(what to pass for the run's [3, bucket] plan, its ring slot or None)."""
@@ -222,6 +260,7 @@ class Engine:
         for slot, token in zip(slots, tokens):
             if slot is not None:
                 slot.dispatched(token)
+                self.last_token = token
         return results[0] if len(results) == 1 else results
 
     def current(self, is_primary: bool) -> tuple[Any, ...]:
@@ -230,6 +269,14 @@ class Engine:
     def take(self, is_primary: bool, arrays: Sequence[Any]) -> None:
         for pool, array in zip(self.pools, arrays):
             pool.take_copy_result(is_primary, array)
+
+    def fence(self) -> Fence:
+        """A fence for the copies dispatched so far. Without the plan ring there is no token
+        to tell by: this waits for them at once."""
+        if self.plans is None:
+            self.sync()
+            return Fence(None, False)
+        return Fence(self.last_token, isinstance(self, LaneEngine) and self.asynchronous)
 
     def sync(self) -> None:
         """Blocks until every copy dispatched so far is done."""
@@ -344,7 +391,7 @@ class LaneEngine(Engine):
         """
         hazards = self.hazards
         if not (hazards.onboards_pending or (everything and hazards.offloads_pending)):
-            if hazards.offloads_pending and lanes_idle():
+            if hazards.offloads_pending and self.fence().done():
                 self._offloads_done()
             return
         lanes = (OFFLOAD_LANE, ONBOARD_LANE) if everything else (ONBOARD_LANE,)
@@ -358,7 +405,9 @@ class LaneEngine(Engine):
                 if array is not None:
                     pool.take_copy_result(memory, array)
         self._onboards_done()
-        if everything or not hazards.offloads_pending or lanes_idle():
+        # Idle lanes alone would not do: an offload whose dispatch XLA has not run yet is not
+        # on its lane yet.
+        if everything or not hazards.offloads_pending or self.fence().done():
             self._offloads_done()
 
     def user_join(self, name: str) -> None:

@@ -14,17 +14,24 @@ import jax
 import numpy as np
 
 
-def host_int32_views(array: jax.Array) -> list[np.ndarray]:
-    """Writable NumPy views of the host buffers of an int32 `pinned_host` array, one per
-    addressable shard.
+def host_byte_views(array: jax.Array) -> list[np.ndarray]:
+    """Writable NumPy byte views (uint8, flat) of the host buffers of a `pinned_host` array,
+    one per addressable shard, in the array's row-major order.
 
     Relies on: `unsafe_buffer_pointer()` of a host array's shard is the memory that the next
-    computation reading the array reads, so values written there are what it sees. The
-    manager writes each dispatch's plan (its block indices) this way, instead of a
-    `device_put` of three small arrays per dispatch. The plain path is that `device_put`.
+    computation reading the array reads, and that its bytes are the shard's elements in
+    row-major order with no padding; so values written there are what it sees, and what
+    copies into it wrote is read there once they are done. The manager writes each dispatch's
+    plan (its block indices) this way, instead of a `device_put` of three small arrays per
+    dispatch (the plain path); the stores read and write host rows in place (the plain path:
+    a `device_put` of each row, and a copy out of it).
     """
-    return [np.ctypeslib.as_array((ctypes.c_int32 * array.size).from_address(
-        shard.data.unsafe_buffer_pointer())) for shard in array.addressable_shards]
+    views = []
+    for shard in array.addressable_shards:
+        nbytes = shard.data.on_device_size_in_bytes()
+        views.append(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(
+            shard.data.unsafe_buffer_pointer())))
+    return views
 
 
 def pinned_by_external_reference(error: Exception) -> bool:

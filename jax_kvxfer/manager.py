@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import check_dma_choice
-from ._engines import DonationWarning, InLineEngine, LaneEngine
+from ._engines import DonationWarning, Fence, InLineEngine, LaneEngine
 from .batch import PairBatch, check_batch, check_direction, check_index_batch, split_runs
 from .lanes import take_exposed_seconds
 from .plan_ring import PlanRing
@@ -258,6 +258,15 @@ class KVCacheTransferManager:
                 self._engine.sync()
             else:
                 self._engine.join(everything=False)
+
+    def fence(self) -> Fence:
+        """A handle on every transfer issued so far: `fence.done()` tells, without waiting,
+        whether they have all finished, and `fence.wait()` waits for them; both may be called
+        from any thread (a store's I/O thread waits on one before reading host rows that
+        offloads write). Costs nothing where the plan ring is on; without it, waits at once.
+        """
+        with self._lock:
+            return self._engine.fence()
 
     @property
     def pending_transfers(self) -> Mapping[Slot, PendingTransfer]:

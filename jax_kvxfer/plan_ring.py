@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jax_seams import host_int32_views
+from ._jax_seams import host_byte_views
 from .pool import local_zeros
 
 
@@ -35,7 +35,7 @@ class PlanSlot:
     def __init__(self, arrays: tuple[jax.Array, jax.Array, jax.Array],
                  token_sharding: jax.sharding.Sharding) -> None:
         self.arrays = jax.block_until_ready(arrays)  # their fill must land before we write
-        self._views = [host_int32_views(a) for a in arrays]
+        self._views = [[v.view(np.int32) for v in host_byte_views(a)] for a in arrays]
         self._token_sharding = token_sharding
         # What the next dispatch that reads the slot donates; it hands back the new token.
         self.token = self._new_token()

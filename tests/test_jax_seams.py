@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import requires_gpu
@@ -22,10 +23,28 @@ def test_a_host_buffer_view_writes_what_the_next_computation_reads():
     rng = np.random.default_rng(0)
     array = jax.block_until_ready(jax.device_put(np.zeros(64, np.int32), _sharding("pinned_host")))
     values = rng.integers(-2**31, 2**31 - 1, 64, dtype=np.int64).astype(np.int32)
-    (view,) = seams.host_int32_views(array)
-    view[:] = values
+    (view,) = seams.host_byte_views(array)
+    view.view(np.int32)[:] = values
     moved = jax.device_put(array, _sharding("device"))  # a computation that reads the buffer
     np.testing.assert_array_equal(np.asarray(moved), values)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.uint8])
+def test_a_host_buffer_view_holds_the_rows_in_order_without_padding(dtype):
+    """What a copy into a pinned_host array wrote is what the byte view shows, row by row:
+    the stores read and write a pool's host rows through it."""
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 100, (6, 5, 3)).astype(dtype)
+    array = jax.block_until_ready(jax.device_put(values, _sharding("pinned_host")))
+    (view,) = seams.host_byte_views(array)
+    assert view.nbytes == values.nbytes
+    np.testing.assert_array_equal(view, np.frombuffer(values.tobytes(), np.uint8))
+    row = values.nbytes // 6
+    view[2 * row:3 * row] = np.frombuffer(values[5].tobytes(), np.uint8)  # row 2 := row 5
+    moved = np.asarray(jax.device_put(array, _sharding("device")))
+    expected = values.copy()
+    expected[2] = values[5]
+    np.testing.assert_array_equal(moved, expected)
 
 
 @pytest.mark.parametrize("kind, space", [("device", "Device"), ("pinned_host", "Host")])

@@ -280,3 +280,45 @@ def test_a_non_blocking_sync_leaves_offloads_running_and_later_onboards_wait(poo
     assert_pools(pool, prim, sec)
     stats = mgr.get_and_reset_transfer_stats()
     assert stats.exposed_seconds >= 0.0 and (stats.exposed_seconds > 0.0) == mgr.on_lanes
+
+
+# A step that keeps XLA's stream busy for tens of milliseconds on the GPU (a few on the CPU).
+busy_step = jax.jit(lambda x: jax.lax.fori_loop(0, 40 if ON_GPU else 2,
+                                                lambda _, y: jnp.tanh(y @ y), x))
+
+
+def test_an_onboard_after_a_sync_reads_an_offload_xla_had_not_run_yet(pool, rng):
+    """The offload is dispatched behind a long step, so at the non-blocking sync XLA has not
+    run it: its lane copy is not enqueued, and idle lanes must not count it as done. The
+    onboard of its slots issued next must still wait for it."""
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    x = jnp.asarray(rng.standard_normal((4096, 4096) if ON_GPU else (64, 64), np.float32) / 64)
+    y = busy_step(x)  # not waited for
+    mgr.offload_indices(np.arange(NB), np.arange(NB))
+    mgr.sync_transfers(block=False)
+    mgr.onboard_indices(np.arange(NB), np.arange(NB) + NB)
+    mgr.sync_transfers()
+    y.block_until_ready()
+    sec[:NB] = prim[:NB]
+    prim[NB:] = prim[:NB]
+    assert_pools(pool, prim, sec)
+
+
+def test_a_fence_waits_for_the_transfers_issued_before_it(pool, rng):
+    """fence.wait() from another thread: afterwards the host sees the offloaded rows, with no
+    sync on the serving side."""
+    import threading
+    prim, sec = shadow(pool)
+    mgr = kvx.KVCacheTransferManager([pool])
+    x = jnp.asarray(rng.standard_normal((4096, 4096) if ON_GPU else (64, 64), np.float32) / 64)
+    y = busy_step(x)
+    mgr.offload_indices(np.arange(NB), np.arange(NB))
+    fence = mgr.fence()
+    waited = threading.Thread(target=fence.wait)
+    waited.start()
+    waited.join(timeout=60)
+    assert not waited.is_alive() and fence.done()
+    y.block_until_ready()
+    sec[:NB] = prim[:NB]
+    np.testing.assert_array_equal(kvx.to_numpy(pool.secondary), sec)
