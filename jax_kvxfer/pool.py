@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._checks import check_byte_rows, check_memory_space, dtype_bits
+from ._jax_seams import host_byte_views
 from .lanes import wait_lanes
 from .layers import LayerViews, check_layers, layer_views
 from .limits import check_fits
@@ -306,6 +307,36 @@ class KVCacheBlockPool:
         if num_tokens <= 0 or num_tokens >= self.tokens_per_block:
             return self.block_nbytes
         return self.block_nbytes // self.tokens_per_block * num_tokens
+
+    @property
+    def host_row_layout(self) -> tuple:
+        """What a host row (one block of the secondary array) holds, as a hashable, repr-stable
+        description: the stores keep blocks under it, so that a row is read back only into a
+        pool that lays it out the same way."""
+        parts = (tuple((lay.shape, lay.token_axis, lay.block_axis) for lay in self.layers.layouts)
+                 if self.layers is not None else None)
+        return (self.block_shape, self.dtype.name, self.block_nbytes, parts)
+
+    def host_rows(self) -> np.ndarray:
+        """The secondary array's rows as a writable byte view `[num_secondary_blocks,
+        block_nbytes]` of its pinned host buffer, which the stores read and write in place.
+
+        The view stays valid while transfers replace the array (they update it in place).
+        Write into a row only while no transfer touches it (`manager.fence()`), and never into
+        a row a transfer may still read.
+
+        Raises:
+          ValueError: the pool has no secondary blocks, or is split over several devices.
+        """
+        array = self.current(False, "host_rows")
+        views = host_byte_views(array)
+        if len(views) != 1:
+            raise ValueError(f"host_rows: the pool is split over {len(views)} devices; the "
+                             "stores take pools on one device")
+        if views[0].nbytes != self.num_secondary_blocks * self.block_nbytes:
+            raise ValueError(f"host_rows: the host buffer holds {views[0].nbytes} bytes, not "
+                             f"{self.num_secondary_blocks} rows of {self.block_nbytes}")
+        return views[0].reshape(self.num_secondary_blocks, self.block_nbytes)
 
     def check_partial(self) -> None:
         """Raises where a partial copy cannot be made (rows that are not whole bytes)."""

@@ -65,6 +65,9 @@ Other sections:
                  step of 40 ms or more: the step's added time and the ratio to the serial bound;
                  then 1,024 x 64 KiB offload/onboard + sync against a contiguous copy, and the
                  return time of a 64-pair call (beside_step.py).
+  stores         (only with --only stores) FileStore, the disk tier: put and get GB/s of 2 MiB
+                 and 64 KiB rows, 1 and N threads, against a sequential write and read of the
+                 same disk in the same run; restart time with 10^4 and 10^5 blocks (stores.py).
   layers         a pool over 32 per-layer NHD arrays (`KVCacheBlockPool.from_layers`, 64 KiB
                  per layer block, 2 MiB host rows): offload/onboard of 64 and 1,024 blocks
                  through the manager, one batch and four back to back, against a contiguous
@@ -103,6 +106,7 @@ from .layers import LayersMixin
 from .overlap import OverlapMixin
 from .report import ReportMixin
 from .sharded import ShardedMixin
+from .stores import StoresMixin
 from .sweep import SweepMixin
 
 __all__ = [
@@ -122,7 +126,7 @@ __all__ = [
 
 
 class Bench(SweepMixin, HostOverheadMixin, OverlapMixin, BidirectionalMixin, ShardedMixin,
-            BesideStepMixin, LayersMixin, ReportMixin, BenchCore):
+            BesideStepMixin, LayersMixin, StoresMixin, ReportMixin, BenchCore):
     """The benchmark: `BenchCore`'s state plus one mixin per section and the report."""
 
 
@@ -168,6 +172,8 @@ def _run(bench: Bench) -> int:
         bench.run_beside_step()
     if "layers" in cfg.only:
         bench.run_layers()
+    if "stores" in cfg.only:
+        bench.run_stores()
     if cfg.only & set(SWEEP_PATHS):
         bench.run_sweep()
     bench.save()

@@ -16,7 +16,9 @@ DIRECTIONS = ("d2h", "h2d", "d2d")
 SWEEP_PATHS = ("ceiling", "ours", "unique", "dma", "manager", "eager", "xla", "naive",
                "trtllm")
 SECTIONS = ("host", "overlap", "bidir", "sharded", "step", "layers")
-ALL_ONLY = SWEEP_PATHS + SECTIONS
+# sections that run only when --only names them (they write to a disk, not the GPU's links)
+OPT_IN = ("stores",)
+ALL_ONLY = SWEEP_PATHS + SECTIONS + OPT_IN
 
 # block bytes -> (layers, kv_factor, heads, tokens_per_block, size_per_head), bf16
 PRESETS: dict[int, tuple[int, int, int, int, int]] = {
@@ -149,6 +151,10 @@ class Config:
     step_bytes: int  # the step section: bytes of each transfer beside the step
     step_ms: float  # the step's length alone, at least
     step_overhead_blocks: int  # 64 KiB blocks per call of its host-overhead figures
+    stores_bytes: int  # the stores section: bytes per case (2 MiB rows; 64 KiB rows a quarter)
+    stores_path: str | None  # the folder on the disk under test (None: a new one in `out`)
+    stores_threads: int | None  # FileStore's threads in the N-thread cases (None: its default)
+    stores_restart: list[int]  # block counts of the restart figures
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -185,6 +191,15 @@ def parse_args(argv: list[str]) -> Config:
     p.add_argument("--step-ms", type=float, default=None,
                    help="the step section's compute step lasts at least this long alone "
                         "(default 40; --quick 1)")
+    p.add_argument("--stores-bytes", default=None, help="bytes per case of the stores section "
+                   "(only with --only stores; default 256M; --quick 16M)")
+    p.add_argument("--stores-path", default=None, help="a folder on the disk the stores "
+                   "section measures (default: a new folder in --out)")
+    p.add_argument("--stores-threads", type=int, default=None,
+                   help="FileStore threads of the stores section's N-thread cases "
+                        "(default: FileStore's default)")
+    p.add_argument("--stores-restart", default=None, help="comma-separated block counts of "
+                   "the stores section's restart times (default 10000,100000; --quick 1000)")
     a = p.parse_args(argv)
 
     q = a.quick
@@ -205,7 +220,7 @@ def parse_args(argv: list[str]) -> Config:
             else:
                 p.error(f"--only: unknown path {item!r}; choose from {', '.join(ALL_ONLY)}, sweep")
     else:
-        only = set(ALL_ONLY)
+        only = set(SWEEP_PATHS + SECTIONS)
     if only & {"ours", "unique", "dma", "manager", "eager", "xla", "naive", "trtllm"}:
         only.add("ceiling")
     deadline = a.deadline_s if a.deadline_s is not None else (0.0 if q else 230.0)
@@ -244,4 +259,10 @@ def parse_args(argv: list[str]) -> Config:
         step_bytes=parse_size(a.step_bytes) if a.step_bytes else (4 * MiB if q else 512 * MiB),
         step_ms=a.step_ms or (1.0 if q else 40.0),
         step_overhead_blocks=(32 if q else 1024),
+        stores_bytes=parse_size(a.stores_bytes) if a.stores_bytes else (
+            16 * MiB if q else 256 * MiB),
+        stores_path=a.stores_path,
+        stores_threads=a.stores_threads,
+        stores_restart=[int(float(n)) for n in a.stores_restart.split(",") if n.strip()]
+        if a.stores_restart is not None else ([1000] if q else [10_000, 100_000]),
     )

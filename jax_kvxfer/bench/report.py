@@ -15,6 +15,7 @@ import numpy as np
 
 from .config import DIRECTIONS, KiB, fmt_size, geometry_for
 from .helpers import cpu_model, gpu_name
+from .stores import stores_summary
 
 
 class ReportMixin:
@@ -277,6 +278,7 @@ class ReportMixin:
                 out.append(f"sharded x{r['devices']}: offload {r['offload_gbps']:.1f} / onboard "
                            f"{r['onboard_gbps']:.1f} GB/s aggregate{scale}{ceil}, "
                            f"verified={r['verified']}")
+        out += stores_summary(self.sections.get("stores", {}))
         out += target_lines(self.targets(), host=f"{cpu_model()}, {os.cpu_count()} CPUs")
         return "\n".join(out)
 

@@ -36,6 +36,7 @@ class BlockManagerStats:
     offloaded_blocks: int = 0  # evicted primary blocks kept in the secondary pool
     dropped_primary_blocks: int = 0  # evicted primary blocks lost (low priority / no room)
     dropped_secondary_blocks: int = 0  # secondary blocks evicted to make room for an offload
+    store_hit_blocks: int = 0  # full blocks read from a store (then onboarded)
     transfer_seconds: float = 0.0  # wall time issuing transfers and in sync_transfers
 
     @property
@@ -53,6 +54,7 @@ class PrefixMatch:
     secondary_blocks: int  # full blocks to onboard
     partial_tokens: int  # tokens copied out of a partially matched block (0: none)
     partial_source_is_primary: bool | None  # where that block lives (None: no partial match)
+    store_blocks: int = 0  # full blocks only a store holds (read into host rows, onboarded)
 
 
 def block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:

@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 
 from ..manager import KVCacheTransferManager
 from ..pool import KVCacheBlockPool
+from ..stores.base import Store, StoreStats
 from .block_cache import (
     DEFAULT_PRIORITY,
     DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
@@ -29,6 +30,7 @@ from .block_cache import (
     check_token_ids,
     checked_pools,
 )
+from .tiers import StoreTiers
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,6 +38,28 @@ class _Sequence:
     tokens: list[int]
     blocks: list[CachedBlock]
     priority: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Match:
+    """What a prompt reuses: full blocks of the GPU and host pools, in order; then blocks found
+    only in a store (`store`: which, and per block its key, parent key and tokens) and the
+    pools' blocks that follow them (`after_store`); or a partially matched block and its
+    matching tokens; and the tokens reused in all (as if every store block arrives)."""
+
+    full: list[CachedBlock]
+    store: tuple[int, list[tuple[bytes, bytes, tuple[int, ...]]]] | None
+    after_store: list[CachedBlock]
+    partial: tuple[CachedBlock, int] | None
+    tokens: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Prefetch:
+    """A store read into host rows that `prefetch` started."""
+
+    future: object  # concurrent.futures.Future of the number of blocks read intact
+    blocks: list[CachedBlock]  # secondary blocks, not yet in the index
 
 
 class BlockManager:
@@ -61,13 +85,18 @@ class BlockManager:
     def __init__(self, pools: KVCacheBlockPool | Sequence[KVCacheBlockPool], *,
                  transfer_manager: KVCacheTransferManager | None = None,
                  secondary_offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
-                 enable_offload: bool = True, enable_partial_reuse: bool = True) -> None:
+                 enable_offload: bool = True, enable_partial_reuse: bool = True,
+                 stores: Sequence[Store] = ()) -> None:
         """Args:
           pools: the pool(s) a block spans (their block counts and tokens per block agree).
           transfer_manager: moves the blocks (default: `KVCacheTransferManager(pools)`).
           secondary_offload_min_priority: evicted blocks of lower priority are not offloaded.
           enable_offload: False never offloads (TensorRT-LLM's `onboard_blocks=false`).
           enable_partial_reuse: False ignores partially matched blocks.
+          stores: the tiers below the host pool, in order (`jax_kvxfer.stores`): every block
+            offloaded to the host is written to them in the background, and a prefix found
+            only there is read into host rows and onboarded. They need a host pool, on one
+            device. Call `flush()` to make the writes durable, `close()` at the end.
         """
         pools = checked_pools(pools)
         first = pools[0]
@@ -86,6 +115,9 @@ class BlockManager:
         self._next_block_id = 0
         self._stats = BlockManagerStats()
         self._queue = TransferQueue()
+        self._tiers = StoreTiers(stores, pools, self.transfer_manager) if stores else None
+        self._to_store: list[tuple[bytes, int]] = []  # offloaded, to write through at issue
+        self._prefetching: dict[bytes, _Prefetch] = {}  # by the key of each block it reads
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -115,11 +147,13 @@ class BlockManager:
         if not tokens:
             raise ValueError("token_ids must hold at least one token")
         priority = check_priority(priority)
-        full, partial, reused = self._match(tokens)
+        match = self._match(tokens)
+        full, partial, reused = match.full, match.partial, match.tokens
         num_blocks = math.ceil(len(tokens) / self.tokens_per_block)
-        pinned = [*full, *([partial[0]] if partial else [])]
+        pinned = [*full, *match.after_store, *([partial[0]] if partial else [])]
         for block in pinned:
             self._ref(block)
+        # what the pools' blocks after a store run save is not counted: a short read drops them
         need = num_blocks - sum(b.is_primary for b in full)
         if need > self._available_primary():
             for block in pinned:
@@ -129,14 +163,24 @@ class BlockManager:
                 f"{self._available_primary()} can be freed (the rest are in use by running "
                 f"sequences); release sequences or use a larger primary pool")
         s = self._stats
+        blocks = list(full)
+        if match.store is not None:  # read into host rows, then onboarded like host hits
+            found = self._read_store_blocks(*match.store, priority=priority)
+            s.store_hit_blocks += len(found)
+            blocks += found
+            if len(found) == len(match.store[1]):
+                blocks += match.after_store
+            else:  # a block missing: the prefix ends before it
+                for block in match.after_store:
+                    self._unref(block)
+                reused = len(blocks) * self.tokens_per_block
         s.prompt_tokens += len(tokens)
         s.reused_tokens += reused
-        for block in full:
+        for block in blocks:
             if block.is_primary:
                 s.reused_blocks += 1
             else:
                 self._onboard(block)
-        blocks = list(full)
         if partial:
             src, n = partial
             dst = self._new_block()
@@ -212,10 +256,12 @@ class BlockManager:
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """What `add_sequence(token_ids)` would reuse, without allocating anything."""
         tokens = check_token_ids("token_ids", token_ids)
-        full, partial, reused = self._match(tokens)
-        return PrefixMatch(reused, sum(b.is_primary for b in full),
+        match = self._match(tokens)
+        full, partial = match.full + match.after_store, match.partial
+        return PrefixMatch(match.tokens, sum(b.is_primary for b in full),
                            sum(not b.is_primary for b in full), partial[1] if partial else 0,
-                           partial[0].is_primary if partial else None)
+                           partial[0].is_primary if partial else None,
+                           len(match.store[1]) if match.store else 0)
 
     # -- step boundary and introspection ----------------------------------------------------
 
@@ -232,6 +278,41 @@ class BlockManager:
         self._issue()
         self.transfer_manager.sync_transfers(block=block)
         self._stats.transfer_seconds += time.perf_counter() - t0
+
+    def prefetch(self, token_ids: Sequence[int]) -> int:
+        """Starts reading, in the background, the blocks of this prompt's prefix that only a
+        store holds into host rows, and returns at once the number of tokens they hold (0:
+        nothing to read). Serve other requests meanwhile; `add_sequence` with this prefix then
+        onboards them like host hits (waiting for the read if it is still running).
+
+        Raises:
+          TypeError, ValueError: bad token ids.
+        """
+        tokens = check_token_ids("token_ids", token_ids)
+        match = self._match(tokens)
+        if match.store is None:
+            return 0
+        blocks = self._read_store_blocks(*match.store, priority=DEFAULT_PRIORITY, wait=False)
+        return len(blocks) * self.tokens_per_block
+
+    def flush(self) -> None:
+        """Issues the queued transfers and waits until every block written through to the
+        stores so far is durable there (no-op without stores)."""
+        if self._tiers is not None:
+            self._timed_issue()
+            self._tiers.flush()
+
+    def close(self) -> None:
+        """Flushes the stores and stops the block manager's store threads (the stores
+        themselves stay open: they are the caller's)."""
+        if self._tiers is not None:
+            self.flush()
+            self._tiers.close()
+
+    def store_stats(self) -> dict[str, StoreStats]:
+        """Each store's statistics since the last call, by tier name ("DISK", ...): blocks hit,
+        missed and corrupt, bytes and seconds read and written, dropped writes."""
+        return self._tiers.stats() if self._tiers is not None else {}
 
     @property
     def stats(self) -> BlockManagerStats:
@@ -266,9 +347,15 @@ class BlockManager:
         except (KeyError, TypeError):
             raise KeyError(f"unknown seq_id {seq_id!r}") from None
 
-    def _match(self, tokens: tuple[int, ...]):
-        """Full blocks matched in order, then an optional (block, n) partial match."""
+    def _match(self, tokens: tuple[int, ...]) -> _Match:
+        """Full blocks matched in order (GPU and host pools, then a store), then an optional
+        (block, n) partial match."""
         t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
+        if self._prefetching:  # the prompt's blocks being prefetched join the index first
+            key = ROOT_KEY
+            for start in range(0, limit - t + 1, t):
+                key = block_key(key, tokens[start:start + t])
+                self._finish_prefetch(key)
         full, parent, n = [], ROOT_KEY, 0
         while n + t <= limit:
             block = self._index.full_block(parent, tokens[n:n + t])
@@ -276,12 +363,87 @@ class BlockManager:
                 break
             full.append(block)
             parent, n = block.key, n + t
+        store, after_store = None, []
+        if self._tiers is not None and n + t <= limit:
+            chain, key = [], parent
+            for start in range(n, limit - t + 1, t):  # up to a block the pools hold
+                chunk = tokens[start:start + t]
+                chain.append((block_key(key, chunk), key, chunk))
+                key = chain[-1][0]
+                if key in self._index.by_key:
+                    chain.pop()
+                    break
+            which, found = self._tiers.lookup([c[0] for c in chain])
+            if found:
+                store, n = (which, chain[:found]), n + found * t
+                parent = chain[found - 1][0]
+                while n + t <= limit:  # the pools may hold what follows (a prefetch, say)
+                    block = self._index.full_block(parent, tokens[n:n + t])
+                    if block is None:
+                        break
+                    after_store.append(block)
+                    parent, n = block.key, n + t
         partial = None
-        if self.enable_partial_reuse and n < limit:
+        if self.enable_partial_reuse and n < limit and store is None:
             block, common = self._index.longest_partial(parent, tokens[n:min(n + t, limit)])
             if block is not None:
                 partial, n = (block, common), n + common
-        return full, partial, n
+        return _Match(full, store, after_store, partial, n)
+
+    def _read_store_blocks(self, which: int, chain: list, *, priority: int,
+                           wait: bool = True) -> list[CachedBlock]:
+        """Reads the chain's blocks from store `which` into free host rows (as many as the
+        host pool can give, at this priority); with `wait`, returns the blocks that arrived
+        intact, from the first, referenced and in the index. Without it, see `prefetch`."""
+        slots = []
+        for _ in chain:
+            slot = self._secondary_slot(priority)
+            if slot is None:
+                break
+            slots.append(slot)
+        chain = chain[:len(slots)]
+        if not chain:
+            return []
+        # A slot may have been taken from a host block whose offload is still queued: issue
+        # it now, so that it lands before the read writes the row (the read waits for it).
+        self._timed_issue()
+        future = self._tiers.read(which, [c[0] for c in chain], slots)
+        blocks = []
+        for (key, parent, tokens), slot in zip(chain, slots):
+            blocks.append(CachedBlock(self._next_block_id, slot, False, key, parent, tokens,
+                                      priority, ref_count=1))
+            self._next_block_id += 1
+        if not wait:
+            prefetch = _Prefetch(future, blocks)
+            for block in blocks:
+                self._prefetching[block.key] = prefetch
+            return blocks
+        return self._store_blocks_arrived(future.result(), blocks)
+
+    def _store_blocks_arrived(self, intact: int, blocks: list[CachedBlock]) -> list[CachedBlock]:
+        """The first `intact` blocks read from a store join the index (a block the host or GPU
+        pool got meanwhile is not stored twice); the rest give their host rows back."""
+        kept = []
+        for i, block in enumerate(blocks):
+            if i < intact and block.key not in self._index.by_key:
+                self._index.add(block)
+                kept.append(block)
+            else:
+                self._free[False].append(block.slot)
+                block.key = None
+        return kept
+
+    def _finish_prefetch(self, key: bytes) -> None:
+        """Waits for the prefetch reading `key`, if any; its blocks join the index as reusable
+        host blocks."""
+        prefetch = self._prefetching.get(key)
+        if prefetch is None:
+            return
+        for block in prefetch.blocks:
+            self._prefetching.pop(block.key, None)
+        for block in self._store_blocks_arrived(prefetch.future.result(), prefetch.blocks):
+            block.ref_count = 0
+            self._reusable[False].push(block)
 
     def _available_primary(self) -> int:
         return len(self._free[True]) + len(self._reusable[True])
@@ -333,24 +495,33 @@ class BlockManager:
             self._stats.dropped_primary_blocks += 1
             return slot
         self._queue.offload(victim, dst)
+        if self._tiers is not None:
+            self._to_store.append((victim.key, dst))
         victim.slot, victim.is_primary = dst, False
         self._reusable[False].push(victim)
         self._stats.offloaded_blocks += 1
         return slot
 
     def _secondary_slot(self, priority: int) -> int | None:
-        """A free secondary slot; else drops the secondary LRU block of priority <= `priority`."""
+        """A free secondary slot; else drops the secondary LRU block of priority <= `priority`.
+        A store write still reading the slot's row finishes first."""
         if self._free[False]:
-            return self._free[False].popleft()
-        victim = self._reusable[False].peek()
-        if victim is None or victim.priority > priority:
-            return None
-        self._stats.dropped_secondary_blocks += 1
-        return self._drop_secondary(victim, free_slot=False)
+            slot = self._free[False].popleft()
+        else:
+            victim = self._reusable[False].peek()
+            if victim is None or victim.priority > priority:
+                return None
+            self._stats.dropped_secondary_blocks += 1
+            slot = self._drop_secondary(victim, free_slot=False)
+        if self._tiers is not None:
+            self._tiers.wait_written(slot)
+        return slot
 
     def _drop_secondary(self, block: CachedBlock, free_slot: bool = True) -> int:
         self._reusable[False].remove(block)
         self._index.remove(block)
+        if self._to_store:  # its offload is not issued yet: nothing to write through
+            self._to_store = [(k, s) for k, s in self._to_store if s != block.slot]
         if free_slot:
             self._free[False].append(block.slot)
         return block.slot
@@ -360,6 +531,9 @@ class BlockManager:
         for block in pins:
             self._unref(block)
         self._free[False].extend(slots)
+        if self._to_store:  # the offloads into these rows are issued: write them through
+            self._tiers.write_through(*zip(*self._to_store))
+            self._to_store = []
 
     def _timed_issue(self) -> None:
         t0 = time.perf_counter()

@@ -7,6 +7,13 @@ everything: the exactness oracle). `offload` must produce the same tokens as the
 logits within float tolerance, for every turn; `drop`'s agreement is reported (in bfloat16,
 recomputed K/V round differently). Reports TTFT, TPOT, throughput, cache hits and the transfer
 time compute did not hide.
+
+With `--disk PATH`, a run `offload+disk` too: the same GPU pool, a host pool smaller than the
+working set, and a disk tier (a FileStore) below it: blocks offloaded to the host are written
+through to the disk, and prefixes found only there are read back and onboarded. With
+`--restart`, the same workload is then served again by a new block manager over the same
+directory (`offload+disk (restarted)`): what the disk brings after a restart. Both must be
+exact against never_evict, as offload must.
 """
 
 from __future__ import annotations
@@ -14,8 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
@@ -27,6 +38,7 @@ from ..limits import (
     free_device_bytes,
     pinned_host_limit_bytes,
 )
+from ..stores import FileStore
 from . import serving, workloads
 from .model import ModelConfig, kv_block_nbytes
 
@@ -63,6 +75,8 @@ CHAT_TEXT = (
 # Logits of offload and drop against never_evict: |a - b| <= tol + tol * |b|, per dtype
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 BF16_PEAK_TFLOPS = {"H200": 990.0, "H100": 990.0}  # dense, the vendors' datasheets
+DISK_GB = 8.0  # the disk tier's capacity unless --disk-gb
+DISK_ALIGN = 4096  # a FileStore file: a 4096-byte header page, then the row padded to 4096
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,8 +164,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "wall time: the same schedule on every machine (for tests; the times "
                         "reported are then not measured)")
     p.add_argument("--plot", default=None, metavar="PATH",
-                   help="write a PNG: the three runs' TTFT CDFs and output tokens/s "
+                   help="write a PNG: each run's TTFT CDF and output tokens/s "
                         "(needs matplotlib)")
+    p.add_argument("--disk", default=None, metavar="PATH",
+                   help="add a run offload+disk: the offload run's GPU pool, a smaller host "
+                        "pool (--disk-host-blocks) and a disk tier below it, a FileStore whose "
+                        "files go to a fresh subdirectory of PATH (so that the first pass starts "
+                        "cold), removed when the demo ends; PATH is created if missing and "
+                        "nothing else in it is touched. One device only")
+    # (not given: absent from the namespace, and no "(default: None)" beside "by default")
+    p.add_argument("--disk-gb", type=_float_at_least(1e-3), default=argparse.SUPPRESS,
+                   metavar="GB",
+                   help=f"the disk tier's capacity in GiB (least recently used blocks are "
+                        f"evicted beyond it); {DISK_GB:g} by default")
+    p.add_argument("--disk-host-blocks", type=_int_at_least(1), default=argparse.SUPPRESS,
+                   metavar="N",
+                   help="pinned-host pool blocks of the offload+disk runs, which also stage "
+                        "the blocks read from the disk; a quarter of --secondary-blocks by "
+                        "default")
+    p.add_argument("--restart", action="store_true",
+                   help="after offload+disk, serve the same workload again with a new block "
+                        "manager (new pools, a new FileStore over the same directory): run "
+                        "'offload+disk (restarted)', what the disk brings after a restart "
+                        "(needs --disk)")
     p.add_argument("--low-priority-every", type=_int_at_least(0), default=None,
                    help=f"every Nth conversation gets priority {serving.LOW_PRIORITY} (< 30: its "
                         "evicted blocks are dropped, not offloaded); 0: none (preset's value "
@@ -181,7 +216,7 @@ class _Progress:
             return
         frac = done / total
         bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
-        line = (f"{self.label:<11} [{bar}] {done}/{total} turns "
+        line = (f"{self.label:<{max(map(len, RUNS))}} [{bar}] {done}/{total} turns "
                 f"{time.perf_counter() - self.t0:5.1f} s")
         if self.tty:
             sys.stderr.write("\r" + line + ("\n" if done == total else ""))
@@ -191,7 +226,10 @@ class _Progress:
         sys.stderr.flush()
 
 
-RUNS = ("offload", "drop", "never_evict")
+DISK, RESTARTED = "offload+disk", "offload+disk (restarted)"
+RUNS = ("offload", DISK, RESTARTED, "drop", "never_evict")  # in the order they run
+# The runs whose exactness against never_evict the exit status requires (those that ran).
+MUST_BE_EXACT = ("offload", DISK, RESTARTED)
 
 
 def _toy_model(cfg: dict) -> ModelConfig:
@@ -211,12 +249,20 @@ def _synthetic_chats(cfg: dict, vocab_size: int, seed: int) -> list[workloads.Co
 
 
 def _run_pools(cfg: dict, convs: list[workloads.Conversation]) -> dict[str, tuple[int, int]]:
-    """Each run's (primary, secondary) blocks: offload and drop share the GPU pool's size;
-    never_evict's GPU pool holds every block the chats store, so that nothing is evicted."""
+    """Each run's (primary, secondary) blocks, in the order the runs go (RUNS'): offload, drop
+    and, with --disk (cfg's "disk_host_blocks" set), offload+disk and, with --restart (cfg's
+    "restart"), its restart share the GPU pool's size, the disk runs with a host pool of
+    "disk_host_blocks"; never_evict's GPU pool holds every block the chats store, so that
+    nothing is evicted."""
     never = serving.blocks_to_never_evict(convs, cfg["batch"], cfg["tokens_per_block"])
-    return {"offload": (cfg["primary_blocks"], cfg["secondary_blocks"]),
-            "drop": (cfg["primary_blocks"], 0),
-            "never_evict": (max(cfg["primary_blocks"], never), 0)}
+    pools = {"offload": (cfg["primary_blocks"], cfg["secondary_blocks"]),
+             "drop": (cfg["primary_blocks"], 0),
+             "never_evict": (max(cfg["primary_blocks"], never), 0)}
+    if cfg.get("disk_host_blocks") is not None:
+        pools[DISK] = (cfg["primary_blocks"], cfg["disk_host_blocks"])
+        if cfg.get("restart"):
+            pools[RESTARTED] = pools[DISK]
+    return {run: pools[run] for run in RUNS if run in pools}
 
 
 def _size(nbytes: float) -> str:
@@ -263,7 +309,7 @@ def memory_shortfall(model: ModelConfig, cfg: dict, convs: list[workloads.Conver
     host_free, cap = available_host_bytes(), pinned_host_limit_bytes(local[0])
     device_free = {d: free_device_bytes(d) for d in local}
     # never_evict first: its GPU pool is the largest, so what it needs is the advice to give.
-    for run in ("never_evict", "offload", "drop"):
+    for run in ("never_evict", *(r for r in pools if r != "never_evict")):
         primary, secondary = pools[run]
         # Each memory: its name, the bytes it has (None: unknown), and what the run puts in
         # it, in order: (what, bytes, bytes of one of its blocks there).
@@ -300,7 +346,10 @@ def memory_shortfall(model: ModelConfig, cfg: dict, convs: list[workloads.Conver
                             f"{left_text} available{after}; pass "
                             + _what_to_pass(what, int(left // block_bytes) if block_bytes else 0,
                                             chats, trace=trace, preset=preset,
-                                            cap_binds=not on_cpu and budget == cap))
+                                            cap_binds=not on_cpu and budget == cap,
+                                            host_option="--disk-host-blocks"
+                                            if run in (DISK, RESTARTED)
+                                            else "--secondary-blocks"))
                 used += nbytes
                 held.append(what)
     return None
@@ -312,12 +361,13 @@ def _smallest(*limits: int | None) -> int | None:
 
 
 def _what_to_pass(what: str, fit: int, chats_blocks: int, *, trace: bool, preset: str,
-                  cap_binds: bool) -> str:
-    """The options that make `what` fit; `fit`: how many of its blocks would."""
+                  cap_binds: bool, host_option: str = "--secondary-blocks") -> str:
+    """The options that make `what` fit; `fit`: how many of its blocks would; `host_option`:
+    the option that sizes the run's host pool."""
     if what == "weights":
         passes = ["a smaller model (fewer --layers, a smaller --d-model, --d-ff or --vocab)"]
     elif what == "host pool":
-        passes = [f"--secondary-blocks {fit} or fewer"]
+        passes = [f"{host_option} {fit} or fewer"]
         if cap_binds:
             passes.append(f"a larger {HOST_LIMIT_ENV} (GiB, set before starting)")
     elif chats_blocks > fit:  # never_evict's pool holds every block of the chats
@@ -370,6 +420,7 @@ def _summary(res: serving.RunResult) -> dict:
         "partial_copies_device": b.partial_copies, "partial_copies_host": b.partial_onboards,
         "dropped_device_blocks": b.dropped_primary_blocks,
         "dropped_host_blocks": b.dropped_secondary_blocks,
+        "store_hit_blocks": b.store_hit_blocks,
         "transfers": dataclasses.asdict(res.transfer_stats),
     }
 
@@ -384,12 +435,24 @@ def _paths(offload: dict) -> dict:
 
 
 def _table(title: str, runs: dict, verdict: dict) -> str:
-    """The runs in `runs` side by side; the paths, the GPU's peak and exactness where known."""
+    """The runs in `runs` side by side, each column as wide as its widest value; the paths,
+    the disk tier, the GPU's peak and exactness where known."""
     def ms(x: float) -> str:
         return f"{1e3 * x:,.1f} ms"
 
     def mib(n: int) -> str:
         return f"{n / 2**20:.2f} MiB"
+
+    disk = any(s["store"] is not None for s in runs.values())
+
+    def hits(s: dict) -> str:
+        tiers = f"{s['gpu_hit_tokens']:,} / {s['host_hit_tokens']:,}"
+        if not disk:
+            return tiers
+        return tiers + (" / -" if s["store"] is None else f" / {s['store_hit_tokens']:,}")
+
+    def store(fmt):
+        return lambda s: "-" if s["store"] is None else fmt(s["store"])
 
     rows = [
         ("primary / secondary blocks", lambda s: f"{s['primary_blocks']} / {s['secondary_blocks']}"),
@@ -398,10 +461,20 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
         ("TPOT p50", lambda s: ms(s["tpot_s"]["p50"])),
         ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:,.0f}"),
         ("prefill tokens computed", lambda s: f"{s['computed_prefill_tokens']:,}"),
-        ("tokens from GPU / host hits", lambda s: f"{s['gpu_hit_tokens']:,} / "
-                                                  f"{s['host_hit_tokens']:,}"),
+        ("tokens from GPU / host / disk hits" if disk else "tokens from GPU / host hits", hits),
         ("onboarded / offloaded", lambda s: f"{mib(s['onboarded_bytes'])} / "
                                             f"{mib(s['offloaded_bytes'])}"),
+    ]
+    if disk:
+        rows += [
+            ("disk read / written", store(lambda d: f"{mib(d['read_bytes'])} / "
+                                                    f"{mib(d['written_bytes'])}")),
+            ("disk blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / {d['corrupt']:,}")),
+            ("disk writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
+                                                              f"{d['evicted']:,}")),
+            ("disk flush at the end", store(lambda d: f"{d['close_seconds']:.3f} s")),
+        ]
+    rows += [
         ("exposed transfer time", lambda s: f"{s['exposed_transfer_s']:.3f} s "
                                             f"({100 * s['exposed_transfer_s'] / s['seconds']:.1f}%)"),
         ("prefill rate (full-prefill steps)", lambda s: (
@@ -410,13 +483,26 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
         ("run time (+ compile)", lambda s: f"{s['seconds']:.2f} s (+{s['compile_seconds']:.1f})"),
     ]
     names = [r for r in RUNS if r in runs]
-    lines = [title, "", f"{'':<30}" + "".join(f"{name:>24}" for name in names)]
-    lines += [f"{name:<30}" + "".join(f"{fmt(runs[r]):>24}" for r in names) for name, fmt in rows]
+    cells = [[fmt(runs[r]) for r in names] for _, fmt in rows]
+    gap = 3  # spaces at least between columns
+    label = max(len(name) for name, _ in rows)
+    widths = [max(len(name), *(len(row[i]) for row in cells)) for i, name in enumerate(names)]
+    lines = [title, "", " " * label + "".join(f"{' ' * gap}{n:>{w}}"
+                                            for n, w in zip(names, widths))]
+    lines += [f"{name:<{label}}" + "".join(f"{' ' * gap}{v:>{w}}" for v, w in zip(row, widths))
+              for (name, _), row in zip(rows, cells)]
     paths = verdict["paths"]
     lines += ["", "paths exercised (offload run): " + ", ".join(
         f"{k.replace('_', ' ')} {'yes (' + str(v) + ')' if v else 'NO'}" for k, v in paths.items())]
     if not all(paths.values()):
         lines.append("  (smaller pools or more conversations/turns exercise every path)")
+    if "disk" in verdict:
+        d = verdict["disk"]
+        lines.append(f"disk tier: a FileStore in a fresh subdirectory of {d['path']} (removed at "
+                     f"the end), capacity {_size(d['capacity_bytes'])}, below a host pool of "
+                     f"{d['host_blocks']} blocks"
+                     + ("; restarted: a new block manager and FileStore over the same files"
+                        if RESTARTED in runs else ""))
     if verdict.get("prefill_fraction_of_peak") is not None:
         lines.append(f"prefill reaches {100 * verdict['prefill_fraction_of_peak']:.0f} % of the "
                      "GPU's dense bf16 peak (never_evict's full-prefill steps)")
@@ -489,10 +575,71 @@ def main(argv: list[str] | None = None) -> int:
                      "split over devices); use --dma auto or false with --devices")
     if model.num_kv_heads % args.devices:
         parser.error(f"--devices {args.devices} must divide the {model.num_kv_heads} KV heads")
+    disk_gb = getattr(args, "disk_gb", None)
+    disk_host_blocks = getattr(args, "disk_host_blocks", None)
+    if args.disk is None:
+        for given, option in ((disk_gb is not None, "--disk-gb"),
+                              (disk_host_blocks is not None, "--disk-host-blocks"),
+                              (args.restart, "--restart")):
+            if given:
+                parser.error(f"{option} needs --disk PATH")
+    else:
+        if args.devices > 1:
+            parser.error("--disk takes one device (the disk tier stages its blocks in a host "
+                         "pool on one device); drop --devices or --disk")
+        problem = _disk_problem(args.disk)
+        if problem is not None:
+            parser.error(f"--disk {args.disk}: {problem}")
+        gb = DISK_GB if disk_gb is None else disk_gb
+        file_bytes = DISK_ALIGN + -(-kv_block_nbytes(model, cfg["tokens_per_block"])
+                                     // DISK_ALIGN) * DISK_ALIGN
+        if gb * 2**30 < file_bytes:
+            parser.error(f"--disk-gb {gb:g} holds no block: one takes {file_bytes:,} bytes on "
+                         "disk")
+        cfg.update(disk_gb=gb, restart=args.restart,
+                   disk_host_blocks=(disk_host_blocks if disk_host_blocks is not None
+                                     else max(1, cfg["secondary_blocks"] // 4)))
     every = cfg["low_priority_every"]
     priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
                   for i in range(len(convs))]
     return _run(args, cfg, model, convs, priorities, real)
+
+
+def _disk_problem(path: str) -> str | None:
+    """Why `path` cannot hold the disk tier's files, or None; creates it if missing."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"cannot be created ({e.strerror})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "is not a writable directory"
+    return None
+
+
+def store_namespace(model: ModelConfig, cfg: dict, *, preset: str, seed: int,
+                    real: bool) -> str:
+    """The disk tier's namespace: the model's identity (SmolLM2's weights file, or the toy
+    model's random weights by their seed), the preset and the shapes, so that blocks of
+    another model are never read back."""
+    if real:
+        from . import smollm2
+
+        who = f"smollm2 {smollm2.GGUF_FILE}"
+    else:
+        who = f"toy seed={seed}"
+    shapes = ",".join(f"{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model))
+    name = (f"jax_kvxfer demo {who} preset={preset} {shapes} "
+            f"tokens_per_block={cfg['tokens_per_block']}")
+    if len(name) > 256:  # what a store takes: the shapes by their hash
+        name = (f"jax_kvxfer demo {who} preset={preset} shapes="
+                f"{hashlib.blake2b(name.encode(), digest_size=16).hexdigest()}")
+    return name
+
+
+class DiskError(RuntimeError):
+    """--disk's directory did not take the disk tier."""
 
 
 def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
@@ -527,21 +674,38 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
               "dma": {"auto": "auto", "true": True, "false": False}[args.dma]}
     pools = _run_pools(cfg, convs)
     results = {}
-    for name in RUNS:
-        primary, secondary = pools[name]
-        try:
-            results[name] = serving.run(model, params, convs, primary_blocks=primary,
-                                        secondary_blocks=secondary,
-                                        progress=_Progress(name, not args.no_progress), **common)
-        except BaseException as e:  # Ctrl-C too
-            failed = f"run {name} failed: " + f"{type(e).__name__}: {e}".splitlines()[0]
-            if results:  # the runs that finished took minutes: they are printed first
-                _report(args, cfg, model, results, real, failed=failed)
-            # out of memory (RESOURCE_EXHAUSTED: XLA's allocator): one line, as for bad options
-            if isinstance(e, (PoolExhaustedError, MemoryError)) or "RESOURCE_EXHAUSTED" in str(e):
-                print(f"jax-kvxfer demo: error: {failed}", file=sys.stderr)
-                return 2
-            raise
+    # The disk runs' files: a fresh subdirectory of --disk (the first pass starts cold; the
+    # restart finds what it left), removed at the end.
+    workdir = None
+    try:
+        for name, (primary, secondary) in pools.items():
+            store = None
+            try:
+                if name in (DISK, RESTARTED):
+                    if workdir is None:
+                        workdir = tempfile.mkdtemp(prefix="jax-kvxfer-demo-", dir=args.disk)
+                    store = _file_store(workdir, args, cfg, model, real)
+                results[name] = serving.run(
+                    model, params, convs, primary_blocks=primary, secondary_blocks=secondary,
+                    progress=_Progress(name, not args.no_progress),
+                    **common, **({"stores": (store,)} if store is not None else {}))
+            except BaseException as e:  # Ctrl-C too
+                failed = f"run {name} failed: " + f"{type(e).__name__}: {e}".splitlines()[0]
+                if results:  # the runs that finished took minutes: they are printed first
+                    _report(args, cfg, model, results, real, failed=failed)
+                # out of memory (RESOURCE_EXHAUSTED: XLA's allocator), or a --disk that takes
+                # no file: one line, as for bad options
+                if isinstance(e, (PoolExhaustedError, MemoryError, DiskError)) or \
+                        "RESOURCE_EXHAUSTED" in str(e):
+                    print(f"jax-kvxfer demo: error: {failed}", file=sys.stderr)
+                    return 2
+                raise
+            finally:
+                if store is not None:
+                    store.close()
+    finally:
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     exact = _report(args, cfg, model, results, real)
     if args.plot:
         _plot(args.plot, results)
@@ -549,35 +713,54 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     return 0 if exact else 1
 
 
+def _file_store(path: str, args: argparse.Namespace, cfg: dict, model: ModelConfig,
+                real) -> FileStore:
+    """A disk run's FileStore over `path`. Raises DiskError where it takes no file."""
+    try:
+        return FileStore(path, namespace=store_namespace(model, cfg, preset=args.preset,
+                                                         seed=args.seed, real=real is not None),
+                         capacity_bytes=int(cfg["disk_gb"] * 2**30))
+    except ValueError as e:
+        raise DiskError(f"--disk {args.disk}: {e}") from None
+
+
 def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: dict, real,
             failed: str | None = None) -> bool | None:
-    """Prints the runs in `results` (a table, or --json's object); returns whether offload is
-    exact, None when never_evict (the reference) did not finish (`failed` says why)."""
+    """Prints the runs in `results` (a table, or --json's object); returns whether offload and
+    the disk runs are exact, None when never_evict (the reference) did not finish (`failed`
+    says why)."""
     runs = {name: _summary(res) for name, res in results.items()}  # offload's first
     verdict = {"exact": None, "device": str(jax.devices()[0].device_kind),
                "devices": args.devices, "paths": _paths(runs["offload"])}
     if failed is not None:
         verdict["failed"] = failed
+    if args.disk is not None:
+        verdict["disk"] = {"path": args.disk, "capacity_bytes": int(cfg["disk_gb"] * 2**30),
+                           "host_blocks": cfg["disk_host_blocks"],
+                           "namespace": store_namespace(model, cfg, preset=args.preset,
+                                                        seed=args.seed, real=real is not None)}
     compared = {}
     if "never_evict" in results:
         ref = results["never_evict"]
         tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
-        for name in ("offload", "drop"):
+        for name in (r for r in RUNS if r in results and r != "never_evict"):
             exact, max_diff, first_bad = serving.compare(results[name], ref, atol=tol, rtol=tol)
             compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
                               "first_bad_turn": first_bad}
         verdict.update({
-            # The library's claim: restored blocks are the very blocks. Recomputation (drop)
-            # matches too in float32, but bfloat16 kernels round a token's K/V differently in
-            # a prefill chunk than in the decode that first made them: reported, not required.
-            "exact": compared["offload"]["exact"], "runs": compared,
+            # The library's claim: restored blocks are the very blocks, from the host or the
+            # disk. Recomputation (drop) matches too in float32, but bfloat16 kernels round a
+            # token's K/V differently in a prefill chunk than in the decode that first made
+            # them: reported, not required.
+            "exact": all(compared[r]["exact"] for r in MUST_BE_EXACT if r in compared),
+            "runs": compared,
             "turns": len(ref.turns), "tokens": sum(len(r.tokens) for r in ref.turns.values()),
             "reference_evicted": ref.block_stats.offloaded_blocks
             + ref.block_stats.dropped_primary_blocks,
             "tolerance": tol, "prefill_fraction_of_peak": _fraction_of_peak(model, results)})
     if args.json:
         print(json.dumps({"config": {**cfg, "preset": args.preset, "seed": args.seed,
-                                     "trace": args.trace},
+                                     "trace": args.trace, "disk": args.disk},
                           "runs": runs, **{k: v for k, v in verdict.items() if k != "runs"},
                           **({"exactness": compared} if compared else {})}, indent=1))
         return verdict["exact"]
@@ -615,14 +798,16 @@ def _plot(path: str, results: dict) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in RUNS:
+    names = [name for name in RUNS if name in results]
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(10 + 2 * (len(names) > 3), 4))
+    for name in names:
         ttft = np.sort([r.first_token_s - r.arrival_s for r in results[name].turns.values()])
         cdf.plot(1e3 * ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
     cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="time to first token")
     cdf.legend()
-    rates = [results[name].metrics()["output_tokens_per_s"] for name in RUNS]
-    bars.bar(RUNS, rates, color=["C0", "C1", "C2"])
+    rates = [results[name].metrics()["output_tokens_per_s"] for name in names]
+    bars.bar([name.replace(" ", "\n") for name in names], rates,
+             color=[f"C{i}" for i in range(len(names))])
     bars.set(ylabel="output tokens/s", title="throughput")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

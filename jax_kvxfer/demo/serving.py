@@ -11,6 +11,13 @@ the primary pool can hold all it will ever need beside the running requests (so 
 request runs out of blocks). At each step boundary the block manager's transfers are synced
 without blocking: the step waits on the GPU for the onboards it reads, offloads go on beside.
 
+With stores (a disk tier below the host pool), every block offloaded to the host is written
+through to them in the background, and a prompt whose prefix only a store holds reads it into
+host rows at admission and onboards it like host hits. The next request, once it has arrived
+and waits for a row, has that read started early (`BlockManager.prefetch`), so that it
+overlaps the steps of the running requests. At the end of the run the block manager is
+closed: the writes are durable, and a later run over the same stores finds them.
+
 Time is the loop's own clock: its wall time (steps, transfers, scheduling), plus jumps over
 idle time to the next arrival; with several processes, process 0's, so that all of them
 schedule alike. TTFT is a turn's first token time less its arrival; the next turn of a
@@ -32,6 +39,7 @@ import numpy as np
 from ..cache import BlockManager, BlockManagerStats, PoolExhaustedError
 from ..manager import KVCacheTransferManager, TransferStats
 from ..pool import KVCacheBlock
+from ..stores import Store, StoreStats
 from .model import ModelConfig, Rows, create_pool, make_step
 from .workloads import Conversation
 
@@ -48,12 +56,14 @@ class TurnResult:
     prompt_tokens: int
     gpu_hit_tokens: int  # prompt tokens whose K/V were in the primary pool
     host_hit_tokens: int  # ... onboarded from the secondary pool
+    store_hit_tokens: int  # ... read from a store into host rows, then onboarded
     tokens: list[int]  # the reply
     logits: np.ndarray  # [len(tokens), vocab]
 
     @property
     def computed_prompt_tokens(self) -> int:
-        return self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens
+        return (self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens
+                - self.store_hit_tokens)
 
 
 @dataclasses.dataclass
@@ -76,6 +86,10 @@ class RunResult:
     # products' operations and wall time, for the rate prefill reaches.
     full_prefill_flops: int = 0
     full_prefill_seconds: float = 0.0
+    # The stores' statistics over the run, summed over them (None: the run had no store), and
+    # the wall time the block manager's close took at the end (its writes made durable).
+    store_stats: StoreStats | None = None
+    store_close_seconds: float = 0.0
 
     def metrics(self) -> dict[str, object]:
         """TTFT, TPOT, throughput and cache figures, as the demo reports them."""
@@ -96,11 +110,14 @@ class RunResult:
             "computed_prefill_tokens": sum(r.computed_prompt_tokens for r in res),
             "gpu_hit_tokens": sum(r.gpu_hit_tokens for r in res),
             "host_hit_tokens": sum(r.host_hit_tokens for r in res),
+            "store_hit_tokens": sum(r.store_hit_tokens for r in res),
             "onboarded_bytes": t.onboarded_bytes, "offloaded_bytes": t.offloaded_bytes,
             "exposed_transfer_s": self.exposed_transfer_seconds,
             "seconds": self.seconds, "steps": self.steps,
             "full_prefill_tflop_per_s": (self.full_prefill_flops / self.full_prefill_seconds / 1e12
                                          if self.full_prefill_seconds else None),
+            "store": None if self.store_stats is None else {
+                **dataclasses.asdict(self.store_stats), "close_seconds": self.store_close_seconds},
         }
 
 
@@ -114,6 +131,7 @@ class _Running:
     reserved: int  # primary blocks it may need in all
     gpu_hits: int
     host_hits: int
+    store_hits: int
     first_token_s: float = 0.0
     out: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -139,13 +157,17 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         secondary_blocks: int, prefill_rows: int = 1, priorities: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
-        stop_token: int | None = None, fixed_step_s: float | None = None) -> RunResult:
+        stop_token: int | None = None, fixed_step_s: float | None = None,
+        stores: Sequence[Store] = ()) -> RunResult:
     """Serves the conversations once on fresh pools; `dma`: the transfer manager's. Up to
     `batch` requests run at once; a step prefills `chunk` tokens of up to `prefill_rows` of
     them and decodes the others. A turn's reply ends after its `output_len` tokens, or once it
     generates `stop_token` (kept).
     `fixed_step_s`: the clock advances by this much per step instead of the wall time, so
     that the schedule is the same on every machine and in every run (tests).
+    `stores`: tiers below the host pool (`jax_kvxfer.stores`), for the block manager; they need
+    a host pool (`secondary_blocks` > 0) on one device (no `mesh`). They stay open (the
+    caller's to close); the block manager is closed at the end, so their writes are durable.
 
     Raises:
       PoolExhaustedError: the primary pool cannot hold one request.
@@ -158,7 +180,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
                        num_secondary_blocks=secondary_blocks, mesh=mesh)
     if mesh is not None:  # tensor parallel: weights on every device, the pool split by heads
         params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    bm = BlockManager(pool, transfer_manager=KVCacheTransferManager([pool], dma=dma))
+    transfers = KVCacheTransferManager([pool], dma=dma)
+    bm: BlockManager | None = None  # made once the transfers are compiled
     max_blocks = t_blocks
     step = make_step(model, pool)
     t0 = time.perf_counter()
@@ -191,12 +214,58 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     for k in range(prefill_rows + 1):  # compiles every kind of step (all padding: no writes)
         forward([], [], segments=k)
     t1 = time.perf_counter()
-    _warm_up_transfers(bm, pool, min(primary_blocks, batch * max_blocks))
+    _warm_up_transfers(transfers, pool, min(primary_blocks, batch * max_blocks))
     compile_seconds = time.perf_counter() - t0
     print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets {compile_seconds - t1 + t0:.1f} s",
           file=sys.stderr)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
+    bm = BlockManager(pool, transfer_manager=transfers, stores=stores)
+    try:
+        loop = _serve(bm, conversations, forward, batch=batch, chunk=chunk,
+                      prefill_rows=prefill_rows, primary_blocks=primary_blocks,
+                      priorities=priorities, progress=progress, stop_token=stop_token,
+                      fixed_step_s=fixed_step_s, model=model,
+                      prefetch=bool(stores))
+        bm.sync_transfers()
+        transfer_stats = bm.transfer_manager.get_and_reset_transfer_stats()
+    finally:
+        t_close = time.perf_counter()
+        bm.close()  # the stores' writes durable, the block manager's store threads stopped
+        close_seconds = time.perf_counter() - t_close
+    store_stats = None
+    if stores:
+        store_stats = StoreStats()
+        for stats in bm.store_stats().values():
+            store_stats.add(stats)
+    return RunResult(
+        turns=loop.results, block_stats=bm.stats, transfer_stats=transfer_stats,
+        steps=loop.steps, seconds=loop.clock, compile_seconds=compile_seconds,
+        primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
+        exposed_transfer_seconds=(transfer_stats.exposed_seconds
+                                  if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds),
+        full_prefill_flops=loop.full_flops, full_prefill_seconds=loop.full_seconds,
+        store_stats=store_stats, store_close_seconds=close_seconds if stores else 0.0)
 
+
+@dataclasses.dataclass
+class _Loop:
+    """What the serving loop produced."""
+
+    results: dict[tuple[int, int], TurnResult]
+    steps: int
+    clock: float
+    full_flops: int
+    full_seconds: float
+
+
+def _serve(bm: BlockManager, conversations: Sequence[Conversation], forward: Callable, *,
+           batch: int, chunk: int, prefill_rows: int, primary_blocks: int,
+           priorities: list[int], progress: Callable[[int, int], None] | None,
+           stop_token: int | None, fixed_step_s: float | None, model: ModelConfig,
+           prefetch: bool) -> _Loop:
+    """The serving loop (see `run`): admits the requests as they arrive and rows and blocks
+    allow, steps them until every turn is done. `prefetch`: start the store read of the next
+    request while it waits."""
     pending = [(c.start_s, i, 0) for i, c in enumerate(conversations)]
     heapq.heapify(pending)
     history = [list(c.prefix) for c in conversations]
@@ -205,28 +274,72 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     results: dict[tuple[int, int], TurnResult] = {}
     clock, reserved, steps = 0.0, 0, 0
     full_flops, full_seconds = 0, 0.0
-    t_block = tokens_per_block
+    t_block = bm.tokens_per_block
+    # prefetched[(conv, turn)]: the prompt positions [lo, hi) its prefetch read from a store
+    prefetched: dict[tuple[int, int], tuple[int, int]] = {}
     agreed = _agreed_across_processes() if fixed_step_s is None else (lambda seconds: seconds)
+
+    def prompt_of(c: int, t: int) -> list[int]:
+        return history[c] + list(conversations[c].turns[t].user)
+
+    def prefetch_next() -> None:
+        """Starts reading from the stores the prefix of the next request, if it has arrived
+        and waits (for a row, or for primary blocks): the read overlaps the next steps, and
+        admission onboards it like host hits. Once per request, one request at a time, and
+        only a prefix within a quarter of the host pool: blocks read ahead hold their host rows
+        until their request is admitted, rows that offloads and the reads at admission then
+        lack (prefetching the next few requests, or into half the host pool, measured fewer
+        hits in all)."""
+        if not pending or pending[0][0] > clock or prefetched:
+            return
+        _, c, t = pending[0]
+        prompt = prompt_of(c, t)
+        match = bm.match_prefix(prompt)
+        lo = (match.primary_blocks + match.secondary_blocks) * t_block
+        if 0 < match.store_blocks <= bm.num_secondary_blocks // 4:
+            prefetched[(c, t)] = (lo, lo + bm.prefetch(prompt))
+
+    def prefetched_host_tokens(prompt: list[int], span: tuple[int, int], match) -> int:
+        """Of the full host blocks `match` found, the tokens within `span`, which this
+        request's prefetch read from a store (those since onboarded by another request are
+        GPU hits here)."""
+        lo, hi = span
+        end = min(hi, (match.primary_blocks + match.secondary_blocks) * t_block)
+        if end <= lo:
+            return 0
+        # the same full blocks, matched up to `end` and up to `lo` (the last token of a prompt
+        # is never matched: one more)
+        return (bm.match_prefix(prompt[:end + 1]).secondary_blocks
+                - bm.match_prefix(prompt[:lo + 1]).secondary_blocks) * t_block
+
     mark = time.perf_counter()  # the clock's wall time so far runs from here
     while pending or running:
         while pending and len(running) < batch and pending[0][0] <= clock:
             arrival, c, t = pending[0]
             turn = conversations[c].turns[t]
-            prompt = history[c] + list(turn.user)
+            prompt = prompt_of(c, t)
             need = math.ceil((len(prompt) + turn.output_len) / t_block)
             if reserved + need > primary_blocks:
                 break  # it waits until running requests end and give their blocks back
             heapq.heappop(pending)
-            match = bm.match_prefix(prompt)
+            match = bm.match_prefix(prompt)  # waits for a prefetch of this prompt still reading
             partial = match.partial_tokens
             gpu = match.primary_blocks * t_block + (partial if match.partial_source_is_primary
                                                     else 0)
             host = match.secondary_blocks * t_block + (
                 partial if match.partial_source_is_primary is False else 0)
+            early = (prefetched_host_tokens(prompt, prefetched.pop((c, t)), match)
+                     if (c, t) in prefetched else 0)
             start = bm.add_sequence((c, t), prompt, priority=priorities[c])
-            assert start == gpu + host, (start, match)
+            # Beyond the GPU and host hits: blocks read from a store now, at most those that
+            # match_prefix found there (fewer when some turn out missing or corrupt, or the
+            # host pool has too few rows to stage them in).
+            read = start - gpu - host
+            assert 0 <= read <= match.store_blocks * t_block and read % t_block == 0, (
+                start, match)
             reserved += need
-            running.append(_Running(c, t, arrival, prompt, start, need, gpu, host))
+            running.append(_Running(c, t, arrival, prompt, start, need, gpu, host - early,
+                                    read + early))
         if not running:  # idle until the next arrival
             elapsed = 0.0 if fixed_step_s is not None else time.perf_counter() - mark
             clock = agreed(max(clock + elapsed, pending[0][0]))
@@ -251,6 +364,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             full_flops += sum(model.token_flops(p + 1) for _, _, p in decodes)
         clock = agreed(clock + elapsed)
         mark = time.perf_counter()
+        if prefetch:  # after the step, whose transfers are done: the reads wait for none
+            prefetch_next()
         finished = []
         for r, (_, toks, start) in zip(prefilling, prefills):
             r.next = start + len(toks)
@@ -274,22 +389,14 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
             bm.release_sequence((r.conv, r.turn))
             results[(r.conv, r.turn)] = TurnResult(
                 r.arrival_s, r.first_token_s, clock, len(r.prompt), r.gpu_hits, r.host_hits,
-                r.out, np.stack(r.logits))
+                r.store_hits, r.out, np.stack(r.logits))
             history[r.conv] = r.prompt + r.out
             turns = conversations[r.conv].turns
             if r.turn + 1 < len(turns):
                 heapq.heappush(pending, (clock + turns[r.turn + 1].think_s, r.conv, r.turn + 1))
             if progress:
                 progress(len(results), total)
-    bm.sync_transfers()
-    transfer_stats = bm.transfer_manager.get_and_reset_transfer_stats()
-    return RunResult(
-        turns=results, block_stats=bm.stats, transfer_stats=transfer_stats, steps=steps,
-        seconds=clock, compile_seconds=compile_seconds, primary_blocks=primary_blocks,
-        secondary_blocks=secondary_blocks,
-        exposed_transfer_seconds=(transfer_stats.exposed_seconds
-                                  if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds),
-        full_prefill_flops=full_flops, full_prefill_seconds=full_seconds)
+    return _Loop(results, steps, clock, full_flops, full_seconds)
 
 
 def _agreed_across_processes() -> Callable[[float], float]:
@@ -303,13 +410,13 @@ def _agreed_across_processes() -> Callable[[float], float]:
     return lambda seconds: float(multihost_utils.broadcast_one_to_all(np.float64(seconds)))
 
 
-def _warm_up_transfers(bm: BlockManager, pool, max_pairs: int) -> None:
+def _warm_up_transfers(tm: KVCacheTransferManager, pool, max_pairs: int) -> None:
     """Compiles the transfer manager's copies for every batch bucket up to `max_pairs`.
 
     The pools are still all zeros, so copying their blocks around changes nothing; the
     statistics are reset afterwards. Keeps compilation out of the measured transfer time.
     """
-    tm, p, s = bm.transfer_manager, pool.num_primary_blocks, pool.num_secondary_blocks
+    p, s = pool.num_primary_blocks, pool.num_secondary_blocks
     size = 1
     while True:
         n = 1 if size == 1 else size // 2 + 1  # the smallest batch padded to this bucket

@@ -2,10 +2,13 @@
 evicts, every transfer path exercised, the metrics reported; a trace replayed; the command
 line's errors (one line, exit status 2, no traceback); each preset's memory in --help, the check
 that every run fits before the first one starts, and the runs that finished reported when a
-later one fails."""
+later one fails; the disk tier (--disk, --restart): exact, its hits counted, cold at first."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import re
@@ -130,7 +133,7 @@ def _result(turns, primary_blocks=1, secondary_blocks=0):
     from jax_kvxfer.manager import TransferStats
 
     return serving.RunResult(
-        {key: serving.TurnResult(0.0, 0.1, 0.2, 4, 0, 0, tokens, logits)
+        {key: serving.TurnResult(0.0, 0.1, 0.2, 4, 0, 0, 0, tokens, logits)
          for key, (tokens, logits) in turns.items()},
         BlockManagerStats(), TransferStats(), 1, 1.0, 0.0, primary_blocks, secondary_blocks)
 
@@ -457,3 +460,214 @@ def test_a_third_run_out_of_memory_prints_the_first_two_and_exits_2(monkeypatch,
     assert "exactness offload vs never_evict" not in captured.out
     assert captured.err.splitlines()[-1] == ("jax-kvxfer demo: error: run never_evict failed: "
                                              "MemoryError: never_evict's pool does not fit")
+
+
+# ---------------------------------------------------------------------------------------------
+# the disk tier: --disk's run offload+disk, --restart's second pass over the same files
+
+DISK_HOST = 4  # a host pool of 4 blocks, under the working set's 148: most reuse is the disk's
+
+
+def _disk_demo(directory, *extra: str) -> tuple[dict, list[int], list[bool]]:
+    """The tiny demo with a disk tier (--json's object), what each of the block managers'
+    prefetches returned, and for each block manager closed whether it had stores."""
+    from jax_kvxfer.cache import BlockManager
+
+    prefetched, closed = [], []
+
+    class Counting(BlockManager):
+        def __init__(self, *args, stores=(), **kwargs):
+            super().__init__(*args, stores=stores, **kwargs)
+            self.with_stores = bool(stores)
+
+        def prefetch(self, token_ids):
+            prefetched.append(super().prefetch(token_ids))
+            return prefetched[-1]
+
+        def close(self):
+            super().close()
+            closed.append(self.with_stores)
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(serving, "BlockManager", Counting)
+        assert demo.main(TINY + ["--disk", str(directory), "--disk-host-blocks", str(DISK_HOST),
+                                 "--json", *extra]) == 0
+    return json.loads(out.getvalue()), prefetched, closed
+
+
+@pytest.fixture(scope="module")
+def disk_runs(tmp_path_factory):
+    """One directory, a sentinel file in it; the demo with --disk, then with --disk --restart."""
+    directory = tmp_path_factory.mktemp("disk")
+    (directory / "keep.txt").write_text("not the demo's")
+    first, _, _ = _disk_demo(directory)
+    listing = sorted(p.name for p in directory.iterdir())
+    second, prefetched, closed = _disk_demo(directory, "--restart")
+    return first, listing, second, prefetched, closed, directory
+
+
+def _prompt_tokens(run: dict) -> int:
+    return (run["computed_prefill_tokens"] + run["gpu_hit_tokens"] + run["host_hit_tokens"]
+            + run["store_hit_tokens"])
+
+
+def test_the_disk_run_is_exact_and_reuses_blocks_from_the_disk(disk_runs):
+    out, listing, _, _, _, _ = disk_runs
+    runs = out["runs"]
+    assert list(runs) == ["offload", "offload+disk", "drop", "never_evict"]
+    assert out["exact"] is True
+    assert out["exactness"]["offload+disk"]["exact"] is True
+    assert out["exactness"]["offload+disk"]["max_abs_logit_diff"] <= 1e-4
+    disk, drop = runs["offload+disk"], runs["drop"]
+    assert (disk["primary_blocks"], disk["secondary_blocks"]) == (20, DISK_HOST)
+    assert out["config"]["disk_host_blocks"] == DISK_HOST and out["config"]["disk_gb"] == 8
+    store = disk["store"]
+    assert store["written"] > 0 and store["written_bytes"] > 0
+    assert store["hits"] > 0 and store["read_bytes"] > 0
+    assert store["corrupt"] == store["dropped_writes"] == 0
+    # most of what the run reuses beyond the GPU comes from the disk, not the 4-block host pool
+    assert disk["store_hit_tokens"] > disk["host_hit_tokens"]
+    # every token from the disk is a block read from it (prefetched blocks may go unused)
+    assert disk["store_hit_tokens"] % 4 == 0
+    assert disk["store_hit_tokens"] <= 4 * store["hits"]
+    # the same GPU pool as drop, and the disk below it: less to recompute
+    assert disk["computed_prefill_tokens"] < drop["computed_prefill_tokens"]
+    assert all(runs[r]["store"] is None and runs[r]["store_hit_tokens"] == 0
+               for r in ("offload", "drop", "never_evict"))
+    assert len({_prompt_tokens(run) for run in runs.values()}) == 1  # however served
+    # the run's files went to a subdirectory, removed at the end; nothing else touched
+    assert listing == ["keep.txt"]
+
+
+def test_a_restart_reads_the_first_pass_blocks_back_exactly(disk_runs):
+    first, _, out, prefetched, closed, directory = disk_runs
+    runs = out["runs"]
+    assert list(runs) == ["offload", "offload+disk", "offload+disk (restarted)", "drop",
+                          "never_evict"]
+    assert out["exact"] is True
+    for name in ("offload+disk", "offload+disk (restarted)"):
+        assert out["exactness"][name]["exact"] is True
+    disk, restarted = runs["offload+disk"], runs["offload+disk (restarted)"]
+    assert restarted["store_hit_tokens"] > 0 and restarted["store"]["hits"] > 0
+    assert restarted["store"]["corrupt"] == 0
+    # new pools: the GPU and the host start empty, the disk holds the first pass's blocks
+    assert restarted["store_hit_tokens"] > disk["store_hit_tokens"]
+    assert restarted["computed_prefill_tokens"] < disk["computed_prefill_tokens"]
+    assert restarted["store"]["written"] < disk["store"]["written"]  # most are there already
+    assert _prompt_tokens(restarted) == _prompt_tokens(disk)
+    # the first pass starts cold in every invocation: the same as without --restart
+    for key in ("store_hit_tokens", "computed_prefill_tokens", "host_hit_tokens"):
+        assert disk[key] == first["runs"]["offload+disk"][key], key
+    assert any(n > 0 for n in prefetched), "no prefetch read anything"
+    # every run's block manager closed at its end (the disk runs': their writes durable)
+    assert closed == [False, True, True, False, False], closed
+    # what a prefetch read counts as disk hits, beyond the reads at admission (the block
+    # manager's count), not as host hits
+    assert sum(r["store_hit_tokens"] - 4 * r["store_hit_blocks"] for r in (disk, restarted)) > 0
+    assert sorted(p.name for p in directory.iterdir()) == ["keep.txt"]
+
+
+def test_the_table_shows_each_tier_in_columns_that_do_not_run_together(tmp_path, capsys):
+    assert demo.main(TINY + ["--disk", str(tmp_path), "--restart"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("offload"))
+    runs = ["offload", "offload+disk", "offload+disk (restarted)", "drop", "never_evict"]
+    assert re.split(r" {3,}", lines[header].strip()) == runs
+    rows = lines[header + 1:lines.index("", header)]
+    labels = [re.split(r" {3,}", row)[0] for row in rows]
+    for text in ("tokens from GPU / host / disk hits", "disk read / written",
+                 "disk blocks hit / corrupt", "disk writes dropped / evicted"):
+        assert text in labels, labels
+    def ends(line: str, cells: list[str]) -> list[int]:
+        """Where each of the line's cells, found from left to right, ends."""
+        out, at = [], 0
+        for cell in cells:
+            at = line.index(cell, at) + len(cell)
+            out.append(at)
+        return out
+
+    for row in rows:
+        cells = re.split(r" {3,}", row)
+        assert len(cells) == 1 + len(runs), row
+        # each value ends where its column's name does
+        assert ends(row, cells)[1:] == ends(lines[header], runs), row
+    hits = re.split(r" {3,}", rows[labels.index("tokens from GPU / host / disk hits")])
+    assert hits[1].endswith(" / -") and not hits[2].endswith(" / -"), hits
+    out = "\n".join(lines)
+    assert "exactness offload+disk vs never_evict: PASS" in out
+    assert "exactness offload+disk (restarted) vs never_evict: PASS" in out
+
+
+def test_a_disk_path_that_is_a_file_exits_2_naming_disk(tmp_path, capsys):
+    path = tmp_path / "a-file"
+    path.write_text("")
+    with pytest.raises(SystemExit) as e:
+        demo.main(TINY + ["--disk", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"jax-kvxfer demo: error: --disk {path}: is not a directory\n", err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--restart"], "--restart needs --disk PATH"),
+    (["--disk-gb", "2"], "--disk-gb needs --disk PATH"),
+    (["--disk-host-blocks", "3"], "--disk-host-blocks needs --disk PATH"),
+    (["--disk-host-blocks", "0", "--disk", "."], "--disk-host-blocks: must be >= 1"),
+    (["--disk", ".", "--devices", "2"], "--disk takes one device"),
+    (["--disk", ".", "--disk-gb", "0.001", "--preset", "h200"], "--disk-gb 0.001 holds no block"),
+])
+def test_bad_disk_options_one_line_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+@cpu_only
+def test_the_memory_check_counts_the_disk_runs_host_pool(tmp_path, monkeypatch, capsys):
+    calls = _recorded_runs(monkeypatch)
+    weights, block = _weights_and_block_bytes(TINY_MODEL, 4)
+    _limit(monkeypatch, LIMITS, weights + (20 + 500) * block + block // 2)  # 20 GPU blocks
+    disk = TINY + ["--disk", str(tmp_path), "--restart"]
+    assert demo.main(disk + ["--disk-host-blocks", "501"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("jax-kvxfer demo: error: run offload+disk, host pool (501 blocks"), err
+    assert err.endswith("; pass --disk-host-blocks 500 or fewer\n"), err
+    assert calls == []
+    assert demo.main(disk + ["--disk-host-blocks", "500"]) == 0, "the advice does not fit"
+    assert calls == [(20, 12), (20, 500), (20, 500), (20, 0), (calls[-1][0], 0)]
+
+
+def test_different_models_never_share_disk_blocks():
+    cfg = {**demo.PRESETS["cpu"]}
+    model = demo._toy_model(cfg)
+    names = {demo.store_namespace(model, cfg, preset="cpu", seed=0, real=False),
+             demo.store_namespace(model, cfg, preset="cpu", seed=1, real=False),  # weights
+             demo.store_namespace(model, cfg, preset="cpu", seed=0, real=True),
+             demo.store_namespace(dataclasses.replace(model, rope_theta=5e5), cfg,
+                                  preset="cpu", seed=0, real=False),
+             demo.store_namespace(model, cfg, preset="h200", seed=0, real=False)}
+    assert len(names) == 5
+    big = demo._toy_model(demo.PRESETS["h200"])
+    assert all(0 < len(n) <= 256 for n in names | {
+        demo.store_namespace(big, demo.PRESETS["h200"], preset="h200", seed=123, real=True)})
+
+
+def test_a_restarted_run_that_differs_exits_1(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_run(*args, primary_blocks, secondary_blocks, stores=(), **kwargs):
+        calls.append(len(stores))
+        tokens = [1, 3] if len(calls) == 3 else [1, 2]  # the restarted pass disagrees
+        return _result({(0, 0): (tokens, np.zeros((2, 4), np.float32))}, primary_blocks,
+                       secondary_blocks)
+
+    monkeypatch.setattr(serving, "run", fake_run)
+    assert demo.main(TINY + ["--disk", str(tmp_path), "--restart"]) == 1
+    assert calls == [0, 1, 1, 0, 0], "one FileStore for each disk run"
+    out = capsys.readouterr().out
+    assert "exactness offload+disk vs never_evict: PASS" in out
+    assert "exactness offload+disk (restarted) vs never_evict: FAIL" in out

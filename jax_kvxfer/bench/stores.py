@@ -1,0 +1,319 @@
+"""The stores section: FileStore, the disk tier, against the same disk's ceiling in one run.
+
+In a new folder on the disk under test (`--stores-path`, default inside `--out`), its file
+system named in the results:
+
+  ceiling   one file of `--stores-bytes` written sequentially in 8 MiB requests and fsynced,
+            then read back, O_DIRECT where the folder takes it (else buffered, the cache dropped
+            before the read); by one thread and by as many threads as the store's N-thread
+            cases (request i by thread i mod N); before and after the cases (a disk's speed
+            drifts); per direction the fastest of the four
+  put       `FileStore.put` of the rows, then `flush()`: until the blocks are durable
+            (`rows_read_gbps`: until put's future is done, the rows free again)
+  get       `FileStore.get` of the same keys into other rows, until its future is done;
+            every row checked against the one put
+for rows of 2 MiB (a block of every layer, as the block manager's host rows are) and of
+64 KiB (one layer's block, the size a store of per-layer values would see; a quarter of the
+bytes), with 1 thread and with `--stores-threads` (FileStore's default); 2 MiB rows also off
+the 4096-byte boundary (through O_DIRECT's bounce buffers) and with buffered I/O. Each figure is
+the median of up to three runs, each on a fresh folder; ratios divide by the ceiling of the same
+direction.
+
+restart: 10^4 blocks of 64 bytes (8 KiB files) put and flushed through a FileStore, then a new
+FileStore on the folder: seconds from its construction to the first lookup and get answered.
+Then the folder is grown to 10^5 names with hard links to those files (the index lists names
+and sizes and reads no block, so the links cost a restart what blocks would, and the bench
+need not write 10^5 files) and timed again. The links are refused as blocks if ever read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..stores import FileStore, aligned_rows
+from .config import KiB, MiB, fmt_size
+from .helpers import err_text, median
+
+_CHUNK = 8 * MiB  # the ceiling's request size
+_LAYOUT = ("bench", "stores")
+
+
+def filesystem_of(path: str) -> dict[str, str]:
+    """The mount holding `path` (/proc/mounts: the longest mount point above it)."""
+    best = {"mount": "?", "fstype": "?", "device": "?"}
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and \
+                        len(mnt) >= len(best["mount"].replace("?", "")):
+                    best = {"mount": mnt, "fstype": fstype, "device": dev}
+    except OSError:
+        pass
+    return best
+
+
+def stores_summary(sec: dict[str, Any]) -> list[str]:
+    """The section's lines for the run's summary on stdout."""
+    if not sec:
+        return []
+    if "error" in sec:
+        return [f"stores: ERROR {sec['error'][:200]}"]
+    fs = sec.get("filesystem", {})
+    ceil = sec.get("ceiling", {})
+    out = [(f"stores: FileStore on {fs.get('fstype')} ({fs.get('device')}, "
+            f"{sec.get('io_mode')}); ceiling: sequential write {ceil.get('write_gbps', 0):.2f} "
+            f"({ceil.get('write_streams')} thread(s)) / read {ceil.get('read_gbps', 0):.2f} GB/s "
+            f"({ceil.get('read_streams')} thread(s); {fmt_size(sec.get('bytes', 0))}, "
+            f"{ceil.get('io_mode')})")]
+    for c in sec.get("cases", []):
+        if "error" in c:
+            out.append(f"  {c['name']:26}: ERROR {c['error'][:200]}")
+            continue
+        out.append(f"  {c['name']:26}: put+flush {c['put_gbps']:6.2f} GB/s "
+                   f"({c['put_ratio']:4.0%}), get {c['get_gbps']:6.2f} GB/s "
+                   f"({c['get_ratio']:4.0%}) of the ceiling; rows free after "
+                   f"{c['rows_read_gbps']:.2f} GB/s, verified={c['verified']}")
+    for r in sec.get("restart", []):
+        if "error" in r:
+            out.append(f"  restart {r.get('blocks')}: ERROR {r['error'][:200]}")
+            continue
+        out.append(f"  restart with {r['blocks']:>7,} blocks: first lookup and get after "
+                   f"{r['restart_s'] * 1e3:.0f} ms (indexed {r['indexed']:,})")
+    return out
+
+
+class StoresMixin:
+    """`Bench`'s stores section (uses `BenchCore`'s state and helpers)."""
+
+    def run_stores(self) -> None:
+        cfg = self.cfg
+        made = cfg.stores_path is None
+        root = tempfile.mkdtemp(prefix="kvx-stores-", dir=cfg.out if made else cfg.stores_path)
+        sec: dict[str, Any] = {"path": root, "filesystem": filesystem_of(root),
+                               "bytes": cfg.stores_bytes, "cases": [], "restart": []}
+        self.sections["stores"] = sec
+        try:
+            self._stores(root, sec)
+        except Exception as e:  # noqa: BLE001
+            sec["error"] = err_text(e)
+            self.log(traceback.format_exc())
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        self.save()
+
+    def _stores(self, root: str, sec: dict[str, Any]) -> None:
+        cfg = self.cfg
+        with FileStore(root, namespace="probe") as probe:
+            sec["io_mode"] = probe.io_mode
+            threads = cfg.stores_threads or probe.threads
+        sec["threads"] = threads
+        reps = max(1, min(cfg.repeats, 3))
+        fs = sec["filesystem"]
+        self.log(f"== stores: FileStore in {root} ({fs['fstype']} on {fs['device']}, "
+                 f"{sec['io_mode']}), {fmt_size(cfg.stores_bytes)} per case, {reps} runs ==")
+        def ceiling(when: str) -> dict[str, Any]:
+            c = self._disk_ceiling(root, cfg.stores_bytes, reps, sec["io_mode"] == "O_DIRECT",
+                                   threads)
+            self.log(f"  ceiling {when}: write {c['write_gbps']:.2f} GB/s ({c['write_streams']}"
+                     f" thread(s)), read {c['read_gbps']:.2f} GB/s ({c['read_streams']} "
+                     f"thread(s)), {c['io_mode']}")
+            return c
+
+        before = ceiling("before the cases")
+        cases = [("2M, 1 thread", 2 * MiB, 1, True, None),
+                 (f"2M, {threads} threads", 2 * MiB, threads, True, None),
+                 ("64K, 1 thread", 64 * KiB, 1, True, None),
+                 (f"64K, {threads} threads", 64 * KiB, threads, True, None),
+                 (f"2M unaligned, {threads} threads", 2 * MiB, threads, False, None),
+                 (f"2M buffered, {threads} threads", 2 * MiB, threads, True, False)]
+        for name, row, n_threads, aligned, direct in cases:
+            rec: dict[str, Any] = {"name": name, "row_bytes": row, "threads": n_threads,
+                                   "aligned": aligned}
+            sec["cases"].append(rec)
+            if self.past_deadline():
+                rec["skipped"] = "past the deadline"
+                continue
+            total = cfg.stores_bytes if row >= MiB else max(row, cfg.stores_bytes // 4)
+            try:
+                rec.update(self._store_case(root, row, total, n_threads, aligned, direct, reps))
+                self.log(f"  {name}: put+flush {rec['put_gbps']:.2f} GB/s, get "
+                         f"{rec['get_gbps']:.2f} GB/s, {rec['io_mode']}, "
+                         f"verified={rec['verified']}")
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = err_text(e)
+                self.log(f"  {name}: ERROR {rec['error'][:300]}")
+            self.save()
+        # This disk's speed drifts during a run (a VM's disk by a third): the ceiling is
+        # measured before and after the cases, and each ratio divides by the faster.
+        after = ceiling("after the cases")
+        ceil = sec["ceiling"] = {"before": before, "after": after,
+                                 "io_mode": before["io_mode"], "bytes": before["bytes"]}
+        for d in ("write", "read"):
+            best = max((before, after), key=lambda c: c[f"{d}_gbps"])
+            ceil[f"{d}_gbps"], ceil[f"{d}_streams"] = best[f"{d}_gbps"], best[f"{d}_streams"]
+        for rec in sec["cases"]:
+            if "put_gbps" in rec:
+                rec["put_ratio"] = rec["put_gbps"] / ceil["write_gbps"]
+                rec["get_ratio"] = rec["get_gbps"] / ceil["read_gbps"]
+        self.save()
+        try:
+            sec["restart"] = self._restart(root, cfg.stores_restart, threads)
+        except Exception as e:  # noqa: BLE001
+            sec["restart"].append({"error": err_text(e)})
+            self.log(traceback.format_exc())
+
+    def _disk_ceiling(self, root: str, total: int, reps: int, direct: bool,
+                      threads: int) -> dict[str, Any]:
+        """A sequential write (fsynced) and read of one file of `total` bytes in 8 MiB
+        requests, by one thread and by `threads` threads (request i by thread i mod threads:
+        as many requests in flight as the store's threads keep); per direction the faster."""
+        chunk = min(_CHUNK, -(-total // 4096) * 4096)
+        nbytes = -(-total // chunk) * chunk
+        flag = getattr(os, "O_DIRECT", 0) if direct else 0
+        path = os.path.join(root, "ceiling.bin")
+        bufs = []
+        for _ in range(threads):
+            buf = mmap.mmap(-1, chunk)
+            buf.write(self.rng.bytes(chunk))
+            bufs.append(buf)
+        out: dict[str, Any] = {"bytes": nbytes, "chunk": chunk,
+                               "io_mode": "O_DIRECT" if direct else "buffered"}
+        for streams in sorted({1, threads}):
+            def each(fd: int, io: Any, streams: int = streams) -> None:
+                def part(k: int) -> None:
+                    for off in range(k * chunk, nbytes, streams * chunk):
+                        io(fd, bufs[k], off)
+                with ThreadPoolExecutor(streams) as pool:
+                    list(pool.map(part, range(streams)))
+
+            writes, reads = [], []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+                try:
+                    each(fd, os.pwrite)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                writes.append(time.perf_counter() - t)
+                fd = os.open(path, os.O_RDONLY | flag)
+                try:
+                    if not direct:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    t = time.perf_counter()
+                    each(fd, lambda fd, buf, off: os.preadv(fd, [buf], off))
+                    reads.append(time.perf_counter() - t)
+                finally:
+                    os.close(fd)
+                os.unlink(path)
+            out[f"streams_{streams}"] = {"write_gbps": nbytes / median(writes) / 1e9,
+                                         "read_gbps": nbytes / median(reads) / 1e9,
+                                         "write_s": writes, "read_s": reads}
+        runs = [k for k in out if k.startswith("streams_")]
+        for d in ("write", "read"):
+            best = max(runs, key=lambda k: out[k][f"{d}_gbps"])
+            out[f"{d}_gbps"] = out[best][f"{d}_gbps"]
+            out[f"{d}_streams"] = int(best.split("_")[1])
+        return out
+
+    def _store_case(self, root: str, row: int, total: int, threads: int, aligned: bool,
+                    direct: bool | None, reps: int) -> dict[str, Any]:
+        count = max(1, total // row)
+        src = aligned_rows(count + 1, row)
+        src.reshape(-1)[:] = np.frombuffer(self.rng.bytes(src.size), np.uint8)
+        if not aligned:  # the same rows 64 bytes past the page boundary
+            src = src.reshape(-1)[64:64 + count * row].reshape(count, row)
+        else:
+            src = src[:count]
+        dst = aligned_rows(count, row) if aligned else aligned_rows(count + 1, row).reshape(-1)[
+            64:64 + count * row].reshape(count, row)
+        puts, frees, gets = [], [], []
+        verified = True
+        mode = "?"
+        for rep in range(reps):
+            ns = f"case-{row}-{threads}-{aligned}-{direct}-{rep}"
+            store = FileStore(root, namespace=ns, threads=threads, direct_io=direct)
+            store.bind(_LAYOUT, row)
+            mode = store.io_mode
+            keys = [self.rng.bytes(16) for _ in range(count)]
+            t = time.perf_counter()
+            store.put(keys, list(src)).result()
+            frees.append(time.perf_counter() - t)
+            store.flush()
+            puts.append(time.perf_counter() - t)
+            dst[:] = 0
+            t = time.perf_counter()
+            found = store.get(keys, list(dst)).result()
+            gets.append(time.perf_counter() - t)
+            verified = verified and all(found) and bool(np.array_equal(dst, src))
+            stats = store.stats()
+            store.close()
+            shutil.rmtree(store.dir or "", ignore_errors=True)
+        nbytes = count * row
+        return {"blocks": count, "bytes": nbytes, "io_mode": mode,
+                "put_gbps": nbytes / median(puts) / 1e9,
+                "rows_read_gbps": nbytes / median(frees) / 1e9,
+                "get_gbps": nbytes / median(gets) / 1e9, "put_s": puts, "get_s": gets,
+                "verified": verified, "dropped_writes": stats.dropped_writes,
+                "corrupt": stats.corrupt}
+
+    def _restart(self, root: str, counts: list[int], threads: int) -> list[dict[str, Any]]:
+        """Restart times for each count of blocks (see the module's docstring)."""
+        out: list[dict[str, Any]] = []
+        if not counts:
+            return out
+        counts = sorted(counts)
+        real = min(counts)
+        row = 64
+        store = FileStore(root, namespace="restart", threads=threads)
+        store.bind(_LAYOUT, row)
+        keys = [self.rng.bytes(16) for _ in range(real)]
+        rows = np.frombuffer(self.rng.bytes(real * row), np.uint8).reshape(real, row)
+        t = time.perf_counter()
+        for i in range(0, real, 4096):
+            store.put(keys[i:i + 4096], list(rows[i:i + 4096])).result()
+        store.flush()
+        write_s = time.perf_counter() - t
+        folder = store.dir or ""
+        store.close()
+        files = [os.path.join(folder, k.hex()[:2], k.hex() + ".kvb") for k in keys]
+        have = real
+        for n in counts:
+            if self.past_deadline():
+                out.append({"blocks": n, "skipped": "past the deadline"})
+                continue
+            t = time.perf_counter()
+            for i in range(have, n):  # more names: hard links to the real files
+                name = self.rng.bytes(16).hex()
+                os.link(files[i % real], os.path.join(folder, name[:2], name + ".kvb"))
+            link_s = time.perf_counter() - t
+            have = max(have, n)
+            probe = np.zeros(row, np.uint8)
+            t = time.perf_counter()
+            again = FileStore(root, namespace="restart", threads=threads)
+            again.bind(_LAYOUT, row)
+            first = again.lookup(keys[:1])
+            found = again.get(keys[-1:], [probe]).result()
+            restart_s = time.perf_counter() - t
+            rec = {"blocks": n, "restart_s": restart_s, "indexed": again.num_blocks,
+                   "first_lookup": first, "first_get": found[0],
+                   "verified": bool(found[0] and np.array_equal(probe, rows[-1])),
+                   "blocks_written": real, "write_s": write_s, "link_s": link_s}
+            again.close()
+            out.append(rec)
+            self.log(f"  restart with {n:,} blocks: first lookup and get after "
+                     f"{restart_s * 1e3:.0f} ms")
+            self.save()
+        return out

@@ -1,0 +1,184 @@
+"""The block manager's tiers below the host pool: its stores, and the host rows they read and
+write in place.
+
+A block that reaches the host pool is written through to every store in the background; a
+block found only in a store is read into a host row and onboarded from there like a host hit.
+Three ordering rules keep the rows exact:
+
+- a store write of a host row starts only after the offload into that row has landed (the
+  writer thread waits on the transfer manager's fence first);
+- a host row a store write still reads is not reused (`wait_written` before a secondary slot is
+  handed out again);
+- a store read into a host row starts only after every transfer issued so far is done (a freed
+  row may still be the source of an onboard in flight), and the onboard from that row is
+  issued only once the read is done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..manager import KVCacheTransferManager
+from ..pool import KVCacheBlockPool
+from ..stores.base import Store, StoreStats
+
+
+class StoreTiers:
+    """The stores of one block manager, in order, over the host rows of its pools."""
+
+    def __init__(self, stores: Sequence[Store], pools: Sequence[KVCacheBlockPool],
+                 transfer_manager: KVCacheTransferManager) -> None:
+        self.stores = tuple(stores)
+        for i, store in enumerate(self.stores):
+            if not isinstance(store, Store):
+                raise TypeError(f"stores[{i}] must be a jax_kvxfer.stores.Store, got "
+                                f"{type(store).__name__}")
+        if not pools[0].num_secondary_blocks:
+            raise ValueError("stores need a host pool to stage their blocks in: the pools "
+                             "have 0 secondary blocks")
+        self._pools = list(pools)
+        self._manager = transfer_manager
+        self._host_rows()  # raises for pools split over devices
+        self.row_nbytes = sum(p.block_nbytes for p in self._pools)
+        layout = tuple(p.host_row_layout for p in self._pools)
+        for store in self.stores:
+            store.bind(layout, self.row_nbytes)
+        # One writer thread: it waits for the offloads' fence, then hands the rows to the
+        # stores, whose own threads do the I/O; per secondary slot, the write still reading it.
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer-tiers")
+        self._writing: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self.hit_blocks = {store.tier: 0 for store in self.stores}
+
+    # -- rows ---------------------------------------------------------------------------------
+
+    def _host_rows(self) -> tuple[list, list[np.ndarray]]:
+        """Every pool's secondary array and the byte view of its rows, taken on the serving
+        thread. Holding the arrays keeps their buffers alive for the I/O threads even if the
+        pools are given other arrays meanwhile (transfers update them in place)."""
+        arrays = [p.stored(False) for p in self._pools]
+        return arrays, [p.host_rows() for p in self._pools]
+
+    @staticmethod
+    def _row(views: list[np.ndarray], slot: int) -> np.ndarray:
+        """The host row of `slot`: a view of the pool's own buffer where there is one pool, a
+        staging copy of every pool's part otherwise."""
+        if len(views) == 1:
+            return views[0][slot]
+        return np.concatenate([rows[slot] for rows in views])
+
+    @staticmethod
+    def _scatter(views: list[np.ndarray], slot: int, row: np.ndarray) -> None:
+        """Puts a staged row's parts into every pool's row (several pools only)."""
+        offset = 0
+        for rows in views:
+            n = rows.shape[1]
+            rows[slot] = row[offset:offset + n]
+            offset += n
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def write_through(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Writes the host rows `slots` (just offloaded into) under `keys` to every store that
+        does not hold them, once those offloads have landed; returns at once."""
+        if not keys:
+            return
+        fence = self._manager.fence()
+        keys, slots = list(keys), list(slots)
+        arrays, views = self._host_rows()
+
+        def write() -> None:
+            fence.wait()
+            rows = [self._row(views, slot) for slot in slots]
+            futures = []
+            for store in self.stores:
+                new = [i for i, key in enumerate(keys) if store.lookup([key]) == 0]
+                if new:
+                    futures.append(store.put([keys[i] for i in new], [rows[i] for i in new]))
+            for future in futures:
+                future.result()  # every row read: the slots may be reused
+            arrays.clear()  # held until here
+
+        job = self._writer.submit(write)
+        with self._lock:
+            for slot in slots:
+                self._writing[slot] = job
+
+    def wait_written(self, slot: int) -> None:
+        """Before `slot` is written again: waits for a store write still reading it."""
+        with self._lock:
+            job = self._writing.pop(slot, None)
+        if job is not None:
+            job.result()
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """(which store, how many of `keys` from the first it holds): the store holding the
+        longest prefix (the first such); (0, 0) when none holds the first key."""
+        best, best_n = 0, 0
+        if keys:
+            for i, store in enumerate(self.stores):
+                n = store.lookup(keys)
+                if n > best_n:
+                    best, best_n = i, n
+        return best, best_n
+
+    def read(self, store_index: int, keys: Sequence[bytes],
+             slots: Sequence[int]) -> concurrent.futures.Future:
+        """Starts reading `keys` from store `store_index` into the host rows `slots` (free
+        rows: no transfer may touch them any more). The future's result: how many blocks,
+        from the first, arrived intact."""
+        store = self.stores[store_index]
+        self._manager.fence().wait()  # a freed row may still be an onboard's source
+        for slot in slots:
+            self.wait_written(slot)
+        arrays, views = self._host_rows()
+        staged = [self._row(views, slot) for slot in slots]
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def finished(got: concurrent.futures.Future) -> None:
+            try:
+                hits = got.result()
+            except Exception:  # noqa: BLE001 - stores count their faults as misses; if one
+                hits = []  # raises anyway, nothing it read is trusted
+            n = 0
+            while n < len(hits) and hits[n]:
+                n += 1
+            if len(views) > 1:
+                for slot, row in zip(slots[:n], staged[:n]):
+                    self._scatter(views, slot, row)
+            arrays.clear()  # held until here
+            with self._lock:
+                self.hit_blocks[store.tier] += n
+            done.set_result(n)
+
+        store.get(keys, staged).add_done_callback(finished)
+        return done
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Waits until every write handed over so far is durable in every store."""
+        with self._lock:
+            jobs = set(self._writing.values())
+            self._writing.clear()
+        for job in jobs:
+            job.result()
+        for store in self.stores:
+            store.flush()
+
+    def stats(self) -> dict[str, StoreStats]:
+        """Each store's statistics since the last call, by tier name."""
+        out: dict[str, StoreStats] = {}
+        for store in self.stores:
+            out.setdefault(store.tier, StoreStats()).add(store.stats())
+        return out
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)

@@ -1,0 +1,38 @@
+"""The bench's stores section (`--only stores`) runs, verifies what it read and reports its
+figures against the same run's disk ceiling. No timing assertions: benchmarks are not tests."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from jax_kvxfer import bench
+
+
+def test_stores_section_runs_and_verifies(tmp_path, capsys):
+    out = str(tmp_path / "res")
+    assert bench.main(["--quick", "--only", "stores", "--out", out, "--no-plot",
+                       "--stores-bytes", "4M", "--stores-restart", "300,900",
+                       "--stores-threads", "3"]) == 0
+    (path,) = glob.glob(os.path.join(out, "bench-*.json"))
+    with open(path) as f:
+        doc = json.load(f)
+    sec = doc["stores"]
+    assert "error" not in sec, sec
+    assert sec["io_mode"] in ("O_DIRECT", "buffered") and sec["threads"] == 3
+    assert sec["filesystem"]["fstype"] != "?"
+    assert sec["ceiling"]["write_gbps"] > 0 and sec["ceiling"]["read_gbps"] > 0
+    names = [c["name"] for c in sec["cases"]]
+    assert names == ["2M, 1 thread", "2M, 3 threads", "64K, 1 thread", "64K, 3 threads",
+                     "2M unaligned, 3 threads", "2M buffered, 3 threads"]
+    for c in sec["cases"]:
+        assert "error" not in c, c
+        assert c["verified"] is True and c["dropped_writes"] == c["corrupt"] == 0, c
+        assert c["put_gbps"] > 0 and c["get_gbps"] > 0 and c["put_ratio"] > 0, c
+    assert sec["cases"][-1]["io_mode"] == "buffered"
+    assert [(r["blocks"], r["indexed"], r["verified"]) for r in sec["restart"]] == [
+        (300, 300, True), (900, 900, True)]
+    assert not os.path.exists(sec["path"])  # the section's folder is removed
+    text = capsys.readouterr().out
+    assert "stores: FileStore on" in text and "restart with" in text
