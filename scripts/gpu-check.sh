@@ -2,12 +2,13 @@
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
-#                        [sanitize] [stress] [stress-dma]
+#                        [sanitize] [stress] [stress-dma] [disk]
 #   (default: tests bench demo). step: the bench's section of the manager beside a model step
 #   only; layers: its section of pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs; demo-tp: the demo
 #   tensor-parallel over 2 GPUs (both need a machine with 2 or more GPUs). stress-dma: 30,000
 #   stress operations with a dma=True manager. demo-dma: the demo again with --dma true, then
-#   --dma false (the copy kernel in line with the step).
+#   --dma false (the copy kernel in line with the step). disk: the bench's stores section, then
+#   the demo with the disk tier and a restart (--disk under /tmp, 30 GB).
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,28 @@ if has demo-dma; then  # the demo with every transfer on the copy engines, then 
       > "$OUT/demo-dma-$dma.txt" 2> "$OUT/demo-dma-$dma.log"
     summary+=("demo --dma $dma: exit $? ($(( $(date +%s) - t )) s): $(grep -E 'exposed transfer time' "$OUT/demo-dma-$dma.txt" | tr -s ' ')")
   done
+fi
+if has disk; then  # the disk tier: the stores bench against the disk's ceiling, then the demo
+  t=$(date +%s)
+  python3 -m jax_kvxfer bench --only stores --no-plot --out "$OUT" > "$OUT/bench-stores.txt" 2> "$OUT/bench-stores.log"
+  summary+=("bench stores: exit $? ($(( $(date +%s) - t )) s)")
+  cat "$OUT/bench-stores.txt"
+  t=$(date +%s)
+  mkdir -p /tmp/kvxfer-disk
+  JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --disk /tmp/kvxfer-disk \
+    --disk-gb 30 --restart --json > "$OUT/demo-disk.json" 2> "$OUT/demo-disk.log"
+  summary+=("demo --disk --restart: exit $? ($(( $(date +%s) - t )) s)")
+  python3 -m jax_kvxfer demo --help > /dev/null  # (keeps the step's exit status above honest)
+  python3 - "$OUT/demo-disk.json" <<'PYEOF' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+for name, r in d["runs"].items():
+    m = r.get("metrics", r)
+    print(f"{name:28s} TTFT p50 {m['ttft_s']['p50']:.2f} s  p90 {m['ttft_s']['p90']:.2f} s  "
+          f"tok/s {m['output_tokens_per_s']:.1f}  prefill computed {m['computed_prefill_tokens']}  "
+          f"disk hits {m.get('store_hit_tokens')}")
+print("exact:", d["exact"], d.get("exactness"))
+PYEOF
 fi
 if has sharded; then
   t=$(date +%s)
