@@ -76,7 +76,7 @@ if has demo-dma; then  # the demo with every transfer on the copy engines, then 
 fi
 if has disk; then  # the disk tier: the stores bench against the disk's ceiling, then the demo
   t=$(date +%s)
-  python3 -m jax_kvxfer bench --only stores --no-plot --out "$OUT" > "$OUT/bench-stores.txt" 2> "$OUT/bench-stores.log"
+  python3 -m jax_kvxfer bench --only stores --stores-bytes 128M --no-plot --out "$OUT" > "$OUT/bench-stores.txt" 2> "$OUT/bench-stores.log"
   summary+=("bench stores: exit $? ($(( $(date +%s) - t )) s)")
   cat "$OUT/bench-stores.txt"
   t=$(date +%s)
