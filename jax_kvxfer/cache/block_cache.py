@@ -55,6 +55,7 @@ class PrefixMatch:
     partial_tokens: int  # tokens copied out of a partially matched block (0: none)
     partial_source_is_primary: bool | None  # where that block lives (None: no partial match)
     store_blocks: int = 0  # full blocks only a store holds (read into host rows, onboarded)
+    partial_from_store: bool = False  # the partially matched block only a store holds
 
 
 def block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
@@ -246,6 +247,10 @@ class TransferQueue:
 
     def writes_primary(self, slot: int) -> bool:
         return slot in self._written
+
+    def frees_secondary(self) -> bool:
+        """Whether issuing frees secondary slots (the sources of queued onboards)."""
+        return bool(self._slots_to_free)
 
     def issue(self, transfer_manager) -> tuple[list[CachedBlock], list[int]]:
         """Issues everything queued; returns the pins to release and secondary slots to free."""

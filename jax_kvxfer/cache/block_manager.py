@@ -41,17 +41,33 @@ class _Sequence:
 
 
 @dataclasses.dataclass(eq=False)
-class _Match:
-    """What a prompt reuses: full blocks of the GPU and host pools, in order; then blocks found
-    only in a store (`store`: which, and per block its key, parent key and tokens) and the
-    pools' blocks that follow them (`after_store`); or a partially matched block and its
-    matching tokens; and the tokens reused in all (as if every store block arrives)."""
+class _StoreRun:
+    """Full blocks of a prompt that only a store holds: which store, and per block its key,
+    parent key and tokens."""
 
-    full: list[CachedBlock]
-    store: tuple[int, list[tuple[bytes, bytes, tuple[int, ...]]]] | None
-    after_store: list[CachedBlock]
+    store: int
+    chain: list[tuple[bytes, bytes, tuple[int, ...]]]
+
+
+@dataclasses.dataclass(eq=False)
+class _Match:
+    """What a prompt reuses: its full blocks in order, as runs that the GPU and host pools hold
+    (lists of blocks) and runs that only a store holds (`_StoreRun`); then a partially matched
+    block of the pools and its matching tokens; and the tokens reused in all, should every
+    store block arrive intact."""
+
+    runs: list[list[CachedBlock] | _StoreRun]
     partial: tuple[CachedBlock, int] | None
     tokens: int
+    # else a partly filled block only a store holds (an earlier turn's reply tail, say), all
+    # of whose tokens the prompt repeats: which store, and its key, parent key and tokens
+    store_partial: _StoreRun | None = None
+
+    def pool_blocks(self) -> list[CachedBlock]:
+        return [b for run in self.runs if isinstance(run, list) for b in run]
+
+    def store_blocks(self) -> int:
+        return sum(len(run.chain) for run in self.runs if isinstance(run, _StoreRun))
 
 
 @dataclasses.dataclass(eq=False)
@@ -148,13 +164,14 @@ class BlockManager:
             raise ValueError("token_ids must hold at least one token")
         priority = check_priority(priority)
         match = self._match(tokens)
-        full, partial, reused = match.full, match.partial, match.tokens
+        partial, reused = match.partial, match.tokens
         num_blocks = math.ceil(len(tokens) / self.tokens_per_block)
-        pinned = [*full, *match.after_store, *([partial[0]] if partial else [])]
+        pinned = [*match.pool_blocks(), *([partial[0]] if partial else [])]
         for block in pinned:
             self._ref(block)
-        # what the pools' blocks after a store run save is not counted: a short read drops them
-        need = num_blocks - sum(b.is_primary for b in full)
+        # only the first run's GPU blocks surely save a slot: a short store read drops the rest
+        first = match.runs[0] if match.runs and isinstance(match.runs[0], list) else []
+        need = num_blocks - sum(b.is_primary for b in first)
         if need > self._available_primary():
             for block in pinned:
                 self._unref(block)
@@ -163,24 +180,44 @@ class BlockManager:
                 f"{self._available_primary()} can be freed (the rest are in use by running "
                 f"sequences); release sequences or use a larger primary pool")
         s = self._stats
-        blocks = list(full)
-        if match.store is not None:  # read into host rows, then onboarded like host hits
-            found = self._read_store_blocks(*match.store, priority=priority)
-            s.store_hit_blocks += len(found)
-            blocks += found
-            if len(found) == len(match.store[1]):
-                blocks += match.after_store
-            else:  # a block missing: the prefix ends before it
-                for block in match.after_store:
-                    self._unref(block)
-                reused = len(blocks) * self.tokens_per_block
-        s.prompt_tokens += len(tokens)
-        s.reused_tokens += reused
-        for block in blocks:
+        # Host hits are onboarded first, so that issuing gives their rows back for the store
+        # reads should the host pool run short of rows to stage them in.
+        for block in match.pool_blocks():
             if block.is_primary:
                 s.reused_blocks += 1
             else:
                 self._onboard(block)
+        blocks, whole = [], True
+        for run in match.runs:
+            if isinstance(run, _StoreRun):
+                if not whole:
+                    continue
+                # read into host rows, then onboarded like host hits (each run as it arrives)
+                found = self._read_store_blocks(run.store, run.chain, priority=priority)
+                s.store_hit_blocks += len(found)
+                whole = len(found) == len(run.chain)
+                for block in found:
+                    self._onboard(block)
+                blocks += found
+            elif whole:
+                blocks += run
+            else:  # after a block that did not arrive: not a prefix any more
+                for block in run:
+                    self._unref(block)
+        if whole and match.store_partial is not None:
+            found = self._read_store_blocks(match.store_partial.store, match.store_partial.chain,
+                                            priority=priority)
+            if found:  # its reference is the pin the partial copy releases
+                partial = (found[0], len(found[0].tokens))
+            else:
+                reused -= len(match.store_partial.chain[0][2])
+        if not whole:
+            if partial:
+                self._unref(partial[0])
+                partial = None
+            reused = len(blocks) * self.tokens_per_block
+        s.prompt_tokens += len(tokens)
+        s.reused_tokens += reused
         if partial:
             src, n = partial
             dst = self._new_block()
@@ -257,11 +294,13 @@ class BlockManager:
         """What `add_sequence(token_ids)` would reuse, without allocating anything."""
         tokens = check_token_ids("token_ids", token_ids)
         match = self._match(tokens)
-        full, partial = match.full + match.after_store, match.partial
-        return PrefixMatch(match.tokens, sum(b.is_primary for b in full),
-                           sum(not b.is_primary for b in full), partial[1] if partial else 0,
-                           partial[0].is_primary if partial else None,
-                           len(match.store[1]) if match.store else 0)
+        full, partial = match.pool_blocks(), match.partial
+        store_partial = match.store_partial
+        return PrefixMatch(
+            match.tokens, sum(b.is_primary for b in full), sum(not b.is_primary for b in full),
+            len(store_partial.chain[0][2]) if store_partial else partial[1] if partial else 0,
+            partial[0].is_primary if partial else None, match.store_blocks(),
+            store_partial is not None)
 
     # -- step boundary and introspection ----------------------------------------------------
 
@@ -290,9 +329,11 @@ class BlockManager:
         """
         tokens = check_token_ids("token_ids", token_ids)
         match = self._match(tokens)
-        if match.store is None:
-            return 0
-        blocks = self._read_store_blocks(*match.store, priority=DEFAULT_PRIORITY, wait=False)
+        blocks = []
+        for run in match.runs:
+            if isinstance(run, _StoreRun):
+                blocks += self._read_store_blocks(run.store, run.chain,
+                                                  priority=DEFAULT_PRIORITY, wait=False)
         return len(blocks) * self.tokens_per_block
 
     def flush(self) -> None:
@@ -348,47 +389,58 @@ class BlockManager:
             raise KeyError(f"unknown seq_id {seq_id!r}") from None
 
     def _match(self, tokens: tuple[int, ...]) -> _Match:
-        """Full blocks matched in order (GPU and host pools, then a store), then an optional
-        (block, n) partial match."""
+        """The prompt's full blocks in order, from the GPU and host pools or a store, then an
+        optional (block, n) partial match of the pools (a prompt's last, partly filled block
+        of an earlier turn, say: its reply's tail)."""
         t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
         if self._prefetching:  # the prompt's blocks being prefetched join the index first
             key = ROOT_KEY
             for start in range(0, limit - t + 1, t):
                 key = block_key(key, tokens[start:start + t])
                 self._finish_prefetch(key)
-        full, parent, n = [], ROOT_KEY, 0
+        runs: list[list[CachedBlock] | _StoreRun] = []
+        parent, n = ROOT_KEY, 0
         while n + t <= limit:
-            block = self._index.full_block(parent, tokens[n:n + t])
-            if block is None:
-                break
-            full.append(block)
-            parent, n = block.key, n + t
-        store, after_store = None, []
-        if self._tiers is not None and n + t <= limit:
-            chain, key = [], parent
-            for start in range(n, limit - t + 1, t):  # up to a block the pools hold
-                chunk = tokens[start:start + t]
-                chain.append((block_key(key, chunk), key, chunk))
-                key = chain[-1][0]
-                if key in self._index.by_key:
-                    chain.pop()
+            run = []  # blocks the pools hold
+            while n + t <= limit:
+                block = self._index.full_block(parent, tokens[n:n + t])
+                if block is None:
                     break
-            which, found = self._tiers.lookup([c[0] for c in chain])
-            if found:
-                store, n = (which, chain[:found]), n + found * t
-                parent = chain[found - 1][0]
-                while n + t <= limit:  # the pools may hold what follows (a prefetch, say)
-                    block = self._index.full_block(parent, tokens[n:n + t])
-                    if block is None:
-                        break
-                    after_store.append(block)
-                    parent, n = block.key, n + t
-        partial = None
-        if self.enable_partial_reuse and n < limit and store is None:
+                run.append(block)
+                parent, n = block.key, n + t
+            if run:
+                runs.append(run)
+            if self._tiers is None or n + t > limit:
+                break
+            chain, key = [], parent  # blocks only a store may hold: up to one the pools hold
+            for start in range(n, limit - t + 1, t):
+                chunk = tokens[start:start + t]
+                child = block_key(key, chunk)
+                if child in self._index.by_key:
+                    break
+                chain.append((child, key, chunk))
+                key = child
+            which, found = self._tiers.lookup([c[0] for c in chain]) if chain else (0, 0)
+            if not found:
+                break
+            runs.append(_StoreRun(which, chain[:found]))
+            parent, n = chain[found - 1][0], n + found * t
+            if found < len(chain):
+                break
+        partial = store_partial = None
+        if self.enable_partial_reuse and n < limit:
             block, common = self._index.longest_partial(parent, tokens[n:min(n + t, limit)])
             if block is not None:
                 partial, n = (block, common), n + common
-        return _Match(full, store, after_store, partial, n)
+            elif self._tiers is not None:  # a partly filled block of the prompt's tokens
+                for m in range(min(t - 1, limit - n), 0, -1):  # (a store matches keys only)
+                    chunk = tokens[n:n + m]
+                    key = block_key(parent, chunk)
+                    which, found = self._tiers.lookup([key])
+                    if found:
+                        store_partial, n = _StoreRun(which, [(key, parent, chunk)]), n + m
+                        break
+        return _Match(runs, partial, n, store_partial)
 
     def _read_store_blocks(self, which: int, chain: list, *, priority: int,
                            wait: bool = True) -> list[CachedBlock]:
@@ -398,6 +450,9 @@ class BlockManager:
         slots = []
         for _ in chain:
             slot = self._secondary_slot(priority)
+            if slot is None and self._queue.frees_secondary():
+                self._timed_issue()  # queued onboards give their source rows back
+                slot = self._secondary_slot(priority)
             if slot is None:
                 break
             slots.append(slot)
@@ -520,8 +575,10 @@ class BlockManager:
     def _drop_secondary(self, block: CachedBlock, free_slot: bool = True) -> int:
         self._reusable[False].remove(block)
         self._index.remove(block)
-        if self._to_store:  # its offload is not issued yet: nothing to write through
-            self._to_store = [(k, s) for k, s in self._to_store if s != block.slot]
+        if any(slot == block.slot for _, slot in self._to_store):
+            # Its offload is still queued: issue it, so that the block is written through
+            # before the row is reused (the next user of the slot waits for that write).
+            self._timed_issue()
         if free_slot:
             self._free[False].append(block.slot)
         return block.slot

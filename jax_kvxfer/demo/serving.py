@@ -335,7 +335,9 @@ def _serve(bm: BlockManager, conversations: Sequence[Conversation], forward: Cal
             # match_prefix found there (fewer when some turn out missing or corrupt, or the
             # host pool has too few rows to stage them in).
             read = start - gpu - host
-            assert 0 <= read <= match.store_blocks * t_block and read % t_block == 0, (
+            from_store = match.store_blocks * t_block + (
+                partial if match.partial_from_store else 0)  # a reply's tail, say
+            assert 0 <= read <= from_store and (read % t_block == 0 or read == from_store), (
                 start, match)
             reserved += need
             running.append(_Running(c, t, arrival, prompt, start, need, gpu, host - early,

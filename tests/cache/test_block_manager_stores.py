@@ -180,9 +180,29 @@ def test_a_prefetch_is_finished_even_when_a_block_before_it_was_evicted(tmp_path
     for i in range(3):  # evicts block 0 again (the prefetch holds its host rows)
         serve(bm, pool, 10 + i, list(map(int, rng.integers(50, 99, MAX_LEN))))
     reused = serve(bm, pool, "again", prompt)  # checks every reused position
-    assert reused >= 2 * T  # block 0 read from the disk, then the prefetched block after it
+    assert reused == MAX_LEN - T  # block 0 read from the disk, then the prefetched blocks
     assert not bm._prefetching
     held = {b.slot for b in bm._reusable[False]} | set(bm._free[False])
     assert held == set(range(pool.num_secondary_blocks)), "a host row stayed held"
+    bm.close()
+    store.close()
+
+
+def test_a_partly_filled_block_comes_back_from_the_disk(tmp_path):
+    """A chat's next turn repeats the last turn's tokens, whose last block is partly filled
+    (the reply's tail). With every block on the disk only, the next prompt reuses the full
+    blocks and that partial one too, so no token computed before is computed again."""
+    rng = np.random.default_rng(4)
+    store = FileStore(tmp_path, namespace="test-model")
+    pool = make_pool(4, 2)
+    bm = BlockManager(pool, stores=[store])
+    history = list(map(int, rng.integers(0, 50, 2 * T + 3)))  # two full blocks and 3 tokens
+    serve(bm, pool, "turn 1", history)
+    for i in range(4):  # push all of it out of the GPU and the host pool
+        serve(bm, pool, i, list(map(int, rng.integers(50, 99, MAX_LEN))))
+    bm.flush()
+    assert bm.match_prefix(history + [1, 2]).partial_from_store
+    reused = serve(bm, pool, "turn 2", history + list(map(int, rng.integers(0, 50, 5))))
+    assert reused == len(history)  # serve() checked every reused position's value
     bm.close()
     store.close()

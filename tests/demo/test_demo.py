@@ -528,8 +528,8 @@ def test_the_disk_run_is_exact_and_reuses_blocks_from_the_disk(disk_runs):
     assert store["corrupt"] == store["dropped_writes"] == 0
     # most of what the run reuses beyond the GPU comes from the disk, not the 4-block host pool
     assert disk["store_hit_tokens"] > disk["host_hit_tokens"]
-    # every token from the disk is a block read from it (prefetched blocks may go unused)
-    assert disk["store_hit_tokens"] % 4 == 0
+    # every token from the disk is in a block read from it: whole blocks, and the partly
+    # filled ones of replies' tails (prefetched blocks may go unused)
     assert disk["store_hit_tokens"] <= 4 * store["hits"]
     # the same GPU pool as drop, and the disk below it: less to recompute
     assert disk["computed_prefill_tokens"] < drop["computed_prefill_tokens"]
