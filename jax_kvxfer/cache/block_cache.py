@@ -227,11 +227,13 @@ class TransferQueue:
         self._written: set[int] = set()  # primary slots the queued onboards write
         self._pins: list[CachedBlock] = []
         self._slots_to_free: list[int] = []
+        self._host_rows: list[int] = []  # secondary slots the queued transfers read or write
 
     def offload(self, block: CachedBlock, dst_slot: int) -> None:
         """Queues primary slot `block.slot` -> secondary `dst_slot` (call before moving it)."""
         self._offloads.append((KVCacheBlock(block.block_id, block.slot, True),
                                KVCacheBlock(block.block_id, dst_slot, False)))
+        self._host_rows.append(dst_slot)
 
     def onboard(self, src: CachedBlock, dst_slot: int, num_tokens: int, *,
                 pin: CachedBlock | None = None, free_secondary_slot: int | None = None) -> None:
@@ -240,6 +242,8 @@ class TransferQueue:
                                KVCacheBlock(src.block_id, dst_slot, True)))
         self._onboard_tokens.append(num_tokens)
         self._written.add(dst_slot)
+        if not src.is_primary:
+            self._host_rows.append(src.slot)
         if pin is not None:
             self._pins.append(pin)
         if free_secondary_slot is not None:
@@ -252,11 +256,12 @@ class TransferQueue:
         """Whether issuing frees secondary slots (the sources of queued onboards)."""
         return bool(self._slots_to_free)
 
-    def issue(self, transfer_manager) -> tuple[list[CachedBlock], list[int]]:
-        """Issues everything queued; returns the pins to release and secondary slots to free."""
+    def issue(self, transfer_manager) -> tuple[list[CachedBlock], list[int], list[int]]:
+        """Issues everything queued; returns the pins to release, the secondary slots to free,
+        and every secondary slot the issued transfers read or write."""
         if self._offloads or self._onboards:  # both directions at once where exact
             transfer_manager.offload_and_onboard(self._offloads, self._onboards, None,
                                                  self._onboard_tokens)
-        pins, slots = self._pins, self._slots_to_free
+        pins, slots, rows = self._pins, self._slots_to_free, self._host_rows
         self.__init__()
-        return pins, slots
+        return pins, slots, rows

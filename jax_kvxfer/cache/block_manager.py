@@ -584,10 +584,13 @@ class BlockManager:
         return block.slot
 
     def _issue(self) -> None:
-        pins, slots = self._queue.issue(self.transfer_manager)
+        pins, slots, rows = self._queue.issue(self.transfer_manager)
         for block in pins:
             self._unref(block)
         self._free[False].extend(slots)
+        if self._tiers is not None and rows:
+            # the host rows these transfers touch: a store read into one waits for them
+            self._tiers.touched(rows)
         if self._to_store:  # the offloads into these rows are issued: write them through
             self._tiers.write_through(*zip(*self._to_store))
             self._to_store = []

@@ -51,8 +51,9 @@ class StoreTiers:
         # stores, whose own threads do the I/O; per secondary slot, the write still reading it.
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer-tiers")
         self._writing: dict[int, concurrent.futures.Future] = {}
+        # per host row, a fence for the last transfers issued that read or write it
+        self._row_fences: dict[int, object] = {}
         self._lock = threading.Lock()
-        self.hit_blocks = {store.tier: 0 for store in self.stores}
 
     # -- rows ---------------------------------------------------------------------------------
 
@@ -108,6 +109,12 @@ class StoreTiers:
             for slot in slots:
                 self._writing[slot] = job
 
+    def touched(self, slots: Sequence[int]) -> None:
+        """Transfers reading or writing these host rows were just issued."""
+        fence = self._manager.fence()
+        for slot in slots:
+            self._row_fences[slot] = fence
+
     def wait_written(self, slot: int) -> None:
         """Before `slot` is written again: waits for a store write still reading it."""
         with self._lock:
@@ -131,12 +138,18 @@ class StoreTiers:
     def read(self, store_index: int, keys: Sequence[bytes],
              slots: Sequence[int]) -> concurrent.futures.Future:
         """Starts reading `keys` from store `store_index` into the host rows `slots` (free
-        rows: no transfer may touch them any more). The future's result: how many blocks,
-        from the first, arrived intact."""
+        rows: no transfer issued later touches them). The future's result: how many blocks,
+        from the first, arrived intact. Waits first for the transfers issued that touch these
+        rows (usually long done) and for store writes still reading them."""
         store = self.stores[store_index]
-        self._manager.fence().wait()  # a freed row may still be an onboard's source
-        for slot in slots:
+        fences = {}
+        for slot in slots:  # a free row may still be an onboard's source, or an offload's
+            fence = self._row_fences.pop(slot, None)  # destination (its block since dropped)
+            if fence is not None:
+                fences[id(fence)] = fence
             self.wait_written(slot)
+        for fence in fences.values():
+            fence.wait()
         arrays, views = self._host_rows()
         staged = [self._row(views, slot) for slot in slots]
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -153,8 +166,6 @@ class StoreTiers:
                 for slot, row in zip(slots[:n], staged[:n]):
                     self._scatter(views, slot, row)
             arrays.clear()  # held until here
-            with self._lock:
-                self.hit_blocks[store.tier] += n
             done.set_result(n)
 
         store.get(keys, staged).add_done_callback(finished)
