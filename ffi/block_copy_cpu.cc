@@ -4,6 +4,7 @@
 #include "block_copy.h"
 #include "layer_copy.h"
 #include "nanobind/nanobind.h"
+#include "targets.h"
 
 namespace nb = nanobind;
 namespace kvxfer {
@@ -210,20 +211,10 @@ NB_MODULE(_kvxfer_cpu, m) {
   kvxfer::DefineSlotColumns(m);
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_kvxfer_block_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
-    d["jax_kvxfer_block_copy_nograph"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyCpu));
-    d["jax_kvxfer_block_copy_within_nograph"] =
-        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
-    d["jax_kvxfer_block_copy_within"] =
-        nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCpu));
-    d["jax_kvxfer_block_copy_fork"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyForkCpu));
-    d["jax_kvxfer_block_copy_join"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCpu));
-    d["jax_kvxfer_layer_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLayerCopyCpu));
-    d["jax_kvxfer_layer_lane_copy"] =
-        nb::capsule(reinterpret_cast<void*>(kvxfer::kLayerLaneCopyCpu));
-    d["jax_kvxfer_lane_copy"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyCpu));
-    d["jax_kvxfer_lane_copy_within"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCpu));
-    d["jax_kvxfer_join_lanes"] = nb::capsule(reinterpret_cast<void*>(kvxfer::kJoinLanesCpu));
+#define KVXFER_REGISTER(name, cuda, cpu) \
+  d[name] = nb::capsule(reinterpret_cast<void*>(kvxfer::k##cpu##Cpu));
+    KVXFER_TARGETS(KVXFER_REGISTER)
+#undef KVXFER_REGISTER
     return d;
   });
 }

@@ -15,6 +15,7 @@
 //    plan ring is), and these handlers must never be recorded into a CUDA graph, which would
 //    replay the first call's indices.
 #include "block_copy_cuda.h"
+#include "targets.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -409,19 +410,10 @@ NB_MODULE(_kvxfer_cuda, m) {
   kvxfer::ReadSmCounts();
   m.def("registrations", []() {
     nb::dict d;
-    auto add = [&d](const char* name, void* symbol) { d[name] = nb::capsule(symbol); };
-    add("jax_kvxfer_block_copy", reinterpret_cast<void*>(kvxfer::kBlockCopyCuda));
-    add("jax_kvxfer_block_copy_within", reinterpret_cast<void*>(kvxfer::kBlockCopyWithinCuda));
-    add("jax_kvxfer_block_copy_nograph", reinterpret_cast<void*>(kvxfer::kBlockCopyNoGraphCuda));
-    add("jax_kvxfer_block_copy_within_nograph",
-        reinterpret_cast<void*>(kvxfer::kBlockCopyWithinNoGraphCuda));
-    add("jax_kvxfer_block_copy_fork", reinterpret_cast<void*>(kvxfer::kBlockCopyForkCuda));
-    add("jax_kvxfer_block_copy_join", reinterpret_cast<void*>(kvxfer::kBlockCopyJoinCuda));
-    add("jax_kvxfer_layer_copy", reinterpret_cast<void*>(kvxfer::kLayerCopyCuda));
-    add("jax_kvxfer_lane_copy", reinterpret_cast<void*>(kvxfer::kLaneCopyCuda));
-    add("jax_kvxfer_lane_copy_within", reinterpret_cast<void*>(kvxfer::kLaneCopyWithinCuda));
-    add("jax_kvxfer_layer_lane_copy", reinterpret_cast<void*>(kvxfer::kLayerLaneCopyCuda));
-    add("jax_kvxfer_join_lanes", reinterpret_cast<void*>(kvxfer::kJoinLanesCuda));
+#define KVXFER_REGISTER(name, cuda, cpu) \
+  d[name] = nb::capsule(reinterpret_cast<void*>(kvxfer::k##cuda##Cuda));
+    KVXFER_TARGETS(KVXFER_REGISTER)
+#undef KVXFER_REGISTER
     return d;
   });
   m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },

@@ -1,4 +1,4 @@
-// The manager's batch check in one pass (jax_kvxfer/batch.py: check_batch), host code only.
+// The manager's batch check in one pass (jax_kvxfer/_batch.py: check_batch), host code only.
 //
 // A manager call of 64 blocks costs about 200 us in all, of which reading and checking the
 // pairs in NumPy took 16 us on the CPU machine and 36-75 us on the GPU hosts (a dozen small

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _native
 from ._checks import (
     POOL_RANK,
     IndexFacts,
@@ -45,8 +46,6 @@ from ._checks import (
 )
 from ._lowering import HOST_COPY_CTAS, block_copy_call, copy_results, put_in_pinned_host
 
-FORK_TARGET = "jax_kvxfer_block_copy_fork"
-JOIN_TARGET = "jax_kvxfer_block_copy_join"
 TICKET_BYTES = 8  # the fork's ticket result: its address identifies the fork to the join
 
 
@@ -96,13 +95,14 @@ def _fork_join(pool_a, pool_b, ab, ba, facts: tuple[IndexFacts, IndexFacts], opt
              "dma": np.bool_(options["dma"])}
 
     fork = jax.ffi.ffi_call(
-        FORK_TARGET, copy_results(pool_b, ab[0].shape[0]) + (
+        _native.BLOCK_COPY_FORK_TARGET, copy_results(pool_b, ab[0].shape[0]) + (
             jax.ShapeDtypeStruct((TICKET_BYTES,), jnp.uint8),),
         input_output_aliases={0: 0}, vmap_method="sequential")
     new_b, workspace, staging, ticket = fork(
         pool_b, pool_a, *ab, unique_dst=np.bool_(ab_facts.unique_dst),
         whole_blocks=np.bool_(options["dma"] and whole[0]), **attrs)
-    join = jax.ffi.ffi_call(JOIN_TARGET, copy_results(pool_a, ba[0].shape[0]),
+    join = jax.ffi.ffi_call(_native.BLOCK_COPY_JOIN_TARGET,
+                            copy_results(pool_a, ba[0].shape[0]),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     # after the ticket: what the fork's copy still uses, kept alive until the join has waited
     new_a = join(pool_a, new_b, *ba, ticket, workspace, staging, *ab,
@@ -153,7 +153,8 @@ def _copy_after(dst_pool, src_pool, idx, facts: IndexFacts, after, options: dict
                 whole_blocks: bool):
     """One copy that XLA runs after `after` was made (the join target, with nothing to wait
     for: `after` is only an extra operand)."""
-    call = jax.ffi.ffi_call(JOIN_TARGET, copy_results(dst_pool, idx[0].shape[0]),
+    call = jax.ffi.ffi_call(_native.BLOCK_COPY_JOIN_TARGET,
+                            copy_results(dst_pool, idx[0].shape[0]),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(dst_pool, src_pool, *idx, after, hazard_free=np.bool_(True),
                 unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(options["max_ctas"]),

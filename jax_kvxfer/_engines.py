@@ -6,11 +6,11 @@ dispatches each run as one jitted call that copies it in every pool, the destina
 
 - `InLineEngine`: the copy kernel on XLA's stream, in line with compute; every later use of a
   pool sees the copies. For `dma=False`, sharded pools and `plan_ring=False`.
-- `LaneEngine`: the copies enqueued on the transfer lanes (lanes.py), beside compute, ordered by
+- `LaneEngine`: the copies enqueued on the transfer lanes (_lanes.py), beside compute, ordered by
   `LaneHazards` (_hazards.py), joined at the step boundary or when user code reads a pool array
   that lane copies use.
 
-Both take block indices from the plan ring (plan_ring.py) when there is one, and share one
+Both take block indices from the plan ring (_plan_ring.py) when there is one, and share one
 fallback for a destination that cannot be donated (a NumPy view pins it): the same call without
 donating, with a `DonationWarning`.
 """
@@ -28,15 +28,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._batch import PairBatch
+from ._both_ways import both_ways_call, both_ways_plan
 from ._checks import IndexFacts, index_facts
 from ._hazards import OFFLOAD_LANE, ONBOARD_LANE, LaneHazards
 from ._jax_seams import pinned_by_external_reference
+from ._lanes import join_call, lane_copy_call, lanes_idle, layer_lane_copy_call, wait_lanes
+from ._layers import manager_copy, manager_copy_within
 from ._lowering import HOST_COPY_CTAS, block_copy_call
-from .batch import PairBatch
-from .both_ways import both_ways_call, both_ways_plan
-from .lanes import join_call, lane_copy_call, lanes_idle, layer_lane_copy_call, wait_lanes
-from .layers import manager_copy, manager_copy_within
-from .plan_ring import PlanRing, PlanSlot
+from ._plan_ring import PlanRing, PlanSlot
 
 
 class DonationWarning(UserWarning):
@@ -51,7 +51,7 @@ class DonationWarning(UserWarning):
 # traffic between devices.
 #
 # Besides the pools, a dispatch takes donated and hands back unchanged the tokens of the plan
-# ring slots it reads (plan_ring.py): XLA aliases them to outputs, so no op runs for them, and
+# ring slots it reads (_plan_ring.py): XLA aliases them to outputs, so no op runs for them, and
 # each returned token is ready when the dispatch has run. Without the ring, tokens are None.
 def _on_shards(fn, mesh, spec, num_pools: int):
     if spec is None:
@@ -333,7 +333,7 @@ class InLineEngine(Engine):
 
 
 class LaneEngine(Engine):
-    """The copies on the transfer lanes, beside compute (lanes.py), ordered by LaneHazards.
+    """The copies on the transfer lanes, beside compute (_lanes.py), ordered by LaneHazards.
 
     asynchronous: the lanes really run behind XLA's back (a GPU); on the CPU a lane copy is
     done when its call is, and nothing needs joining.

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _native
 from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE
-from .layers import LayerViews, layer_call
+from ._layers import LayerViews, layer_call
 
 
 def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
@@ -53,7 +53,7 @@ def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
 def layer_lane_copy_call(host, layers, src_idx, dst_idx, tokens, *, offload: bool, views: LayerViews,
                          lane: int, wait_lane: int = NO_LANE, stream_wait_lane: int = NO_LANE,
                          whole_blocks: bool = False):
-    """The layered copy (layers.py: between a pool's per-layer arrays and its host rows)
+    """The layered copy (_layers.py: between a pool's per-layer arrays and its host rows)
     enqueued on `lane`, as `lane_copy_call`. Returns the new host array (offload) or the new
     list of arrays (onboard)."""
     return layer_call(_native.LAYER_LANE_COPY_TARGET, host, layers, src_idx, dst_idx, tokens,

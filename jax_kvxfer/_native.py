@@ -11,6 +11,10 @@ try:  # built only where a CUDA compiler was found
 except ImportError:  # pragma: no cover - depends on the build
     _kvxfer_cuda = None
 
+# The table of the FFI targets: every name the library's custom calls use, spelled here only
+# (for C++: ffi/targets.h, which both compiled modules' registrations expand).
+# tests/test_layering.py checks that the two lists agree and that no other module spells a
+# target; tests/native/test_targets.py, that the compiled modules register exactly TARGETS.
 BLOCK_COPY_TARGET = "jax_kvxfer_block_copy"  # (dst, src, src_idx, dst_idx, num_tokens)
 BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst_idx, num_tokens)
 # The same two without the command-buffer trait of the two above (which lets XLA replay chained
@@ -19,15 +23,27 @@ BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst
 BLOCK_COPY_NOGRAPH_TARGET = "jax_kvxfer_block_copy_nograph"
 BLOCK_COPY_WITHIN_NOGRAPH_TARGET = "jax_kvxfer_block_copy_within_nograph"
 
-# Between an engine's per-layer arrays and a pool's host rows (layers.py): (src_idx, dst_idx,
+# copy_blocks_both_ways (_both_ways.py): `new_b = fork(b, a)` on a side stream, then
+# `new_a = join(a, new_b)`, which makes XLA's stream wait for the fork.
+BLOCK_COPY_FORK_TARGET = "jax_kvxfer_block_copy_fork"
+BLOCK_COPY_JOIN_TARGET = "jax_kvxfer_block_copy_join"
+
+# Between an engine's per-layer arrays and a pool's host rows (_layers.py): (src_idx, dst_idx,
 # num_tokens, host, *layers)
 LAYER_COPY_TARGET = "jax_kvxfer_layer_copy"
 LAYER_LANE_COPY_TARGET = "jax_kvxfer_layer_lane_copy"  # the same on a transfer lane
 
-# The manager's copies beside compute (lanes.py): (dst, src, ...) and (pool, ...), and the join.
+# The manager's copies beside compute (_lanes.py): (dst, src, ...) and (pool, ...), and the join.
 LANE_COPY_TARGET = "jax_kvxfer_lane_copy"
 LANE_COPY_WITHIN_TARGET = "jax_kvxfer_lane_copy_within"
 JOIN_LANES_TARGET = "jax_kvxfer_join_lanes"
+
+TARGETS: tuple[str, ...] = (
+    BLOCK_COPY_TARGET, BLOCK_COPY_WITHIN_TARGET, BLOCK_COPY_NOGRAPH_TARGET,
+    BLOCK_COPY_WITHIN_NOGRAPH_TARGET, BLOCK_COPY_FORK_TARGET, BLOCK_COPY_JOIN_TARGET,
+    LAYER_COPY_TARGET, LAYER_LANE_COPY_TARGET, LANE_COPY_TARGET, LANE_COPY_WITHIN_TARGET,
+    JOIN_LANES_TARGET)
+"""Every target above: both builds (CPU and CUDA) register exactly these."""
 
 HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None
 """True when this build carries the CUDA handlers (built with a CUDA compiler present)."""

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from ._batch import PairBatch, check_batch, check_direction, check_index_batch, split_runs
 from ._checks import check_dma_choice
 from ._engines import DonationWarning, Fence, InLineEngine, LaneEngine
-from .batch import PairBatch, check_batch, check_direction, check_index_batch, split_runs
-from .lanes import take_exposed_seconds
-from .plan_ring import PlanRing
+from ._lanes import take_exposed_seconds
+from ._plan_ring import PlanRing
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 __all__ = ["DonationWarning", "KVCacheTransferManager", "PendingTransfer", "TransferStats"]
@@ -45,7 +45,7 @@ class TransferStats:
     copied_blocks: int = 0  # within one memory (e.g. a partial-reuse copy on the device)
     copied_bytes: int = 0
     # GPU seconds XLA's stream spent on the transfer lanes' account: waiting at syncs for
-    # copies compute did not hide, and taking offload snapshots (lanes.py). Over the work of
+    # copies compute did not hide, and taking offload snapshots (_lanes.py). Over the work of
     # this process's managers that has finished; 0.0 without lanes. Not compared by ==.
     exposed_seconds: float = dataclasses.field(default=0.0, compare=False)
 
@@ -80,12 +80,12 @@ class KVCacheTransferManager:
         """Args:
           pools: one or more pools with equal block counts and tokens per block.
           plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
-            kernel reads in place (plan_ring.py; saves a host-to-device transfer per call).
+            kernel reads in place (_plan_ring.py; saves a host-to-device transfer per call).
             False: send them as NumPy arrays, which JAX moves to the device with each call.
             Both copy the same; the ring relies on JAX handing a pinned_host array's own
             buffer to the custom call, so False is the way out should a JAX version not.
           dma: how the blocks move on a GPU. True or "auto" (default): on the transfer lanes
-            with the copy engines, beside the model step (lanes.py), where the pools are on one
+            with the copy engines, beside the model step (_lanes.py), where the pools are on one
             device and the plan ring is on; "auto" falls back to the copy kernel on XLA's
             stream for sharded pools or plan_ring=False, True raises there. False: the copy
             kernel on XLA's stream, in line with compute (no lanes).
@@ -140,7 +140,7 @@ class KVCacheTransferManager:
 
     @property
     def on_lanes(self) -> bool:
-        """Whether the copies run on a GPU's transfer lanes, beside compute (lanes.py)."""
+        """Whether the copies run on a GPU's transfer lanes, beside compute (_lanes.py)."""
         return isinstance(self._engine, LaneEngine) and self._engine.asynchronous
 
     # -- the verbs ---------------------------------------------------------------------------

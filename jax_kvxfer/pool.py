@@ -12,8 +12,8 @@ import numpy as np
 
 from ._checks import check_byte_rows, check_memory_space, dtype_bits
 from ._jax_seams import host_byte_views
-from .lanes import wait_lanes
-from .layers import LayerViews, check_layers, layer_views
+from ._lanes import wait_lanes
+from ._layers import LayerViews, check_layers, layer_views
 from .limits import check_fits
 
 
@@ -75,7 +75,7 @@ def to_numpy(array: jax.Array, *, local: bool = False) -> Any:
         raise ValueError(
             "to_numpy: the array spans devices of other processes, whose shards this process "
             "cannot read; to_numpy(array, local=True) returns this process's shards")
-    # The transfer lanes write pools behind XLA's back (lanes.py): wait for the copies that the
+    # The transfer lanes write pools behind XLA's back (_lanes.py): wait for the copies that the
     # dispatches making `array` enqueued.
     jax.block_until_ready(array)
     wait_lanes()

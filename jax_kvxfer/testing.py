@@ -1,6 +1,8 @@
-"""What tests and the benchmark may observe of the library's insides, in one public place:
-which path a copy took, the manager's dispatchers and plan ring. Not an API to program
-against: it changes with the library."""
+"""What tests, scripts and the benchmark may observe of the library's insides, in one public
+place: which path a copy took, the manager's dispatchers and plan ring, the table of FFI
+targets, and the internal functions that tests call directly. Not an API to program against:
+it changes with the library. Tests import these from here, never from a private module
+(tests/test_layering.py checks)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,37 @@ from typing import Any
 
 import jax
 
-from . import _engines, _native
+# Besides the hooks defined below, the internals that tests (and scripts, and the bench) call
+# or read directly, each for one reason.
+from . import _engines, _kvxfer_cpu, _native
 
-# The lanes' hazard bookkeeping, pure NumPy, for its unit test against a brute-force model.
+# The manager's batch check (pairs -> NumPy columns): its test against plain Python, and the
+# bench's host-speed reference.
+from ._batch import check_batch, split_runs
+
+# Both-ways plans, forced one by one: each mode's program must update both pools in place.
+from ._both_ways import BothWaysPlan, both_ways_call, both_ways_plan
+
+# What known indices prove (IndexFacts() proves nothing): for eager_fn and both_ways_call.
+from ._checks import IndexFacts
+
+# The lanes' hazard bookkeeping, pure NumPy: its unit test against a brute-force model.
 from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, LaneHazards, LaneOrder
-from .manager import KVCacheTransferManager
-from .plan_ring import PlanRing
 
+# The layered copy's custom call: the sanitizer traces it in a jit of its own.
+from ._layers import layer_copy_call
+
+# The jitted function an eager copy runs: the sharded tests lower it to look for collectives.
+from ._lowering import eager_fn
+
+# The table of FFI targets: its check against the compiled registrations, and the fork's name
+# to look for in a both-ways program.
+from ._native import BLOCK_COPY_FORK_TARGET, TARGETS
+from ._plan_ring import PlanRing
+from .manager import KVCacheTransferManager
+
+# The native pass behind check_batch: its own edge cases (bad column shapes, odd blocks).
+slot_columns = _kvxfer_cpu.slot_columns
 plan_tokens = _engines.plan_tokens  # the tokens a dispatch reading plan ring slots donates
 
 # The manager's jitted dispatchers by name: each is (donating the pools, not donating them).
@@ -30,6 +56,15 @@ def dma_batches() -> int | None:
     if jax.default_backend() != "gpu" or not _native.HAS_CUDA_HANDLERS:
         return None
     return _native._kvxfer_cuda.dma_batches()
+
+
+def registered_targets() -> dict[str, list[str]]:
+    """The target names each compiled module registers with XLA, by platform ("cpu", and
+    "cuda" where this build has the CUDA handlers), sorted."""
+    found = {"cpu": sorted(_kvxfer_cpu.registrations())}
+    if _native.HAS_CUDA_HANDLERS:
+        found["cuda"] = sorted(_native._kvxfer_cuda.registrations())
+    return found
 
 
 def dispatcher(name: str) -> Any:
@@ -68,6 +103,8 @@ def plan_ring(manager: KVCacheTransferManager) -> PlanRing | None:
     """The manager's plan ring (None: it passes indices as NumPy arrays)."""
     return manager._engine.plans
 
-__all__ = ["DISPATCHERS", "NO_LANE", "OFFLOAD_LANE", "ONBOARD_LANE", "LaneHazards", "LaneOrder",
-           "copy_engine", "count_dispatches", "dispatcher", "dma_batches", "plan_ring",
-           "plan_tokens"]
+__all__ = ["BLOCK_COPY_FORK_TARGET", "DISPATCHERS", "NO_LANE", "OFFLOAD_LANE", "ONBOARD_LANE",
+           "TARGETS", "BothWaysPlan", "IndexFacts", "LaneHazards", "LaneOrder",
+           "both_ways_call", "both_ways_plan", "check_batch", "copy_engine", "count_dispatches",
+           "dispatcher", "dma_batches", "eager_fn", "layer_copy_call", "plan_ring",
+           "plan_tokens", "registered_targets", "slot_columns", "split_runs"]

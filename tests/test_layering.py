@@ -1,10 +1,20 @@
-"""The package's layers, checked from its imports (docs/design.md describes the same).
+"""The package's layers and boundary, checked from its sources (docs/design.md describes the
+same).
 
 From the bottom up: core (the top-level modules: ops, pools, the transfer manager) <- stores
 (the tiers below the host) <- cache (the block manager) <- the package's API (its `__init__`)
 <- the demo and the bench, which use that API and do not import each other <- `__main__`.
 A module imports only from its own layer and the layers below it; no module imports another
 module's private name (`_name`), nor a private module (`_module`) of another folder.
+
+Outside the package (tests/, scripts/, examples/), no file imports a private module or a private
+name of the package, nor reaches one as an attribute of a module it imported (`kvx._lowering`):
+they reach the insides through `jax_kvxfer.testing`. OUTSIDE_EXCEPTIONS names the exceptions.
+
+The FFI target names are spelled in one table, `_native.py` (the `*_TARGET` constants), for
+Python, and in `ffi/targets.h` for both compiled modules' registrations: the two lists are
+equal, and no other module or C++ file spells a target (tests/native/test_targets.py checks
+the compiled registrations against the table).
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "jax_kvxfer"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "jax_kvxfer"
 # A module may import from a layer of lower rank, or from its own.
 RANKS = {"core": 0, "stores": 1, "cache": 2, "api": 3, "demo": 4, "bench": 4, "main": 5}
 # The compiled extensions, which the build puts beside the package's modules.
@@ -108,6 +119,130 @@ def test_no_import_runs_against_the_layers():
     assert not found, "imports against the layering:\n  " + "\n  ".join(found)
 
 
+# ---------------------------------------------------------------------------------------------
+# Outside the package: tests, scripts and examples use its public modules and names only.
+
+OUTSIDE = ("tests", "scripts", "examples")
+# (file, private module or name it may use) -> why.
+OUTSIDE_EXCEPTIONS = {
+    ("tests/test_jax_seams.py", "_jax_seams"):
+        "the seams' canaries test what the library relies on in JAX, module by module",
+}
+
+
+def _private_part(dotted: str) -> str | None:
+    """The first private part of a dotted name under jax_kvxfer ("_checks" of "_checks.X")."""
+    return next((p for p in dotted.split(".") if _private(p)), None)
+
+
+def outside_violations(root: Path = REPO, package: Path = PACKAGE) -> list[str]:
+    """Private modules and names of the package that files under root's OUTSIDE folders use,
+    one line each: imported, or reached as an attribute of an imported package module."""
+    found = []
+    for path in sorted(p for name in OUTSIDE for p in (root / name).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bound: dict[str, str] = {}  # a local name -> the package module it stands for
+        used: list[tuple[int, str]] = []  # (line, what: a module or module.name under jax_kvxfer)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "jax_kvxfer" or a.name.startswith("jax_kvxfer."):
+                        sub = a.name.partition(".")[2]
+                        used.append((node.lineno, sub))
+                        if a.asname:
+                            bound[a.asname] = sub
+                        else:  # `import jax_kvxfer.x` binds jax_kvxfer
+                            bound["jax_kvxfer"] = ""
+            elif (isinstance(node, ast.ImportFrom) and not node.level and node.module
+                  and (node.module + ".").startswith("jax_kvxfer.")):
+                base = node.module.partition(".")[2]
+                for a in node.names:
+                    sub = f"{base}.{a.name}" if base else a.name
+                    used.append((node.lineno, sub))
+                    if _is_module(package, sub):
+                        bound[a.asname or a.name] = sub
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in bound and _private(node.attr)):
+                module = bound[node.value.id]
+                used.append((node.lineno, f"{module}.{node.attr}" if module else node.attr))
+        for line, what in sorted(set(used)):
+            part = _private_part(what)
+            if part is not None and (rel, part) not in OUTSIDE_EXCEPTIONS:
+                found.append(f"{rel}:{line}: uses jax_kvxfer.{what}, private ({part}); use a "
+                             "public name (jax_kvxfer.testing for the insides)")
+    return found
+
+
+def test_tests_scripts_and_examples_use_no_private_module_or_name():
+    found = outside_violations()
+    assert not found, "private imports outside the package:\n  " + "\n  ".join(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table of FFI targets.
+
+TABLE = "_native.py"  # the one module that spells the targets
+NATIVE_TABLE = REPO / "ffi" / "targets.h"  # the one C++ file that does
+TARGET_NAME = re.compile(r"\bjax_kvxfer_\w+")
+
+
+def table(package: Path = PACKAGE) -> dict[str, str]:
+    """The `*_TARGET = "..."` constants of the table module: name -> target."""
+    found = {}
+    for node in ast.parse((package / TABLE).read_text(encoding="utf-8")).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.endswith("_TARGET")
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            found[node.targets[0].id] = node.value.value
+    return found
+
+
+def native_table(header: Path = NATIVE_TABLE) -> list[str]:
+    """The names ffi/targets.h registers, in its order."""
+    return re.findall(r'X\("(jax_kvxfer_\w+)"', header.read_text(encoding="utf-8"))
+
+
+def spelled_targets(package: Path = PACKAGE, ffi: Path = REPO / "ffi") -> list[str]:
+    """Strings spelling a target (`jax_kvxfer_...`; docstrings, which name them in prose, left
+    out) in a module other than the table, and in C++ sources other than ffi/targets.h."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == package / TABLE:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in prose and TARGET_NAME.search(node.value)):
+                found.append(f"jax_kvxfer/{path.relative_to(package).as_posix()}:{node.lineno}: "
+                             f"spells the target {node.value!r} outside {TABLE}")
+    for path in sorted(ffi.iterdir()):
+        if path.name == NATIVE_TABLE.name or path.suffix not in (".h", ".cc", ".cu", ".cuh"):
+            continue
+        for line, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r'"jax_kvxfer_\w+', text):
+                found.append(f"ffi/{path.name}:{line}: spells a target outside "
+                             f"{NATIVE_TABLE.name}")
+    return found
+
+
+def test_targets_are_spelled_in_the_table_only():
+    found = spelled_targets()
+    assert not found, "targets spelled outside the table:\n  " + "\n  ".join(found)
+
+
+def test_the_python_and_native_tables_agree():
+    python, native = sorted(table().values()), native_table()
+    assert len(native) == len(set(native)), native
+    assert python == sorted(native), (python, native)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks themselves.
+
 @pytest.mark.parametrize("module, expected", [
     ("manager", "core"), ("_native", "core"), ("cache.block_manager", "cache"),
     ("cache.__init__", "cache"), ("demo.cli", "demo"), ("bench.sweep", "bench"),
@@ -127,3 +262,41 @@ def test_the_check_sees_a_wrong_import(tmp_path):
     found = violations(copy)
     assert any("manager.py" in f and "cache.__init__, of layer cache" in f for f in found), found
     assert any("private name(s) ['_checked_view'] of ops" in f for f in found), found
+
+
+def test_the_check_sees_private_use_outside_the_package(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "import jax_kvxfer as kvx\n"
+        "from jax_kvxfer import _native, testing\n"
+        "from jax_kvxfer._checks import IndexFacts\n"
+        "from jax_kvxfer.ops import _checked_view\n"
+        "from jax_kvxfer._jax_seams import host_byte_views\n"
+        "from jax_kvxfer.demo import cli\n"
+        "kvx._lowering.eager_fn\n"
+        "cli._private_helper\n"
+        "testing.dma_batches()\n")
+    (tmp_path / "tests" / "test_jax_seams.py").write_text(
+        "from jax_kvxfer import _jax_seams as seams\n")
+    found = outside_violations(tmp_path)
+    for line, what in [(2, "_native"), (3, "_checks.IndexFacts"), (4, "ops._checked_view"),
+                       (5, "_jax_seams.host_byte_views"),
+                       (7, "_lowering"), (8, "demo.cli._private_helper")]:
+        assert any(f.startswith(f"tests/test_x.py:{line}: uses jax_kvxfer.{what},")
+                   for f in found), (what, found)
+    assert len(found) == 6, found  # the seams' own test may import them; public names pass
+
+
+def test_the_check_sees_a_target_spelled_outside_the_table(tmp_path):
+    copy, ffi = tmp_path / "jax_kvxfer", tmp_path / "ffi"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "ffi", ffi)
+    assert spelled_targets(copy, ffi) == []
+    manager = copy / "manager.py"
+    manager.write_text(manager.read_text() + '\nTARGET = "jax_kvxfer_block_copy"\n'
+                       'def f():\n    """Docs may name `jax_kvxfer_block_copy`."""\n')
+    cuda = ffi / "block_copy_cuda.cu"
+    cuda.write_text(cuda.read_text() + '\n// d["jax_kvxfer_extra"] = nullptr;\n')
+    found = spelled_targets(copy, ffi)
+    assert len(found) == 2, found
+    assert "jax_kvxfer/manager.py" in found[0] and "ffi/block_copy_cuda.cu" in found[1], found

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..both_ways import copy_blocks_both_ways
+from .. import copy_blocks_both_ways
 from ..ops import copy_blocks
 from ..testing import dma_batches
 from .config import fmt_size, geometry_for

@@ -24,8 +24,8 @@ HOST_SPEED_VARIANT = "host speed: check_batch alone"
 def host_speed_reference(batches: list[Any], pool_blocks: int) -> Callable[[int], None]:
     """call(i): `check_batch` of batch i's pairs (a native pass and a little NumPy; before
     2026-11-30 it was pure Python and NumPy, so its figures do not compare across that date)."""
-    from ..batch import check_batch
     from ..pool import KVCacheBlock
+    from ..testing import check_batch
     pair_lists = [[(KVCacheBlock(k, int(s), True), KVCacheBlock(k, int(t), False))
                    for k, (s, t) in enumerate(zip(si, di)) if s >= 0] for si, di in batches]
 

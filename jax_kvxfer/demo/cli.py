@@ -232,7 +232,7 @@ RUNS = ("offload", DISK, RESTARTED, "drop", "never_evict")  # in the order they 
 MUST_BE_EXACT = ("offload", DISK, RESTARTED)
 
 
-def _toy_model(cfg: dict) -> ModelConfig:
+def toy_model(cfg: dict) -> ModelConfig:
     """The random-weight model of these sizes. Raises ValueError for inconsistent ones."""
     return ModelConfig(vocab_size=cfg["vocab"], num_layers=cfg["layers"], d_model=cfg["d_model"],
                        num_heads=cfg["heads"], num_kv_heads=cfg["kv_heads"],
@@ -240,7 +240,8 @@ def _toy_model(cfg: dict) -> ModelConfig:
                        dtype=cfg["dtype"])
 
 
-def _synthetic_chats(cfg: dict, vocab_size: int, seed: int) -> list[workloads.Conversation]:
+def synthetic_chats(cfg: dict, vocab_size: int, seed: int) -> list[workloads.Conversation]:
+    """The synthetic chats of these sizes (the demo's workload without a trace or --text)."""
     return workloads.chat_workload(
         conversations=cfg["conversations"], turns=cfg["turns"],
         system_tokens=cfg["system_tokens"], user_tokens=cfg["user_tokens"],
@@ -248,7 +249,7 @@ def _synthetic_chats(cfg: dict, vocab_size: int, seed: int) -> list[workloads.Co
         arrival_rate=cfg["arrival_rate"] or 1e9, vocab_size=vocab_size, seed=seed)
 
 
-def _run_pools(cfg: dict, convs: list[workloads.Conversation]) -> dict[str, tuple[int, int]]:
+def run_pools(cfg: dict, convs: list[workloads.Conversation]) -> dict[str, tuple[int, int]]:
     """Each run's (primary, secondary) blocks, in the order the runs go (RUNS'): offload, drop
     and, with --disk (cfg's "disk_host_blocks" set), offload+disk and, with --restart (cfg's
     "restart"), its restart share the GPU pool's size, the disk runs with a host pool of
@@ -278,9 +279,9 @@ def preset_memory(name: str) -> str:
     """A preset's memory for --help, computed from its shapes (so that it cannot drift from
     them): the weights and the runs' GPU pools in device memory, the host pool pinned."""
     cfg = PRESETS[name]
-    model = _toy_model(cfg)
+    model = toy_model(cfg)
     block = kv_block_nbytes(model, cfg["tokens_per_block"])
-    pools = _run_pools(cfg, _synthetic_chats(cfg, model.vocab_size, seed=0))
+    pools = run_pools(cfg, synthetic_chats(cfg, model.vocab_size, seed=0))
     return (f"{name}: weights {_size(model.weights_nbytes)}, GPU pool "
             f"{_size(pools['offload'][0] * block)} (never_evict's "
             f"{_size(pools['never_evict'][0] * block)}) in device memory, host pool "
@@ -300,7 +301,7 @@ def memory_shortfall(model: ModelConfig, cfg: dict, convs: list[workloads.Conver
     Activations and compiled code are not counted: they need some headroom beyond this.
     """
     block = kv_block_nbytes(model, cfg["tokens_per_block"])
-    pools = _run_pools(cfg, convs)
+    pools = run_pools(cfg, convs)
     chats = serving.blocks_to_never_evict(convs, cfg["batch"], cfg["tokens_per_block"])
     # With several processes, each checks its own devices and its share of the pools.
     local = [d for d in devices if d.process_index == jax.process_index()]
@@ -543,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         real = (weights, tokenizer)
     else:
         try:
-            model = _toy_model(cfg)
+            model = toy_model(cfg)
         except ValueError as e:
             parser.error(str(e).replace("num_kv_heads", "--kv-heads")
                          .replace("num_heads", "--heads").replace("head_dim", "--head-dim"))
@@ -560,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         if not convs:
             parser.error(f"--trace: {args.trace} holds no request")
     else:
-        convs = _synthetic_chats(cfg, model.vocab_size, args.seed)
+        convs = synthetic_chats(cfg, model.vocab_size, args.seed)
     need = serving.max_request_blocks(convs, cfg["tokens_per_block"])
     if cfg["primary_blocks"] < need:
         parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: one request of "
@@ -672,7 +673,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
               "stop_token": None if real is None else real[1].eos_id,
               "fixed_step_s": None if args.fixed_step_ms is None else args.fixed_step_ms / 1e3,
               "dma": {"auto": "auto", "true": True, "false": False}[args.dma]}
-    pools = _run_pools(cfg, convs)
+    pools = run_pools(cfg, convs)
     results = {}
     # The disk runs' files: a fresh subdirectory of --disk (the first pass starts cold; the
     # restart finds what it left), removed at the end.

@@ -397,9 +397,9 @@ class _Gpu:
 
 def test_on_gpus_each_device_holds_the_weights_and_its_share_of_the_pool(monkeypatch):
     cfg = {**demo.PRESETS["cpu"], "primary_blocks": 100, "secondary_blocks": 40}
-    model = demo._toy_model(cfg)
-    convs = demo._synthetic_chats(cfg, model.vocab_size, seed=0)
-    oracle = demo._run_pools(cfg, convs)["never_evict"][0]
+    model = demo.toy_model(cfg)
+    convs = demo.synthetic_chats(cfg, model.vocab_size, seed=0)
+    oracle = demo.run_pools(cfg, convs)["never_evict"][0]
     weights, block = _weights_and_block_bytes(model, cfg["tokens_per_block"])
     devices = [_Gpu(0), _Gpu(1)]
     free = {"cuda:0": weights + oracle * block // 2, "cuda:1": weights + oracle * block // 2}
@@ -643,7 +643,7 @@ def test_the_memory_check_counts_the_disk_runs_host_pool(tmp_path, monkeypatch, 
 
 def test_different_models_never_share_disk_blocks():
     cfg = {**demo.PRESETS["cpu"]}
-    model = demo._toy_model(cfg)
+    model = demo.toy_model(cfg)
     names = {demo.store_namespace(model, cfg, preset="cpu", seed=0, real=False),
              demo.store_namespace(model, cfg, preset="cpu", seed=1, real=False),  # weights
              demo.store_namespace(model, cfg, preset="cpu", seed=0, real=True),
@@ -651,7 +651,7 @@ def test_different_models_never_share_disk_blocks():
                                   preset="cpu", seed=0, real=False),
              demo.store_namespace(model, cfg, preset="h200", seed=0, real=False)}
     assert len(names) == 5
-    big = demo._toy_model(demo.PRESETS["h200"])
+    big = demo.toy_model(demo.PRESETS["h200"])
     assert all(0 < len(n) <= 256 for n in names | {
         demo.store_namespace(big, demo.PRESETS["h200"], preset="h200", seed=123, real=True)})
 

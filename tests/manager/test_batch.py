@@ -6,9 +6,8 @@ import collections
 import numpy as np
 import pytest
 
-from jax_kvxfer import _kvxfer_cpu
-from jax_kvxfer.batch import check_batch, split_runs
 from jax_kvxfer.pool import KVCacheBlock
+from jax_kvxfer.testing import check_batch, slot_columns, split_runs
 
 NUM_PRIMARY, NUM_SECONDARY, TOKENS = 7, 5, 8
 
@@ -115,12 +114,12 @@ def test_pairs_as_lists_and_named_tuples_read_like_tuples():
 def test_slot_columns_rejects_columns_of_the_wrong_shape():
     pairs = random_pairs(np.random.default_rng(8), 3, mixed=False)
     with pytest.raises(ValueError, match=r"shape \(2, len\(pairs\)\)"):
-        _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY,
-                                 np.empty((2, 2), np.int64), np.empty((2, 3), np.bool_))
+        slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY,
+                     np.empty((2, 2), np.int64), np.empty((2, 3), np.bool_))
     for index in (np.empty((2, 3), np.int32), np.empty((3, 2), np.int64).T):
         with pytest.raises(TypeError):  # converting it would fill a copy
-            _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY, index,
-                                     np.empty((2, 3), np.bool_))
+            slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY, index,
+                         np.empty((2, 3), np.bool_))
 
 
 def test_an_attribute_that_raises_is_reported_as_a_bad_block():
@@ -149,8 +148,8 @@ def test_a_getter_that_empties_the_list_of_pairs_is_survived():
             pass
 
     pairs[0] = (Emptying(0, 1, False), pairs[0][1])
-    found = _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY,
-                                     np.empty((2, 4), np.int64), np.empty((2, 4), np.bool_))
+    found = slot_columns(pairs, KVCacheBlock, NUM_PRIMARY, NUM_SECONDARY,
+                         np.empty((2, 4), np.int64), np.empty((2, 4), np.bool_))
     assert found is None and pairs == []
 
 

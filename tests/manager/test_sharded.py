@@ -77,7 +77,7 @@ def test_copy_blocks_on_sharded_pools(devices, direction):
 @multi_device
 def test_sharded_copy_compiles_without_collectives():
     pool = sharded_pool(mesh_of(MULTI))
-    facts = kvx._checks.IndexFacts(hazard_free=True, unique_dst=True)
+    facts = testing.IndexFacts(hazard_free=True, unique_dst=True)
     plan = np.zeros((3, 4), np.int32)
     # the plan ring slot's token, replicated as the ring makes it
     token = (jnp.zeros((1,), jnp.int32, device=NamedSharding(pool.mesh, P())),)
@@ -88,7 +88,7 @@ def test_sharded_copy_compiles_without_collectives():
                        specs=(pool.partition_spec,)).compile().as_text()
         assert "jax_kvxfer_block_copy" in hlo
         assert not [c for c in COLLECTIVES if c in hlo], "a sharded copy moved data between devices"
-    eager = kvx._lowering.eager_fn("pool", pool.secondary.sharding, facts)
+    eager = testing.eager_fn("pool", pool.secondary.sharding, facts)
     idx = np.zeros(4, np.int32)
     hlo = eager.lower(pool.secondary, pool.primary, idx, idx, idx).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]

@@ -19,8 +19,9 @@ from conftest import (
 
 import jax_kvxfer as kvx
 from jax_kvxfer import testing
-from jax_kvxfer._checks import UNKNOWN
-from jax_kvxfer.both_ways import FORK_TARGET, BothWaysPlan, both_ways_call, both_ways_plan
+from jax_kvxfer.testing import BLOCK_COPY_FORK_TARGET as FORK_TARGET
+from jax_kvxfer.testing import BothWaysPlan, both_ways_call, both_ways_plan
+from jax_kvxfer.testing import IndexFacts as Facts
 
 SHAPE = (16, 2, 2, 2, 8, 16)  # [blocks, layers, kv, heads, tokens, size_per_head]
 T = SHAPE[4]
@@ -110,7 +111,7 @@ def test_donated_pools_are_not_copied(mode, rng):
     a, b = make_pools(rng, SHAPE, jnp.float32)
     ab, ba = disjoint_directions(rng, 4, 4)
     fn = jax.jit(lambda a, b, *idx: both_ways_call(
-        a, b, idx[:3], idx[3:], (UNKNOWN, UNKNOWN), BothWaysPlan(mode), None,
+        a, b, idx[:3], idx[3:], (Facts(), Facts()), BothWaysPlan(mode), None,
         False), donate_argnums=(0, 1))
     hlo = fn.lower(put(a), put(b, "pinned_host"), *ab, *ba).compile().as_text()
     copies = [line for line in hlo.splitlines()
