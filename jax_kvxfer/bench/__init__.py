@@ -67,7 +67,9 @@ Other sections:
                  return time of a 64-pair call (beside_step.py).
   stores         (only with --only stores) FileStore, the disk tier: put and get GB/s of 2 MiB
                  and 64 KiB rows, 1 and N threads, against a sequential write and read of the
-                 same disk in the same run; restart time with 10^4 and 10^5 blocks (stores.py).
+                 same disk in the same run; restart time with 10^4 and 10^5 blocks; RedisStore
+                 on a local Valkey server against the same client's raw pipelined SET / GET of
+                 the same bytes (stores.py).
   layers         a pool over 32 per-layer NHD arrays (`KVCacheBlockPool.from_layers`, 64 KiB
                  per layer block, 2 MiB host rows): offload/onboard of 64 and 1,024 blocks
                  through the manager, one batch and four back to back, against a contiguous

