@@ -31,6 +31,7 @@ import abc
 import dataclasses
 import hashlib
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -111,6 +112,26 @@ def check_value(header: bytes, payload: Any, fingerprint: bytes, key: bytes,
                            f" expected {row_nbytes}")
     if checksum(payload) != crc:
         raise CorruptBlock("checksum mismatch")
+
+
+class Countdown:
+    """A future completed with `result` once `n` parts are done (at once when n is 0): a
+    store's put or get over several I/O tasks."""
+
+    def __init__(self, n: int, result: Any = None) -> None:
+        self.future: Future = Future()
+        self.result = result
+        self._left = n
+        self._lock = threading.Lock()
+        if n == 0:
+            self.future.set_result(result)
+
+    def done_one(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.future.set_result(self.result)
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -34,6 +34,7 @@ from .base import (
     HEADER_NBYTES,
     KEY_NBYTES,
     CorruptBlock,
+    Countdown,
     Store,
     StoreStats,
     check_keys,
@@ -78,25 +79,6 @@ def _fsync_dir(folder: str) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-class _Countdown:
-    """A future completed with `result` once `n` parts are done (at once when n is 0)."""
-
-    def __init__(self, n: int, result: Any = None) -> None:
-        self.future: Future = Future()
-        self.result = result
-        self._left = n
-        self._lock = threading.Lock()
-        if n == 0:
-            self.future.set_result(result)
-
-    def done_one(self) -> None:
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self.future.set_result(self.result)
 
 
 class _Buffers(threading.local):
@@ -360,7 +342,7 @@ class FileStore(Store):
         self._check_bound()
         keys = check_keys(keys)
         views = self._views(keys, rows, writable=False)
-        done = _Countdown(len(keys))
+        done = Countdown(len(keys))
         with self._lock:
             for key, view in zip(keys, views):
                 if key in self._index:
@@ -396,7 +378,7 @@ class FileStore(Store):
         keys = check_keys(keys)
         views = self._views(keys, rows, writable=True)
         found = [False] * len(keys)
-        done = _Countdown(len(keys), found)
+        done = Countdown(len(keys), found)
         with self._lock:
             for i, (key, view) in enumerate(zip(keys, views)):
                 if key not in self._index:

@@ -33,6 +33,7 @@ import numpy as np
 from .base import (
     HEADER_NBYTES,
     CorruptBlock,
+    Countdown,
     Store,
     StoreStats,
     check_keys,
@@ -53,25 +54,6 @@ _MIN_SPLIT_BYTES = MiB  # a call is spread over the threads in batches of at lea
 # URL options that would override the store's own bounded waits
 _OWNED_OPTIONS = ("socket_timeout", "socket_connect_timeout", "retry_on_timeout",
                   "health_check_interval")
-
-
-class _Countdown:
-    """A future completed with `result` once `n` parts are done (at once when n is 0)."""
-
-    def __init__(self, n: int, result: Any = None) -> None:
-        self.future: Future = Future()
-        self.result = result
-        self._left = n
-        self._lock = threading.Lock()
-        if n == 0:
-            self.future.set_result(result)
-
-    def done_one(self) -> None:
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self.future.set_result(self.result)
 
 
 class _Staging(threading.local):
@@ -446,7 +428,7 @@ class RedisStore(Store):
         keys = check_keys(keys)
         views = self._views(keys, rows, writable=False)
         batches = self._batches(len(keys))
-        rows_read = _Countdown(len(batches))
+        rows_read = Countdown(len(batches))
         with self._lock:
             for start, stop in batches:
                 sent: Future = Future()
@@ -471,7 +453,7 @@ class RedisStore(Store):
         views = self._views(keys, rows, writable=True)
         found = [False] * len(keys)
         batches = self._batches(len(keys))
-        done = _Countdown(len(batches), found)
+        done = Countdown(len(batches), found)
         for start, stop in batches:
             self._pool.submit(self._read, start, keys[start:stop], views[start:stop], found,
                               done.done_one)
