@@ -321,9 +321,11 @@ class KVCacheBlockPool:
         """The secondary array's rows as a writable byte view `[num_secondary_blocks,
         block_nbytes]` of its pinned host buffer, which the stores read and write in place.
 
-        The view stays valid while transfers replace the array (they update it in place).
-        Write into a row only while no transfer touches it (`manager.fence()`), and never into
-        a row a transfer may still read.
+        The view stays valid while transfers replace the array, since they update it in place
+        (not after a transfer that copied the pool with a `DonationWarning`: take the view
+        anew after each batch of transfers, as the block manager does). Write into a row only
+        while no transfer touches it (`manager.fence()`), and never into a row a transfer may
+        still read.
 
         Raises:
           ValueError: the pool has no secondary blocks, or is split over several devices.
