@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Self
 
+import numpy as np
+
 KEY_NBYTES = 16  # the block manager's chained block hashes (cache/block_cache.py: block_key)
 MAGIC = b"KVXB"
 FORMAT_VERSION = 1
@@ -198,6 +200,28 @@ class Store(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _row_views(self, keys: list[bytes], rows: Sequence[Any], writable: bool) -> list[np.ndarray]:
+        """Each of a put's or get's rows as a flat uint8 array over the same memory (no
+        copy), checked against `keys` and `row_nbytes`; raises ValueError naming the row."""
+        rows = list(rows)
+        if len(rows) != len(keys):
+            raise ValueError(f"rows: {len(rows)} rows for {len(keys)} keys")
+        out = []
+        for i, row in enumerate(rows):
+            try:
+                a = row if isinstance(row, np.ndarray) else np.frombuffer(row, np.uint8)
+            except (TypeError, ValueError):
+                raise ValueError(f"rows[{i}] must be a buffer (a numpy uint8 array, a "
+                                 f"bytearray, ...), got {type(row).__name__}") from None
+            if not a.flags.c_contiguous or a.nbytes != self.row_nbytes:
+                raise ValueError(f"rows[{i}] must be a C-contiguous buffer of row_nbytes="
+                                 f"{self.row_nbytes} bytes, got {a.nbytes} bytes"
+                                 + ("" if a.flags.c_contiguous else ", not contiguous"))
+            if writable and not a.flags.writeable:
+                raise ValueError(f"rows[{i}] must be writable (get fills it in place)")
+            out.append(a.reshape(-1).view(np.uint8))
+        return out
 
     def _check_bound(self) -> None:
         if self.fingerprint is None:

@@ -341,7 +341,7 @@ class FileStore(Store):
         self._check_open()
         self._check_bound()
         keys = check_keys(keys)
-        views = self._views(keys, rows, writable=False)
+        views = self._row_views(keys, rows, writable=False)
         done = Countdown(len(keys))
         with self._lock:
             for key, view in zip(keys, views):
@@ -376,7 +376,7 @@ class FileStore(Store):
         self._check_open()
         self._check_bound()
         keys = check_keys(keys)
-        views = self._views(keys, rows, writable=True)
+        views = self._row_views(keys, rows, writable=True)
         found = [False] * len(keys)
         done = Countdown(len(keys), found)
         with self._lock:
@@ -439,27 +439,6 @@ class FileStore(Store):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("FileStore is closed")
-
-    def _views(self, keys: list[bytes], rows: Sequence[Any], writable: bool) -> list[np.ndarray]:
-        """Each row as a flat uint8 array over the same memory (no copy)."""
-        rows = list(rows)
-        if len(rows) != len(keys):
-            raise ValueError(f"rows: {len(rows)} rows for {len(keys)} keys")
-        out = []
-        for i, row in enumerate(rows):
-            try:
-                a = row if isinstance(row, np.ndarray) else np.frombuffer(row, np.uint8)
-            except (TypeError, ValueError):
-                raise ValueError(f"rows[{i}] must be a buffer (a numpy uint8 array, a "
-                                 f"bytearray, ...), got {type(row).__name__}") from None
-            if not a.flags.c_contiguous or a.nbytes != self.row_nbytes:
-                raise ValueError(f"rows[{i}] must be a C-contiguous buffer of row_nbytes="
-                                 f"{self.row_nbytes} bytes, got {a.nbytes} bytes"
-                                 + ("" if a.flags.c_contiguous else ", not contiguous"))
-            if writable and not a.flags.writeable:
-                raise ValueError(f"rows[{i}] must be writable (get fills it in place)")
-            out.append(a.reshape(-1).view(np.uint8))
-        return out
 
     def _make_room(self, nbytes: int) -> list[bytes] | None:
         """Under the lock: removes the least recently used blocks on disk from the index until

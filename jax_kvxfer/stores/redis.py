@@ -426,7 +426,7 @@ class RedisStore(Store):
         self._check_open()
         self._check_bound()
         keys = check_keys(keys)
-        views = self._views(keys, rows, writable=False)
+        views = self._row_views(keys, rows, writable=False)
         batches = self._batches(len(keys))
         rows_read = Countdown(len(batches))
         with self._lock:
@@ -450,7 +450,7 @@ class RedisStore(Store):
         self._check_open()
         self._check_bound()
         keys = check_keys(keys)
-        views = self._views(keys, rows, writable=True)
+        views = self._row_views(keys, rows, writable=True)
         found = [False] * len(keys)
         batches = self._batches(len(keys))
         done = Countdown(len(batches), found)
@@ -511,27 +511,6 @@ class RedisStore(Store):
         count = max(-(-n // per), min(self.threads, n, -(-(n * row) // _MIN_SPLIT_BYTES)))
         size = -(-n // count)
         return [(i, min(n, i + size)) for i in range(0, n, size)]
-
-    def _views(self, keys: list[bytes], rows: Sequence[Any], writable: bool) -> list[np.ndarray]:
-        """Each row as a flat uint8 array over the same memory (no copy)."""
-        rows = list(rows)
-        if len(rows) != len(keys):
-            raise ValueError(f"rows: {len(rows)} rows for {len(keys)} keys")
-        out = []
-        for i, row in enumerate(rows):
-            try:
-                a = row if isinstance(row, np.ndarray) else np.frombuffer(row, np.uint8)
-            except (TypeError, ValueError):
-                raise ValueError(f"rows[{i}] must be a buffer (a numpy uint8 array, a "
-                                 f"bytearray, ...), got {type(row).__name__}") from None
-            if not a.flags.c_contiguous or a.nbytes != self.row_nbytes:
-                raise ValueError(f"rows[{i}] must be a C-contiguous buffer of row_nbytes="
-                                 f"{self.row_nbytes} bytes, got {a.nbytes} bytes"
-                                 + ("" if a.flags.c_contiguous else ", not contiguous"))
-            if writable and not a.flags.writeable:
-                raise ValueError(f"rows[{i}] must be writable (get fills it in place)")
-            out.append(a.reshape(-1).view(np.uint8))
-        return out
 
     def _replies(self, pipe: Any) -> list[Any]:
         """The pipeline's replies, errors in place; raises the first connection-level error
