@@ -102,7 +102,7 @@ class BlockManager:
                  transfer_manager: KVCacheTransferManager | None = None,
                  secondary_offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
                  enable_offload: bool = True, enable_partial_reuse: bool = True,
-                 stores: Sequence[Store] = ()) -> None:
+                 stores: Sequence[Store] = (), store_on_release: bool = False) -> None:
         """Args:
           pools: the pool(s) a block spans (their block counts and tokens per block agree).
           transfer_manager: moves the blocks (default: `KVCacheTransferManager(pools)`).
@@ -113,6 +113,10 @@ class BlockManager:
             offloaded to the host is written to them in the background, and a prefix found
             only there is read into host rows and onboarded. They need a host pool, on one
             device. Call `flush()` to make the writes durable, `close()` at the end.
+          store_on_release: with stores, a released sequence's new blocks (of a priority
+            that is offloaded) are also written to them at once, copied through free host
+            rows, not only once evicted to the host: replicas sharing a store find a finished
+            turn's blocks while this one still holds them on the GPU.
         """
         pools = checked_pools(pools)
         first = pools[0]
@@ -133,6 +137,8 @@ class BlockManager:
         self._queue = TransferQueue()
         self._tiers = StoreTiers(stores, pools, self.transfer_manager) if stores else None
         self._to_store: list[tuple[bytes, int]] = []  # offloaded, to write through at issue
+        self.store_on_release = bool(store_on_release) and self._tiers is not None
+        self._staged: list[int] = []  # host rows of store_on_release copies, freed at issue
         self._prefetching: dict[bytes, _Prefetch] = {}  # by the key of each block it reads
 
     # -- sequences -------------------------------------------------------------------------
@@ -273,6 +279,8 @@ class BlockManager:
                 if old is None:
                     block.key, block.parent_key, block.tokens = key, parent, tokens
                     self._index.add(block)
+                    if self.store_on_release:
+                        self._stage_for_stores(block, seq.priority)
             else:
                 key = block.key
             block.priority = seq.priority  # ref_count > 0: not in a queue, safe to change
@@ -572,6 +580,20 @@ class BlockManager:
             self._tiers.wait_written(slot)
         return slot
 
+    def _stage_for_stores(self, block: CachedBlock, priority: int) -> None:
+        """store_on_release: queues a copy of a primary block into a host row, written
+        through to the stores once issued; the row is free again after that (a later user
+        waits for the write). Blocks of a priority that is not offloaded, or with no row to
+        spare, reach the stores only if evicted."""
+        if not block.is_primary or priority < self.secondary_offload_min_priority:
+            return
+        dst = self._secondary_slot(priority)
+        if dst is None:
+            return
+        self._queue.offload(block, dst)
+        self._to_store.append((block.key, dst))
+        self._staged.append(dst)
+
     def _drop_secondary(self, block: CachedBlock, free_slot: bool = True) -> int:
         self._reusable[False].remove(block)
         self._index.remove(block)
@@ -594,6 +616,9 @@ class BlockManager:
         if self._to_store:  # the offloads into these rows are issued: write them through
             self._tiers.write_through(*zip(*self._to_store))
             self._to_store = []
+        if self._staged:  # store_on_release's rows: reused only once written (wait_written)
+            self._free[False].extend(self._staged)
+            self._staged = []
 
     def _timed_issue(self) -> None:
         t0 = time.perf_counter()

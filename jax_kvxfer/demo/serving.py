@@ -59,6 +59,7 @@ class TurnResult:
     store_hit_tokens: int  # ... read from a store into host rows, then onboarded
     tokens: list[int]  # the reply
     logits: np.ndarray  # [len(tokens), vocab]
+    key: tuple[int, int] | None = None  # (conversation, turn)
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -132,6 +133,7 @@ class _Running:
     gpu_hits: int
     host_hits: int
     store_hits: int
+    output_len: int = 0  # the reply's length, unless it ends on the stop token
     first_token_s: float = 0.0
     out: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -172,79 +174,304 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     Raises:
       PoolExhaustedError: the primary pool cannot hold one request.
     """
-    t_blocks = max_request_blocks(conversations, tokens_per_block)
-    if t_blocks > primary_blocks:
-        raise PoolExhaustedError(f"a request may need {t_blocks} primary blocks, but the pool "
-                                 f"has {primary_blocks}")
-    pool = create_pool(model, tokens_per_block=tokens_per_block, num_primary_blocks=primary_blocks,
-                       num_secondary_blocks=secondary_blocks, mesh=mesh)
-    if mesh is not None:  # tensor parallel: weights on every device, the pool split by heads
-        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    transfers = KVCacheTransferManager([pool], dma=dma)
-    bm: BlockManager | None = None  # made once the transfers are compiled
-    max_blocks = t_blocks
-    step = make_step(model, pool)
-    t0 = time.perf_counter()
-    prefill_rows = min(prefill_rows, batch)
-
-    def segment(rows: list[tuple[tuple[int, int], list[int], int]], width: int,
-                length: int) -> Rows:
-        """rows (seq_id, tokens, first position) padded to `width` rows of `length` tokens."""
-        tok = np.zeros((width, length), np.int32)
-        pos = np.full((width, length), -1, np.int32)
-        tables = np.zeros((width, max_blocks), np.int32)
-        last = np.zeros(width, np.int32)
-        for r, (sid, toks, start) in enumerate(rows):
-            tok[r, :len(toks)] = toks
-            pos[r, :len(toks)] = np.arange(start, start + len(toks))
-            last[r] = len(toks) - 1
-            table = bm.block_table(sid)
-            tables[r, :len(table)] = table
-        return Rows(tok, pos, tables, last)
-
-    def forward(prefills: list, decodes: list, *, segments: int) -> tuple[list, np.ndarray]:
-        """One step of `segments` prefill segments (one request's chunk each, the first
-        `len(prefills)` of them real) and the decode segment: the logits of each prefill's
-        last token and of each decode."""
-        rows = [segment(prefills[i:i + 1], 1, chunk) for i in range(segments)]
-        logits, pool.primary = step(params, pool.primary, (*rows, segment(decodes, batch, 1)))
-        out = [np.asarray(x) for x in logits]
-        return [x[0] for x in out[:len(prefills)]], out[-1]
-
-    for k in range(prefill_rows + 1):  # compiles every kind of step (all padding: no writes)
-        forward([], [], segments=k)
-    t1 = time.perf_counter()
-    _warm_up_transfers(transfers, pool, min(primary_blocks, batch * max_blocks))
-    compile_seconds = time.perf_counter() - t0
-    print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets {compile_seconds - t1 + t0:.1f} s",
-          file=sys.stderr)
+    server = Server(model, params, max_blocks=max_request_blocks(conversations, tokens_per_block),
+                    batch=batch, chunk=chunk, tokens_per_block=tokens_per_block,
+                    primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
+                    prefill_rows=prefill_rows, mesh=mesh, dma=dma, stop_token=stop_token,
+                    stores=stores)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
-    bm = BlockManager(pool, transfer_manager=transfers, stores=stores)
     try:
-        loop = _serve(bm, conversations, forward, batch=batch, chunk=chunk,
-                      prefill_rows=prefill_rows, primary_blocks=primary_blocks,
-                      priorities=priorities, progress=progress, stop_token=stop_token,
-                      fixed_step_s=fixed_step_s, model=model,
-                      prefetch=bool(stores))
-        bm.sync_transfers()
-        transfer_stats = bm.transfer_manager.get_and_reset_transfer_stats()
+        loop = _serve(server, conversations, priorities=priorities, progress=progress,
+                      fixed_step_s=fixed_step_s)
     finally:
-        t_close = time.perf_counter()
-        bm.close()  # the stores' writes durable, the block manager's store threads stopped
-        close_seconds = time.perf_counter() - t_close
-    store_stats = None
-    if stores:
-        store_stats = StoreStats()
-        for stats in bm.store_stats().values():
-            store_stats.add(stats)
-    return RunResult(
-        turns=loop.results, block_stats=bm.stats, transfer_stats=transfer_stats,
-        steps=loop.steps, seconds=loop.clock, compile_seconds=compile_seconds,
-        primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
-        exposed_transfer_seconds=(transfer_stats.exposed_seconds
-                                  if bm.transfer_manager.on_lanes else bm.stats.transfer_seconds),
-        full_prefill_flops=loop.full_flops, full_prefill_seconds=loop.full_seconds,
-        store_stats=store_stats, store_close_seconds=close_seconds if stores else 0.0)
+        server.close()
+    return server.result(loop.results, steps=loop.steps, seconds=loop.clock,
+                         full_flops=loop.full_flops, full_seconds=loop.full_seconds)
+
+
+@dataclasses.dataclass
+class Request:
+    """A turn to serve: its prompt, reply length and priority, when it arrived (on the
+    driver's clock), and how many of the prompt's tokens to wait for (`expect_tokens`: another
+    replica's blocks, on their way to a shared store) before it is admitted."""
+
+    key: tuple[int, int]  # (conversation, turn)
+    arrival_s: float
+    prompt: list[int]
+    output_len: int
+    priority: int = 35
+    expect_tokens: int = 0
+    wait_until: float = 0.0  # time.monotonic() after which it stops waiting for them
+
+
+class Server:
+    """One serving process's model step, pools, transfer manager and block manager, and the
+    requests it runs: `submit` requests as they arrive, `step` the model, then `collect` what
+    the step produced at the clock the driver keeps. `run` drives one over a workload; the
+    demo's replicas (replicas.py) drive one per process from a router."""
+
+    def __init__(self, model: ModelConfig, params: dict, *, max_blocks: int, batch: int,
+                 chunk: int, tokens_per_block: int, primary_blocks: int,
+                 secondary_blocks: int, prefill_rows: int = 1,
+                 mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
+                 stop_token: int | None = None, stores: Sequence[Store] = (),
+                 store_on_release: bool = False) -> None:
+        """`max_blocks`: the most primary blocks one request needs (block tables' width);
+        `store_on_release`: the block manager writes a finished turn's blocks to the stores at
+        once (replicas sharing a store), not only once they are evicted to the host."""
+        if max_blocks > primary_blocks:
+            raise PoolExhaustedError(f"a request may need {max_blocks} primary blocks, but the "
+                                     f"pool has {primary_blocks}")
+        pool = create_pool(model, tokens_per_block=tokens_per_block,
+                           num_primary_blocks=primary_blocks,
+                           num_secondary_blocks=secondary_blocks, mesh=mesh)
+        if mesh is not None:  # tensor parallel: weights on every device, the pool split by heads
+            params = jax.device_put(params, jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec()))
+        transfers = KVCacheTransferManager([pool], dma=dma)
+        self.model, self.batch, self.chunk = model, batch, chunk
+        self.primary_blocks, self.secondary_blocks = primary_blocks, secondary_blocks
+        self.prefill_rows = min(prefill_rows, batch)
+        self.stop_token, self.stores = stop_token, tuple(stores)
+        self.bm: BlockManager | None = None  # made once the transfers are compiled
+        step = make_step(model, pool)
+        t0 = time.perf_counter()
+
+        def segment(rows: list[tuple[tuple[int, int], list[int], int]], width: int,
+                    length: int) -> Rows:
+            """rows (seq_id, tokens, first position) padded to `width` rows of `length`
+            tokens."""
+            tok = np.zeros((width, length), np.int32)
+            pos = np.full((width, length), -1, np.int32)
+            tables = np.zeros((width, max_blocks), np.int32)
+            last = np.zeros(width, np.int32)
+            for r, (sid, toks, start) in enumerate(rows):
+                tok[r, :len(toks)] = toks
+                pos[r, :len(toks)] = np.arange(start, start + len(toks))
+                last[r] = len(toks) - 1
+                table = self.bm.block_table(sid)
+                tables[r, :len(table)] = table
+            return Rows(tok, pos, tables, last)
+
+        def forward(prefills: list, decodes: list, *, segments: int) -> tuple[list, np.ndarray]:
+            """One step of `segments` prefill segments (one request's chunk each, the first
+            `len(prefills)` of them real) and the decode segment: the logits of each prefill's
+            last token and of each decode."""
+            rows = [segment(prefills[i:i + 1], 1, chunk) for i in range(segments)]
+            logits, pool.primary = step(params, pool.primary,
+                                        (*rows, segment(decodes, batch, 1)))
+            out = [np.asarray(x) for x in logits]
+            return [x[0] for x in out[:len(prefills)]], out[-1]
+
+        self._forward = forward
+        for k in range(self.prefill_rows + 1):  # compiles every kind of step (no writes)
+            forward([], [], segments=k)
+        t1 = time.perf_counter()
+        _warm_up_transfers(transfers, pool, min(primary_blocks, batch * max_blocks))
+        self.compile_seconds = time.perf_counter() - t0
+        print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets "
+              f"{self.compile_seconds - t1 + t0:.1f} s", file=sys.stderr)
+        self.bm = BlockManager(pool, transfer_manager=transfers, stores=stores,
+                               store_on_release=store_on_release)
+        self.waiting: list[Request] = []  # arrived, not admitted yet, in arrival order
+        self.running: list[_Running] = []
+        self._reserved = 0
+        self._priority: dict[tuple[int, int], int] = {}
+        # prefetched[key]: the prompt positions [lo, hi) its prefetch read from a store
+        self._prefetched: dict[tuple[int, int], tuple[int, int]] = {}
+        self._step: tuple | None = None  # the last step's rows and logits, for collect
+        self.full_step_flops = 0  # the last step's, when its prefill segment was full
+        self._closed = False
+        self.transfer_stats: TransferStats | None = None
+        self.close_seconds = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests run or wait."""
+        return bool(self.running or self.waiting)
+
+    def submit(self, request: Request) -> None:
+        """Queues an arrived request (admitted in arrival order as rows and blocks allow)."""
+        self.waiting.append(request)
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """Whether `req` still waits for its expected prefix: fewer of its tokens are found
+        than expected, until its deadline (then it computes what is missing)."""
+        if req.expect_tokens <= 0:
+            return False
+        if self.bm.match_prefix(req.prompt).num_tokens >= req.expect_tokens or \
+                time.monotonic() >= req.wait_until:
+            req.expect_tokens = 0
+            return False
+        return True
+
+    def _admit(self) -> None:
+        """Admits waiting requests in order while a row is free and the primary pool can
+        hold all they will need; a request waiting for its prefix lets the next ones go
+        first."""
+        t_block = self.bm.tokens_per_block
+        bm = self.bm
+        for req in list(self.waiting):
+            if len(self.running) >= self.batch:
+                break
+            if self._waits_for_prefix(req):
+                continue
+            need = math.ceil((len(req.prompt) + req.output_len) / t_block)
+            if self._reserved + need > self.primary_blocks:
+                break  # it waits until running requests end and give their blocks back
+            self.waiting.remove(req)
+            prompt = req.prompt
+            match = bm.match_prefix(prompt)  # waits for a prefetch of this prompt still reading
+            partial = match.partial_tokens
+            gpu = match.primary_blocks * t_block + (partial if match.partial_source_is_primary
+                                                    else 0)
+            host = match.secondary_blocks * t_block + (
+                partial if match.partial_source_is_primary is False else 0)
+            early = (self._prefetched_host_tokens(prompt, self._prefetched.pop(req.key), match)
+                     if req.key in self._prefetched else 0)
+            start = bm.add_sequence(req.key, prompt, priority=req.priority)
+            # Beyond the GPU and host hits: blocks read from a store now, at most those that
+            # match_prefix found there (fewer when some turn out missing or corrupt, or the
+            # host pool has too few rows to stage them in).
+            read = start - gpu - host
+            from_store = match.store_blocks * t_block + (
+                partial if match.partial_from_store else 0)  # a reply's tail, say
+            assert 0 <= read <= from_store and (read % t_block == 0 or read == from_store), (
+                start, match)
+            self._reserved += need
+            self.running.append(_Running(req.key[0], req.key[1], req.arrival_s, prompt, start,
+                                         need, gpu, host - early, read + early,
+                                         output_len=req.output_len))
+
+    def _prefetch_next(self) -> None:
+        """Starts reading from the stores the prefix of the next request, if one waits (for a
+        row, or for primary blocks): the read overlaps the next steps, and admission onboards
+        it like host hits. Once per request, one request at a time, and only a prefix within a
+        quarter of the host pool: blocks read ahead hold their host rows until their request
+        is admitted, rows that offloads and the reads at admission then lack (prefetching the
+        next few requests, or into half the host pool, measured fewer hits in all)."""
+        if not self.waiting or self._prefetched:
+            return
+        req = self.waiting[0]
+        bm, t_block = self.bm, self.bm.tokens_per_block
+        match = bm.match_prefix(req.prompt)
+        lo = (match.primary_blocks + match.secondary_blocks) * t_block
+        if 0 < match.store_blocks <= bm.num_secondary_blocks // 4:
+            self._prefetched[req.key] = (lo, lo + bm.prefetch(req.prompt))
+
+    def _prefetched_host_tokens(self, prompt: list[int], span: tuple[int, int], match) -> int:
+        """Of the full host blocks `match` found, the tokens within `span`, which this
+        request's prefetch read from a store (those since onboarded by another request are
+        GPU hits here)."""
+        lo, hi = span
+        t_block = self.bm.tokens_per_block
+        end = min(hi, (match.primary_blocks + match.secondary_blocks) * t_block)
+        if end <= lo:
+            return 0
+        # the same full blocks, matched up to `end` and up to `lo` (the last token of a prompt
+        # is never matched: one more)
+        return (self.bm.match_prefix(prompt[:end + 1]).secondary_blocks
+                - self.bm.match_prefix(prompt[:lo + 1]).secondary_blocks) * t_block
+
+    def step(self) -> bool:
+        """Admits what it can, then runs one model step over the running requests; False
+        (and nothing run) when none runs."""
+        self._admit()
+        if not self.running:
+            self._step = None
+            return False
+        bm, chunk = self.bm, self.chunk
+        prefilling = [r for r in self.running if r.next < len(r.prompt)][:self.prefill_rows]
+        decoding = [r for r in self.running if r.next >= len(r.prompt)]
+        prefills = [((r.conv, r.turn), r.prompt[r.next:r.next + chunk], r.next)
+                    for r in prefilling]
+        # decode: the last token, appended to the sequence after the last step
+        decodes = [((r.conv, r.turn), r.out[-1:], bm.num_tokens((r.conv, r.turn)) - 1)
+                   for r in decoding]
+        bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
+        prefill_logits, decode_logits = self._forward(prefills, decodes, segments=len(prefills))
+        self.full_step_flops = 0
+        if len(prefills) == self.prefill_rows and all(len(toks) == chunk
+                                                      for _, toks, _ in prefills):
+            model = self.model
+            self.full_step_flops = (
+                sum(model.token_flops(p + 1) for _, toks, start in prefills
+                    for p in range(start, start + chunk))
+                + sum(model.token_flops(p + 1) for _, _, p in decodes))
+        self._step = (prefilling, prefills, decoding, prefill_logits, decode_logits)
+        return True
+
+    def collect(self, clock: float, *, prefetch: bool = True) -> list[TurnResult]:
+        """What the last step produced, at `clock` (the driver's, after the step): the first
+        token of each request whose prefill ended, the next of each decode; the turns that
+        ended (keyed as `TurnResult.key`), their sequences released for reuse. Before that,
+        with stores, starts the prefetch of the next waiting request (`prefetch`)."""
+        if self._step is None:
+            return []
+        if prefetch and self.stores:  # after the step, whose transfers are done
+            self._prefetch_next()
+        prefilling, prefills, decoding, prefill_logits, decode_logits = self._step
+        self._step = None
+        finished = []
+        for r, (_, toks, start) in zip(prefilling, prefills):
+            r.next = start + len(toks)
+        done_prefill = [(i, r) for i, r in enumerate(prefilling) if r.next >= len(r.prompt)]
+        for i, r in done_prefill + list(enumerate(decoding)):
+            row_logits = prefill_logits[i] if not r.out else decode_logits[i]
+            if not r.out:
+                r.first_token_s = clock
+            token = int(np.argmax(row_logits))
+            r.out.append(token)
+            r.logits.append(row_logits)
+            if len(r.out) == r.output_len or token == self.stop_token:
+                finished.append(r)
+            else:
+                self.bm.append_tokens((r.conv, r.turn), [token])
+        results = []
+        for r in finished:
+            self.running.remove(r)
+            self._reserved -= r.reserved
+            self.bm.release_sequence((r.conv, r.turn))
+            results.append(TurnResult(r.arrival_s, r.first_token_s, clock, len(r.prompt),
+                                      r.gpu_hits, r.host_hits, r.store_hits, r.out,
+                                      np.stack(r.logits), key=(r.conv, r.turn)))
+        return results
+
+    def close(self) -> None:
+        """Joins the transfers and closes the block manager (the stores' writes durable)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.bm.sync_transfers()
+            self.transfer_stats = self.bm.transfer_manager.get_and_reset_transfer_stats()
+        finally:
+            t_close = time.perf_counter()
+            self.bm.close()  # the stores' writes durable, the block manager's threads stopped
+            self.close_seconds = time.perf_counter() - t_close
+
+    def result(self, turns: dict[tuple[int, int], TurnResult], *, steps: int, seconds: float,
+               full_flops: int = 0, full_seconds: float = 0.0) -> RunResult:
+        """The run's result once closed: `turns` and the driver's figures, with this
+        server's statistics."""
+        self.close()
+        bm = self.bm
+        store_stats = None
+        if self.stores:
+            store_stats = StoreStats()
+            for stats in bm.store_stats().values():
+                store_stats.add(stats)
+        transfer_stats = self.transfer_stats or TransferStats()
+        return RunResult(
+            turns=turns, block_stats=bm.stats, transfer_stats=transfer_stats,
+            steps=steps, seconds=seconds, compile_seconds=self.compile_seconds,
+            primary_blocks=self.primary_blocks, secondary_blocks=self.secondary_blocks,
+            exposed_transfer_seconds=(transfer_stats.exposed_seconds
+                                      if bm.transfer_manager.on_lanes
+                                      else bm.stats.transfer_seconds),
+            full_prefill_flops=full_flops, full_prefill_seconds=full_seconds,
+            store_stats=store_stats, store_close_seconds=self.close_seconds if self.stores
+            else 0.0)
 
 
 @dataclasses.dataclass
@@ -258,144 +485,51 @@ class _Loop:
     full_seconds: float
 
 
-def _serve(bm: BlockManager, conversations: Sequence[Conversation], forward: Callable, *,
-           batch: int, chunk: int, prefill_rows: int, primary_blocks: int,
-           priorities: list[int], progress: Callable[[int, int], None] | None,
-           stop_token: int | None, fixed_step_s: float | None, model: ModelConfig,
-           prefetch: bool) -> _Loop:
-    """The serving loop (see `run`): admits the requests as they arrive and rows and blocks
-    allow, steps them until every turn is done. `prefetch`: start the store read of the next
-    request while it waits."""
+def _serve(server: Server, conversations: Sequence[Conversation], *, priorities: list[int],
+           progress: Callable[[int, int], None] | None,
+           fixed_step_s: float | None) -> _Loop:
+    """The serving loop (see `run`): hands the server the requests as they arrive, steps it
+    until every turn is done; a turn's next turn arrives its think time after it ends."""
     pending = [(c.start_s, i, 0) for i, c in enumerate(conversations)]
     heapq.heapify(pending)
     history = [list(c.prefix) for c in conversations]
     total = sum(len(c.turns) for c in conversations)
-    running: list[_Running] = []
     results: dict[tuple[int, int], TurnResult] = {}
-    clock, reserved, steps = 0.0, 0, 0
+    clock, steps = 0.0, 0
     full_flops, full_seconds = 0, 0.0
-    t_block = bm.tokens_per_block
-    # prefetched[(conv, turn)]: the prompt positions [lo, hi) its prefetch read from a store
-    prefetched: dict[tuple[int, int], tuple[int, int]] = {}
     agreed = _agreed_across_processes() if fixed_step_s is None else (lambda seconds: seconds)
 
-    def prompt_of(c: int, t: int) -> list[int]:
-        return history[c] + list(conversations[c].turns[t].user)
-
-    def prefetch_next() -> None:
-        """Starts reading from the stores the prefix of the next request, if it has arrived
-        and waits (for a row, or for primary blocks): the read overlaps the next steps, and
-        admission onboards it like host hits. Once per request, one request at a time, and
-        only a prefix within a quarter of the host pool: blocks read ahead hold their host rows
-        until their request is admitted, rows that offloads and the reads at admission then
-        lack (prefetching the next few requests, or into half the host pool, measured fewer
-        hits in all)."""
-        if not pending or pending[0][0] > clock or prefetched:
-            return
-        _, c, t = pending[0]
-        prompt = prompt_of(c, t)
-        match = bm.match_prefix(prompt)
-        lo = (match.primary_blocks + match.secondary_blocks) * t_block
-        if 0 < match.store_blocks <= bm.num_secondary_blocks // 4:
-            prefetched[(c, t)] = (lo, lo + bm.prefetch(prompt))
-
-    def prefetched_host_tokens(prompt: list[int], span: tuple[int, int], match) -> int:
-        """Of the full host blocks `match` found, the tokens within `span`, which this
-        request's prefetch read from a store (those since onboarded by another request are
-        GPU hits here)."""
-        lo, hi = span
-        end = min(hi, (match.primary_blocks + match.secondary_blocks) * t_block)
-        if end <= lo:
-            return 0
-        # the same full blocks, matched up to `end` and up to `lo` (the last token of a prompt
-        # is never matched: one more)
-        return (bm.match_prefix(prompt[:end + 1]).secondary_blocks
-                - bm.match_prefix(prompt[:lo + 1]).secondary_blocks) * t_block
+    def submit_arrived() -> None:
+        while pending and pending[0][0] <= clock:
+            arrival, c, t = heapq.heappop(pending)
+            turn = conversations[c].turns[t]
+            server.submit(Request((c, t), arrival, history[c] + list(turn.user),
+                                  turn.output_len, priorities[c]))
 
     mark = time.perf_counter()  # the clock's wall time so far runs from here
-    while pending or running:
-        while pending and len(running) < batch and pending[0][0] <= clock:
-            arrival, c, t = pending[0]
-            turn = conversations[c].turns[t]
-            prompt = prompt_of(c, t)
-            need = math.ceil((len(prompt) + turn.output_len) / t_block)
-            if reserved + need > primary_blocks:
-                break  # it waits until running requests end and give their blocks back
-            heapq.heappop(pending)
-            match = bm.match_prefix(prompt)  # waits for a prefetch of this prompt still reading
-            partial = match.partial_tokens
-            gpu = match.primary_blocks * t_block + (partial if match.partial_source_is_primary
-                                                    else 0)
-            host = match.secondary_blocks * t_block + (
-                partial if match.partial_source_is_primary is False else 0)
-            early = (prefetched_host_tokens(prompt, prefetched.pop((c, t)), match)
-                     if (c, t) in prefetched else 0)
-            start = bm.add_sequence((c, t), prompt, priority=priorities[c])
-            # Beyond the GPU and host hits: blocks read from a store now, at most those that
-            # match_prefix found there (fewer when some turn out missing or corrupt, or the
-            # host pool has too few rows to stage them in).
-            read = start - gpu - host
-            from_store = match.store_blocks * t_block + (
-                partial if match.partial_from_store else 0)  # a reply's tail, say
-            assert 0 <= read <= from_store and (read % t_block == 0 or read == from_store), (
-                start, match)
-            reserved += need
-            running.append(_Running(c, t, arrival, prompt, start, need, gpu, host - early,
-                                    read + early))
-        if not running:  # idle until the next arrival
+    while pending or server.busy:
+        submit_arrived()
+        if not server.step():  # idle until the next arrival
             elapsed = 0.0 if fixed_step_s is not None else time.perf_counter() - mark
             clock = agreed(max(clock + elapsed, pending[0][0]))
             mark = time.perf_counter()
             continue
-        prefilling = [r for r in running if r.next < len(r.prompt)][:prefill_rows]
-        decoding = [r for r in running if r.next >= len(r.prompt)]
-        prefills = [((r.conv, r.turn), r.prompt[r.next:r.next + chunk], r.next)
-                    for r in prefilling]
-        # decode: the last token, appended to the sequence after the last step
-        decodes = [((r.conv, r.turn), r.out[-1:], bm.num_tokens((r.conv, r.turn)) - 1)
-                   for r in decoding]
-        bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
-        prefill_logits, decode_logits = forward(prefills, decodes, segments=len(prefills))
         steps += 1
         # the step's tokens exist from here; what follows counts towards the next step
         elapsed = fixed_step_s if fixed_step_s is not None else time.perf_counter() - mark
-        if len(prefills) == prefill_rows and all(len(toks) == chunk for _, toks, _ in prefills):
+        if server.full_step_flops:
             full_seconds += elapsed
-            full_flops += sum(model.token_flops(p + 1) for _, toks, start in prefills
-                              for p in range(start, start + chunk))
-            full_flops += sum(model.token_flops(p + 1) for _, _, p in decodes)
+            full_flops += server.full_step_flops
         clock = agreed(clock + elapsed)
         mark = time.perf_counter()
-        if prefetch:  # after the step, whose transfers are done: the reads wait for none
-            prefetch_next()
-        finished = []
-        for r, (_, toks, start) in zip(prefilling, prefills):
-            r.next = start + len(toks)
-        done_prefill = [(i, r) for i, r in enumerate(prefilling) if r.next >= len(r.prompt)]
-        for i, r in done_prefill + list(enumerate(decoding)):
-            row_logits = prefill_logits[i] if not r.out else decode_logits[i]
-            if not r.out:
-                r.first_token_s = clock
-            token = int(np.argmax(row_logits))
-            r.out.append(token)
-            r.logits.append(row_logits)
-            sid = (r.conv, r.turn)
-            if (len(r.out) == conversations[r.conv].turns[r.turn].output_len
-                    or token == stop_token):
-                finished.append(r)
-            else:
-                bm.append_tokens(sid, [token])
-        for r in finished:
-            running.remove(r)
-            reserved -= r.reserved
-            bm.release_sequence((r.conv, r.turn))
-            results[(r.conv, r.turn)] = TurnResult(
-                r.arrival_s, r.first_token_s, clock, len(r.prompt), r.gpu_hits, r.host_hits,
-                r.store_hits, r.out, np.stack(r.logits))
-            history[r.conv] = r.prompt + r.out
-            turns = conversations[r.conv].turns
-            if r.turn + 1 < len(turns):
-                heapq.heappush(pending, (clock + turns[r.turn + 1].think_s, r.conv, r.turn + 1))
+        submit_arrived()  # those that arrived during the step: the next one's prefetch
+        for res in server.collect(clock):
+            c, t = res.key
+            results[(c, t)] = res
+            history[c] = history[c] + list(conversations[c].turns[t].user) + res.tokens
+            turns = conversations[c].turns
+            if t + 1 < len(turns):
+                heapq.heappush(pending, (clock + turns[t + 1].think_s, c, t + 1))
             if progress:
                 progress(len(results), total)
     return _Loop(results, steps, clock, full_flops, full_seconds)
