@@ -863,7 +863,12 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
               "secondary_blocks": secondary, "dma": common["dma"],
               "stop_token": common["stop_token"]}
     on_gpu = jax.devices()[0].platform == "gpu"
-    started = store_servers.start_store(cfg["store"]) if name == SHARED else None
+    # a local mooncake master's pool: every block of the chats, and a quarter more
+    capacity = int(1.25 * serving.blocks_to_never_evict(convs, cfg["batch"],
+                                                        cfg["tokens_per_block"])
+                   * (kv_block_nbytes(model, cfg["tokens_per_block"]) + 4096))
+    started = (store_servers.start_store(cfg["store"], capacity_bytes=capacity)
+               if name == SHARED else None)
     try:
         if started is not None:
             cfg["store_described"] = started.describe

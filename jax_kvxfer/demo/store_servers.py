@@ -84,12 +84,14 @@ class StoreServer:
             self._folder = None
 
 
-def start_store(choice: str) -> StoreServer:
-    """Starts (or names) the store `choice` (see `check_choice`). Raises StoreUnavailable."""
+def start_store(choice: str, *, capacity_bytes: int | None = None) -> StoreServer:
+    """Starts (or names) the store `choice` (see `check_choice`); `capacity_bytes`: the memory
+    a local mooncake master's pool gets (the workload's blocks; Valkey takes what it needs).
+    Raises StoreUnavailable."""
     if choice == "valkey":
         return _start_valkey()
     if choice == "mooncake":
-        return _start_mooncake()
+        return _start_mooncake(capacity_bytes)
     shown = shown_url(choice)
     return StoreServer(StoreSpec("redis", choice, shown), describe=f"the server at {shown}")
 
@@ -174,17 +176,19 @@ def _start_valkey() -> StoreServer:
         client.close()
 
 
-def _start_mooncake() -> StoreServer:
-    """A local mooncake_master for MooncakeStore (jax_kvxfer.stores.mooncake)."""
+def _start_mooncake(capacity_bytes: int | None) -> StoreServer:
+    """A local mooncake_master (and a holder lending `capacity_bytes` to its pool) for
+    MooncakeStore (jax_kvxfer.stores.mooncake)."""
     if importlib.util.find_spec(MOONCAKE_MODULE) is None:
         raise StoreUnavailable(f"--store mooncake needs {MOONCAKE_MODULE}, which this version "
                                "does not have; use --store valkey")
     from ..stores import mooncake
 
-    start = getattr(mooncake, "start_local_master", None)
-    if start is None:
-        raise StoreUnavailable(f"--store mooncake: {MOONCAKE_MODULE} has no start_local_master")
-    master = start()  # the hook: an object with .address and .stop()
+    try:
+        master = mooncake.start_local_master(
+            **({"segment_bytes": capacity_bytes} if capacity_bytes else {}))
+    except (ImportError, RuntimeError, OSError) as e:
+        raise StoreUnavailable(f"--store mooncake: {e}".splitlines()[0]) from None
     address = str(master.address)
     server = StoreServer(StoreSpec("mooncake", address, address),
                          describe=f"a local mooncake_master at {address}, stopped at the end")
@@ -204,6 +208,10 @@ def unavailable(choice: str) -> str | None:
             if importlib.util.find_spec(MOONCAKE_MODULE) is None:
                 raise StoreUnavailable(f"--store mooncake needs {MOONCAKE_MODULE}, which this "
                                        "version does not have; use --store valkey")
+            if importlib.util.find_spec("mooncake") is None:
+                raise StoreUnavailable("--store mooncake needs the mooncake client: pip install "
+                                       "mooncake-transfer-engine-non-cuda (or "
+                                       "mooncake-transfer-engine where CUDA is installed)")
         elif importlib.util.find_spec("redis") is None:
             raise StoreUnavailable(f"--store {shown_url(choice)} needs the redis client (pip "
                                    "install redis)")
