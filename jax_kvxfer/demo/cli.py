@@ -488,6 +488,8 @@ def _replica_summary(i: int, res: serving.RunResult, moved: set) -> dict:
             **{k: m[k] for k in ("computed_prefill_tokens", "gpu_hit_tokens", "host_hit_tokens",
                                  "store_hit_tokens")},
             "store_hit_blocks": res.block_stats.store_hit_blocks,
+            "moved_turns_store_hit_tokens": sum(r.store_hit_tokens for k, r in res.turns.items()
+                                                if k in moved),
             "store": m["store"], "ttft_p50_s": _ttft_p50(res), **_turn_figures(res, moved)}
 
 
@@ -604,7 +606,7 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
                      + ("; restarted: a new block manager and FileStore over the same files"
                         if RESTARTED in runs else ""))
     if "replicas" in verdict:
-        lines += _replica_lines(runs, verdict["replicas"])
+        lines += replica_lines(runs, verdict["replicas"])
     if verdict.get("prefill_fraction_of_peak") is not None:
         lines.append(f"prefill reaches {100 * verdict['prefill_fraction_of_peak']:.0f} % of the "
                      "GPU's dense bf16 peak (never_evict's full-prefill steps)")
@@ -955,7 +957,7 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
     return verdict["exact"]
 
 
-def _replica_lines(runs: dict, v: dict) -> list[str]:
+def replica_lines(runs: dict, v: dict) -> list[str]:
     """--replicas under the table: the routing and the store, each replica's figures, and the
     two comparisons."""
     def ms(x: float | None) -> str:
@@ -975,11 +977,12 @@ def _replica_lines(runs: dict, v: dict) -> list[str]:
                 f"({r['store_hit_blocks']:,} blocks read), TTFT p50 {ms(r['ttft_p50_s'])}, "
                 f"moved turns {ms(r.get('ttft_p50_moved_turns_s'))}")
     shared, off, alone = runs.get(SHARED), runs.get("offload"), runs.get(ALONE)
-    if v.get("moved_ttft_p50_over_host_hit_ttft_p50") is not None:
+    if shared is not None and off is not None:
+        ratio = v.get("moved_ttft_p50_over_host_hit_ttft_p50")
         lines.append(f"TTFT p50 of the turns that moved replica, prefix from the store: "
                      f"{ms(shared['ttft_p50_moved_turns_s'])}; of the offload run's turns with "
-                     f"host hits: {ms(off['ttft_p50_host_hit_turns_s'])} "
-                     f"({v['moved_ttft_p50_over_host_hit_ttft_p50']:.2f}x)")
+                     f"host hits: {ms(off['ttft_p50_host_hit_turns_s'])}"
+                     + (f" ({ratio:.2f}x)" if ratio is not None else " (it had none)"))
     if v.get("ttft_p50_without_over_with_store") is not None:
         lines.append(f"TTFT p50 {SHARED} {ms(shared['ttft_s']['p50'])} vs {ALONE} "
                      f"{ms(alone['ttft_s']['p50'])}: "

