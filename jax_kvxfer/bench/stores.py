@@ -53,6 +53,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -108,6 +109,13 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
                    f"({c['put_ratio']:4.0%}), get {c['get_gbps']:6.2f} GB/s "
                    f"({c['get_ratio']:4.0%}) of the ceiling; rows free after "
                    f"{c['rows_read_gbps']:.2f} GB/s, verified={c['verified']}")
+    for key, what in (("small_requests", "2 MiB requests, one file"),
+                      ("file_per_row", "a raw file per 2 MiB, no store")):
+        if key in sec:
+            out.append(f"  {what:26}: write {sec[key]['write_gbps']:6.2f} GB/s "
+                       f"({sec[key]['write_gbps'] / ceil['write_gbps']:4.0%}), read "
+                       f"{sec[key]['read_gbps']:6.2f} GB/s "
+                       f"({sec[key]['read_gbps'] / ceil['read_gbps']:4.0%}) of the ceiling")
     for r in sec.get("restart", []):
         if "error" in r:
             out.append(f"  restart {r.get('blocks')}: ERROR {r['error'][:200]}")
@@ -254,6 +262,17 @@ class StoresMixin:
         after = ceiling("after the cases")
         ceil = sec["ceiling"] = {"before": before, "after": after,
                                  "io_mode": before["io_mode"], "bytes": before["bytes"]}
+        # Where the 2 MiB cases' gap to the ceiling comes from: the same disk with 2 MiB
+        # requests into one file, and with one raw file per 2 MiB (open, write, close; fsync)
+        direct = sec["io_mode"] == "O_DIRECT"
+        sec["small_requests"] = self._disk_ceiling(root, cfg.stores_bytes, reps, direct,
+                                                   threads, chunk=2 * MiB)
+        sec["file_per_row"] = self._file_per_row(root, cfg.stores_bytes, 2 * MiB, reps,
+                                                 direct, threads)
+        for key, what in (("small_requests", "2 MiB requests, one file"),
+                          ("file_per_row", "a raw file per 2 MiB")):
+            r = sec[key]
+            self.log(f"  {what}: write {r['write_gbps']:.2f} GB/s, read {r['read_gbps']:.2f} GB/s")
         for d in ("write", "read"):
             best = max((before, after), key=lambda c: c[f"{d}_gbps"])
             ceil[f"{d}_gbps"], ceil[f"{d}_streams"] = best[f"{d}_gbps"], best[f"{d}_streams"]
@@ -269,11 +288,11 @@ class StoresMixin:
             self.log(traceback.format_exc())
 
     def _disk_ceiling(self, root: str, total: int, reps: int, direct: bool,
-                      threads: int) -> dict[str, Any]:
-        """A sequential write (fsynced) and read of one file of `total` bytes in 8 MiB
+                      threads: int, chunk: int = _CHUNK) -> dict[str, Any]:
+        """A sequential write (fsynced) and read of one file of `total` bytes in `chunk`
         requests, by one thread and by `threads` threads (request i by thread i mod threads:
         as many requests in flight as the store's threads keep); per direction the faster."""
-        chunk = min(_CHUNK, -(-total // 4096) * 4096)
+        chunk = min(chunk, -(-total // 4096) * 4096)
         nbytes = -(-total // chunk) * chunk
         flag = getattr(os, "O_DIRECT", 0) if direct else 0
         path = os.path.join(root, "ceiling.bin")
@@ -321,6 +340,59 @@ class StoresMixin:
             out[f"{d}_gbps"] = out[best][f"{d}_gbps"]
             out[f"{d}_streams"] = int(best.split("_")[1])
         return out
+
+    def _file_per_row(self, root: str, total: int, row: int, reps: int, direct: bool,
+                      threads: int) -> dict[str, Any]:
+        """The file-per-block design without the store: `threads` threads each creating,
+        writing and closing files of `row` bytes (then every file fsynced, and the folder),
+        then opening, reading and closing them; no header, checksum or rename."""
+        flag = getattr(os, "O_DIRECT", 0) if direct else 0
+        count = max(1, total // row)
+        buf = mmap.mmap(-1, row)
+        buf.write(self.rng.bytes(row))
+        folder = os.path.join(root, "per-row")
+        local = threading.local()
+        writes, reads = [], []
+        for _ in range(reps):
+            os.makedirs(folder)
+            paths = [os.path.join(folder, f"{i:06d}") for i in range(count)]
+
+            def write(path: str) -> None:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o644)
+                try:
+                    os.pwrite(fd, buf, 0)
+                finally:
+                    os.close(fd)
+
+            def sync(path: str) -> None:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+            def read(path: str) -> None:
+                if not hasattr(local, "buf"):  # one buffer per thread, as the store's rows
+                    local.buf = mmap.mmap(-1, row)
+                fd = os.open(path, os.O_RDONLY | flag)
+                try:
+                    os.preadv(fd, [local.buf], 0)
+                finally:
+                    os.close(fd)
+
+            with ThreadPoolExecutor(threads) as pool:
+                t = time.perf_counter()
+                list(pool.map(write, paths))
+                list(pool.map(sync, paths))
+                sync(folder)
+                writes.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                list(pool.map(read, paths))
+                reads.append(time.perf_counter() - t)
+            shutil.rmtree(folder)
+        return {"write_gbps": count * row / median(writes) / 1e9,
+                "read_gbps": count * row / median(reads) / 1e9, "row_bytes": row,
+                "files": count, "threads": threads}
 
     def _store_case(self, root: str, row: int, total: int, threads: int, aligned: bool,
                     direct: bool | None, reps: int) -> dict[str, Any]:
