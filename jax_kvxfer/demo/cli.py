@@ -478,6 +478,8 @@ def _turn_figures(res: serving.RunResult, moved: set) -> dict:
     out = {"ttft_p50_host_hit_turns_s": _ttft_p50(res, host)}
     if moved:
         out["ttft_p50_moved_turns_s"] = _ttft_p50(res, moved)
+        out["moved_turns_computed_prefill_tokens"] = sum(
+            r.computed_prompt_tokens for k, r in res.turns.items() if k in moved)
     return out
 
 

@@ -22,7 +22,8 @@ TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--
         "--system-tokens", "6", "--user-tokens", "6", "--gen-tokens", "4",
         "--tokens-per-block", "4", "--chunk", "4", "--no-progress", "--fixed-step-ms", "10"]
 # Pools that never evict in any replica (so every store hit is a block the other replica wrote)
-REPLICAS = [*TINY, "--primary-blocks", "120", "--secondary-blocks", "24", "--replicas", "2"]
+REPLICAS = [*TINY, "--primary-blocks", "120", "--secondary-blocks", "24", "--replicas", "2",
+            "--low-priority-every", "0"]  # (a low-priority chat's blocks are not shared)
 
 
 def _children() -> set[str]:
@@ -69,6 +70,10 @@ def test_replicas_sharing_a_store_are_exact_and_read_each_others_blocks(replicas
     assert all(r["store_hit_tokens"] == 0 and r["store"] is None for r in alone["replicas"])
     assert alone["store"] is None and alone["store_hit_tokens"] == 0
     assert shared["computed_prefill_tokens"] < alone["computed_prefill_tokens"]
+    # a moved turn computes no more than in never_evict: all of its prefix came from the store
+    reference = runs["never_evict"]["moved_turns_computed_prefill_tokens"]
+    assert shared["moved_turns_computed_prefill_tokens"] == reference > 0
+    assert alone["moved_turns_computed_prefill_tokens"] > reference
     prompts = {name: run["computed_prefill_tokens"] + run["gpu_hit_tokens"]
                + run["host_hit_tokens"] + run["store_hit_tokens"] for name, run in runs.items()}
     assert len(set(prompts.values())) == 1, prompts  # the same prompts, however served
