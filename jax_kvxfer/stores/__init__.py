@@ -1,9 +1,21 @@
 """Tiers below the host pool: the contract they implement (base.py) and the stores: FileStore
-(disk, file.py) and RedisStore (a Redis or Valkey server, redis.py; needs the `redis` client)."""
+(disk, file.py), RedisStore (a Redis or Valkey server, redis.py; needs the `redis` client) and
+MooncakeStore (Mooncake Store, mooncake.py; needs the mooncake wheel, imported on first use of
+the name)."""
+
+from typing import Any
 
 from .base import CorruptBlock, Store, StoreStats, layout_fingerprint
 from .file import FileStore, aligned_rows
 from .redis import RedisStore
 
-__all__ = ["CorruptBlock", "FileStore", "RedisStore", "Store", "StoreStats", "aligned_rows",
-           "layout_fingerprint"]
+__all__ = ["CorruptBlock", "FileStore", "MooncakeStore", "RedisStore", "Store", "StoreStats",
+           "aligned_rows", "layout_fingerprint", "start_local_master"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("MooncakeStore", "start_local_master"):
+        from . import mooncake
+
+        return getattr(mooncake, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
