@@ -9,8 +9,9 @@
 """
 
 from ._both_ways import copy_blocks_both_ways
-from ._lowering import DMA_AUTO_MIN_BLOCK_BYTES, HOST_COPY_CTAS, on_stream
+from ._lowering import on_stream
 from ._native import HAS_CUDA_HANDLERS
+from ._plan import DMA_AUTO_MIN_BLOCK_BYTES, HOST_COPY_CTAS
 from .cache import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import copy_blocks, partial_block_copy

@@ -44,7 +44,8 @@ from ._checks import (
     normalize_tokens,
     touches_host,
 )
-from ._lowering import HOST_COPY_CTAS, block_copy_call, copy_results, put_in_pinned_host
+from ._lowering import block_copy_call, copy_results
+from ._plan import HOST_COPY_CTAS, CopyPlan, put_in_pinned_host
 
 TICKET_BYTES = 8  # the fork's ticket result: its address identifies the fork to the join
 
@@ -87,28 +88,25 @@ def both_ways_plan(ab_src: np.ndarray | None, ab_dst: np.ndarray | None,
     return BothWaysPlan("together")
 
 
-def _fork_join(pool_a, pool_b, ab, ba, facts: tuple[IndexFacts, IndexFacts], options: dict,
-               whole: tuple[bool, bool]):
-    """a->b as the fork (on a side stream on the GPU), b->a as the join."""
-    ab_facts, ba_facts = facts
-    attrs = {"hazard_free": np.bool_(True), "max_ctas": np.int64(options["max_ctas"]),
-             "dma": np.bool_(options["dma"])}
+def _cross_pool(plan: CopyPlan, **more: Any) -> dict[str, Any]:
+    """The attributes of one direction's copy between the two pools (one never reads what
+    the other writes: hazard_free), and the fork's or join's own."""
+    return {**plan.attributes(), "hazard_free": np.bool_(True), **more}
 
+
+def _fork_join(pool_a, pool_b, ab, ba, plans: tuple[CopyPlan, CopyPlan]):
+    """a->b as the fork (on a side stream on the GPU), b->a as the join."""
     fork = jax.ffi.ffi_call(
         _native.BLOCK_COPY_FORK_TARGET, copy_results(pool_b, ab[0].shape[0]) + (
             jax.ShapeDtypeStruct((TICKET_BYTES,), jnp.uint8),),
         input_output_aliases={0: 0}, vmap_method="sequential")
-    new_b, workspace, staging, ticket = fork(
-        pool_b, pool_a, *ab, unique_dst=np.bool_(ab_facts.unique_dst),
-        whole_blocks=np.bool_(options["dma"] and whole[0]), **attrs)
+    new_b, workspace, staging, ticket = fork(pool_b, pool_a, *ab, **_cross_pool(plans[0]))
     join = jax.ffi.ffi_call(_native.BLOCK_COPY_JOIN_TARGET,
                             copy_results(pool_a, ba[0].shape[0]),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     # after the ticket: what the fork's copy still uses, kept alive until the join has waited
     new_a = join(pool_a, new_b, *ba, ticket, workspace, staging, *ab,
-                 unique_dst=np.bool_(ba_facts.unique_dst),
-                 whole_blocks=np.bool_(options["dma"] and whole[1]), wait=np.bool_(True),
-                 **attrs)[0]
+                 **_cross_pool(plans[1], wait=np.bool_(True)))[0]
     # nothing can use new_b (whose copy the GPU may still be making) before the join
     return jax.lax.optimization_barrier((new_a, new_b))
 
@@ -118,21 +116,16 @@ def both_ways_call(pool_a, pool_b, ab, ba, facts: tuple[IndexFacts, IndexFacts],
                    whole: tuple[bool, bool] = (False, False)):
     """The copies for `plan`; ab, ba: (src, dst, num_tokens) int32 vectors; whole: whether
     each direction copies whole blocks only (known tokens)."""
-    options = {"max_ctas": min(max_ctas or 0, 1 << 30), "dma": dma}
-    ab_facts, ba_facts = facts
+    ab_plan, ba_plan = (CopyPlan(f, whole_blocks=dma and w, dma=dma, max_ctas=max_ctas)
+                        for f, w in zip(facts, whole))
     if plan.mode == "together":
-        return _fork_join(pool_a, pool_b, ab, ba, facts, options, whole)
-
-    def copy(dst, src, idx, f, dma=dma, whole_blocks=False):
-        return block_copy_call(dst, src, *idx, f, options["max_ctas"], dma=dma,
-                               whole_blocks=dma and whole_blocks)
-
+        return _fork_join(pool_a, pool_b, ab, ba, (ab_plan, ba_plan))
     if plan.mode == "a_to_b_first":
-        new_b = copy(pool_b, pool_a, ab, ab_facts, whole_blocks=whole[0])
-        return copy(pool_a, new_b, ba, ba_facts, whole_blocks=whole[1]), new_b
+        new_b = block_copy_call(pool_b, pool_a, *ab, ab_plan)
+        return block_copy_call(pool_a, new_b, *ba, ba_plan), new_b
     if plan.mode == "b_to_a_first":
-        new_a = copy(pool_a, pool_b, ba, ba_facts, whole_blocks=whole[1])
-        return new_a, copy(pool_b, new_a, ab, ab_facts, whole_blocks=whole[0])
+        new_a = block_copy_call(pool_a, pool_b, *ba, ba_plan)
+        return new_a, block_copy_call(pool_b, new_a, *ab, ab_plan)
     # staged: a->b's source blocks read out into a device buffer (by the kernel: these indices
     # are computed here, not host-resident), then b->a, then a->b from the buffer
     # (each in-place write takes the result of the read before it as an extra operand: without
@@ -141,25 +134,21 @@ def both_ways_call(pool_a, pool_b, ab, ba, facts: tuple[IndexFacts, IndexFacts],
     valid = (src >= 0) & (src < pool_a.shape[0]) & (dst >= 0) & (dst < pool_b.shape[0])
     slot = jnp.where(valid, jnp.arange(src.shape[0], dtype=jnp.int32), -1)
     buffer = jnp.zeros((src.shape[0], *pool_a.shape[1:]), pool_a.dtype)
-    buffer = copy(buffer, pool_a, (src, slot, jnp.zeros_like(slot)), IndexFacts(True, True),
-                  dma=False)
-    new_a = _copy_after(pool_a, pool_b, ba, ba_facts, buffer, options, dma and whole[1])
-    new_b = _copy_after(pool_b, buffer, (slot, dst, tokens), ab_facts, new_a,
-                        dict(options, dma=False), False)
+    buffer = block_copy_call(buffer, pool_a, src, slot, jnp.zeros_like(slot),
+                             CopyPlan(IndexFacts(True, True), max_ctas=max_ctas))
+    new_a = _copy_after(pool_a, pool_b, ba, ba_plan, buffer)
+    new_b = _copy_after(pool_b, buffer, (slot, dst, tokens),
+                        CopyPlan(ab_plan.facts, max_ctas=max_ctas), new_a)
     return new_a, new_b
 
 
-def _copy_after(dst_pool, src_pool, idx, facts: IndexFacts, after, options: dict,
-                whole_blocks: bool):
+def _copy_after(dst_pool, src_pool, idx, plan: CopyPlan, after):
     """One copy that XLA runs after `after` was made (the join target, with nothing to wait
     for: `after` is only an extra operand)."""
     call = jax.ffi.ffi_call(_native.BLOCK_COPY_JOIN_TARGET,
                             copy_results(dst_pool, idx[0].shape[0]),
                             input_output_aliases={0: 0}, vmap_method="sequential")
-    return call(dst_pool, src_pool, *idx, after, hazard_free=np.bool_(True),
-                unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(options["max_ctas"]),
-                dma=np.bool_(options["dma"]), whole_blocks=np.bool_(whole_blocks),
-                wait=np.bool_(False))[0]
+    return call(dst_pool, src_pool, *idx, after, **_cross_pool(plan, wait=np.bool_(False)))[0]
 
 
 @functools.lru_cache(maxsize=64)

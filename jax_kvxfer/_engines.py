@@ -35,7 +35,8 @@ from ._hazards import OFFLOAD_LANE, ONBOARD_LANE, LaneHazards
 from ._jax_seams import pinned_by_external_reference
 from ._lanes import join_call, lane_copy_call, lanes_idle, layer_lane_copy_call, wait_lanes
 from ._layers import manager_copy, manager_copy_within
-from ._lowering import HOST_COPY_CTAS, block_copy_call
+from ._lowering import block_copy_call
+from ._plan import HOST_COPY_CTAS, CopyPlan
 from ._plan_ring import PlanRing, PlanSlot
 
 
@@ -71,14 +72,14 @@ def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, specs, whole=False, 
             continue
 
         def copy(d, s, p):
-            return block_copy_call(d, s, p[0], p[1], p[2], facts, whole_blocks=whole)
+            return block_copy_call(d, s, p[0], p[1], p[2], CopyPlan(facts, whole_blocks=whole))
         pools.append(_on_shards(copy, mesh, spec, 2)(d, s, plan))
     return tuple(pools), token
 
 
 def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False, layers=None):
     def copy(pool, p):
-        return block_copy_call(pool, pool, p[0], p[1], p[2], facts, whole_blocks=whole)
+        return block_copy_call(pool, pool, p[0], p[1], p[2], CopyPlan(facts, whole_blocks=whole))
     out = []
     for pool, spec, views in zip(pools, specs, layers or (None,) * len(pools)):
         if views is None:

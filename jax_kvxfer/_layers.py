@@ -22,6 +22,7 @@ from . import _layouts as layouts
 from . import _native
 from ._checks import dtype_bits, is_split
 from ._lowering import block_copy_call
+from ._plan import CopyPlan
 
 
 class LayerViews(NamedTuple):
@@ -223,7 +224,8 @@ def manager_copy(dst: Any, src: Any, plan: Any, *, views: LayerViews, mesh: Any,
 
 
 def _block_copy_within(view, src_idx, dst_idx, tokens, facts, *, whole_blocks):
-    return block_copy_call(view, view, src_idx, dst_idx, tokens, facts, whole_blocks=whole_blocks)
+    return block_copy_call(view, view, src_idx, dst_idx, tokens,
+                           CopyPlan(facts, whole_blocks=whole_blocks))
 
 
 def manager_copy_within(pool: Any, plan: Any, facts: Any, *, views: LayerViews, mesh: Any,

@@ -1,5 +1,6 @@
-"""How a block copy becomes a custom call: the FFI target and its operands, the copy-engine
-policy of `dma="auto"`, the stream annotation, and the jitted functions of eager calls."""
+"""How a planned block copy becomes a custom call (`emit`, the one emitter): the FFI target
+and its operands, the views of pools in another layout, the stream annotation, and the jitted
+functions of eager calls."""
 
 from __future__ import annotations
 
@@ -10,48 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from . import _layouts as layouts
 from . import _native
-from ._checks import IndexFacts, dtype_bits, is_split
-from ._jax_seams import function_form_compute_on
-
-# CTAs (of 1024 threads) that a copy to or from pinned_host memory on a stream of its own uses
-# by default: on an H200, 8 fill PCIe in either direction for whole blocks, and the other SMs
-# stay free for the work running beside the copy. Without a stream of its own the copy takes
-# every SM it can use (the fastest for short partial runs, which need many requests in flight).
-HOST_COPY_CTAS = 8
-
-
-# dma="auto" (`copy_blocks` outside jit) takes the copy engines for whole blocks of at least this
-# many bytes between the two memories. Measured on the H200, one call at a time: the copy
-# engines are ahead from 256 KiB (90/91 % of the memcpy ceiling against the kernel's 86/83 %;
-# at 4 MiB 96/96 % against 92/89 %) and behind at 16-64 KiB, where the runtime's host time per
-# copy (0.5-0.8 us) costs more than the copy moves; a partial block is one strided copy each,
-# slower than the kernel at every size measured.
-DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
-
-
-def auto_dma(dst_pool: jax.Array, src_pool: jax.Array, whole: bool, max_ctas: Any) -> bool:
-    """dma="auto" outside jit: whether the copy engines take this copy (see `copy_blocks`)."""
-    if not whole or max_ctas is not None or dst_pool.shape[0] == 0:
-        return False
-    kinds = {dst_pool.sharding.memory_kind, src_pool.sharding.memory_kind}
-    block_bits = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype)
-    return (kinds == {"device", "pinned_host"}
-            and not (is_split(dst_pool.sharding) or is_split(src_pool.sharding))
-            and all(d.platform in ("gpu", "cuda") for d in dst_pool.devices())
-            and block_bits >= 8 * DMA_AUTO_MIN_BLOCK_BYTES)
-
-
-def put_in_pinned_host(arrays: tuple[Any, ...], like: jax.Array) -> tuple[jax.Array, ...]:
-    """The index vectors in pinned_host memory of `like`'s device, their values in place
-    before the copy is dispatched (the GPU handler reads them on the host as it enqueues)."""
-    sharding = jax.sharding.SingleDeviceSharding(next(iter(like.devices())),
-                                                 memory_kind="pinned_host")
-    return jax.block_until_ready(tuple(
-        jax.device_put(np.asarray(a, np.int32) if not isinstance(a, jax.Array) else a, sharding)
-        for a in arrays))
+from ._checks import dtype_bits, is_split
+from ._jax_seams import function_form_compute_on, memory_space
+from ._plan import CopyPlan
 
 
 class _SideStreamDepth(threading.local):
@@ -71,15 +36,9 @@ def copy_results(dst_pool, batch: int, staging_bytes: int = 0) -> tuple:
             jax.ShapeDtypeStruct((staging_bytes,), jnp.uint8))
 
 
-def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFacts,
-                    max_ctas: int | None = None, dma: bool = False, whole_blocks: bool = False):
-    """Emits the custom call; `src_pool is dst_pool` (one traced value) copies within a pool.
-
-    max_ctas: the GPU grid cap (None: no cap; above 2**30, which no GPU can run at once, the
-    same as 2**30). dma: use the GPU's copy engines where the handler can (see `copy_blocks`).
-    whole_blocks: every pair copies a whole block, as known on the host: the copy engines then
-    need not read `tokens`, and the kernel gives each pair the work units of a whole block."""
-    max_ctas = min(max_ctas or 0, 1 << 30)
+def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, plan: CopyPlan):
+    """The custom call of `plan` over 6-D pools; `src_pool is dst_pool` (one traced value)
+    copies within a pool."""
     # Within one pool the pool is passed once: were it passed twice with one operand donated,
     # XLA would copy the whole pool to keep the other operand's read safe.
     within = src_pool is dst_pool
@@ -87,8 +46,8 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
     # Room to stage every source block when a copy within one pool may read a block that
     # another pair writes.
     block_nbytes = math.prod(dst_pool.shape[1:]) * dtype_bits(dst_pool.dtype) // 8
-    staging = batch * block_nbytes if within and not facts.hazard_free else 0
-    if dma or _ON_SIDE_STREAM.depth:  # never inside a CUDA graph (_native)
+    staging = batch * block_nbytes if within and not plan.facts.hazard_free else 0
+    if plan.dma or _ON_SIDE_STREAM.depth:  # never inside a CUDA graph (_native)
         target = (_native.BLOCK_COPY_WITHIN_NOGRAPH_TARGET if within
                   else _native.BLOCK_COPY_NOGRAPH_TARGET)
     else:
@@ -96,9 +55,39 @@ def block_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, facts: IndexFa
     call = jax.ffi.ffi_call(target, copy_results(dst_pool, batch, staging),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     pools = (dst_pool,) if within else (dst_pool, src_pool)
-    return call(*pools, src_idx, dst_idx, tokens, hazard_free=np.bool_(facts.hazard_free),
-                unique_dst=np.bool_(facts.unique_dst), max_ctas=np.int64(max_ctas),
-                dma=np.bool_(dma), whole_blocks=np.bool_(whole_blocks))[0]
+    return call(*pools, src_idx, dst_idx, tokens, **plan.attributes())[0]
+
+
+def emit(plan: CopyPlan, dst_pool, src_pool, src_idx, dst_idx, tokens):
+    """The copy `plan` describes, traced: over the pools' 6-D views where they are in another
+    layout or single blocks (reshapes, free inside jit), on XLA stream `plan.stream` where it
+    names one."""
+    def copy(dst, src, si, di, n):
+        shape = dst.shape
+        if plan.one_block:
+            dst, src = dst[None], src[None]
+        if plan.axes is not None:
+            dst = dst.reshape(layouts.Layout(dst.shape, *plan.axes).view)
+            src = src.reshape(layouts.Layout(src.shape, *plan.axes).view)
+        return block_copy_call(dst, dst if plan.within else src, si, di, n, plan).reshape(shape)
+
+    if plan.stream is None:
+        return copy(dst_pool, src_pool, src_idx, dst_idx, tokens)
+    space = memory_space(dst_pool) or jax.memory.Space.Device
+    return on_stream(copy, plan.stream, space)(dst_pool, src_pool, src_idx, dst_idx, tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def eager_copy(plan: CopyPlan, out_sharding: jax.sharding.Sharding, donate: bool = False):
+    """The jitted program of a copy called outside jit: `emit` of `plan`, its result keeping
+    the destination's sharding. A destination split over several devices is copied by each
+    device on its own shard. Within one pool the array is passed twice and read once."""
+    fn = functools.partial(emit, plan)
+    if is_split(out_sharding):
+        spec, whole = out_sharding.spec, jax.sharding.PartitionSpec()
+        fn = jax.shard_map(fn, mesh=out_sharding.mesh, in_specs=(spec, spec) + (whole,) * 3,
+                           out_specs=spec)
+    return jax.jit(fn, out_shardings=out_sharding, donate_argnums=(0,) if donate else ())
 
 
 def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
@@ -121,26 +110,3 @@ def on_stream(fn: Any, stream: int, out_space: Any) -> Any:
 
     return annotate(traced_on_stream, compute_type=f"gpu_stream:{stream}",
                     out_memory_spaces=out_space)
-
-
-@functools.lru_cache(maxsize=64)
-def eager_fn(kind: str, out_sharding: jax.sharding.Sharding, facts: IndexFacts,
-              donate: bool = False, max_ctas: int | None = None, dma: bool = False,
-              whole_blocks: bool = False):
-    """A jitted op for calls made outside jit; the result keeps the destination's sharding.
-
-    A destination split over several devices is copied by each device on its own shard.
-    """
-    options = {"dma": dma, "whole_blocks": whole_blocks}
-    if kind == "pool":
-        def fn(dst, src, si, di, nt):
-            return block_copy_call(dst, src, si, di, nt, facts, max_ctas, **options)
-    else:
-        def fn(dst, src, si, di, nt):
-            return block_copy_call(dst[None], src[None], si, di, nt, facts, max_ctas,
-                                   **options)[0]
-    if is_split(out_sharding):
-        spec, whole = out_sharding.spec, jax.sharding.PartitionSpec()
-        fn = jax.shard_map(fn, mesh=out_sharding.mesh, in_specs=(spec, spec) + (whole,) * 3,
-                           out_specs=spec)
-    return jax.jit(fn, out_shardings=out_sharding, donate_argnums=(0,) if donate else ())

@@ -8,7 +8,6 @@ the destination's sharding (and so its memory kind).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -17,37 +16,21 @@ import numpy as np
 from . import _layouts as layouts
 from ._checks import (
     BLOCK_RANK,
-    POOL_RANK,
     IndexFacts,
     IndexLike,
     TokensLike,
-    as_index_array,
     check_byte_rows,
-    check_dma,
-    check_dma_choice,
-    check_in_range,
-    check_launch_options,
     check_platform,
     check_pool,
     check_same_blocks,
     check_split,
-    concrete,
-    index_facts,
     is_split,
     is_tracer,
     may_copy_partial,
     normalize_tokens,
-    touches_host,
 )
-from ._jax_seams import memory_space
-from ._lowering import (
-    HOST_COPY_CTAS,
-    auto_dma,
-    block_copy_call,
-    eager_fn,
-    on_stream,
-    put_in_pinned_host,
-)
+from ._lowering import eager_copy, emit
+from ._plan import CopyPlan, plan_copy
 
 
 def copy_blocks(
@@ -142,143 +125,13 @@ def copy_blocks(
         unique_dst_indices=True, known destination indices that repeat.
       IndexError: known (non-traced) indices >= the pool's number of blocks.
     """
-    if token_axis is not None or not (isinstance(block_axis, int) and block_axis == 0):
-        return _copy_in_layout(dst_pool, src_pool, src_indices, dst_indices, num_tokens,
-                               token_axis=token_axis, block_axis=block_axis, donate=donate,
-                               max_ctas=max_ctas, stream=stream, dma=dma,
-                               unique_dst_indices=unique_dst_indices)
-    check_pool("dst_pool", dst_pool, POOL_RANK)
-    check_pool("src_pool", src_pool, POOL_RANK)
-    check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
-    check_launch_options(max_ctas, stream)
-    check_dma_choice(dma)
-    if not isinstance(unique_dst_indices, (bool, np.bool_)):
-        raise TypeError(f"unique_dst_indices must be True or False, got {unique_dst_indices!r}")
-    si, di, tokens = _pairs(src_indices, dst_indices, num_tokens)
-    may_be_partial = may_copy_partial(tokens, dst_pool.shape[4])
-    check_byte_rows(dst_pool.shape[1:], dst_pool.dtype, may_be_partial)
-    si_host, di_host = concrete(si), concrete(di)
-    check_in_range("src_indices", si_host, src_pool.shape[0], "src_pool")
-    check_in_range("dst_indices", di_host, dst_pool.shape[0], "dst_pool")
-    check_platform(dst_pool, src_pool)
-    check_split(dst_pool, src_pool, "dst_pool", "src_pool")
-    facts = index_facts(si_host, di_host, src_pool.shape[0], dst_pool.shape[0])
-    if unique_dst_indices:
-        if si_host is not None and di_host is not None and not facts.unique_dst:
-            raise ValueError("unique_dst_indices=True, but dst_indices writes one block in two "
-                             "pairs (negative padding may repeat)")
-        facts = facts._replace(unique_dst=True)
-    whole = not may_be_partial
-    traced = any(is_tracer(a) for a in (dst_pool, src_pool, si, di, tokens))
-    if isinstance(dma, str):  # "auto"
-        dma = not traced and auto_dma(dst_pool, src_pool, whole, max_ctas)
-    dma = bool(dma)
-    if max_ctas is None and stream is not None and touches_host(dst_pool, src_pool):
-        max_ctas = HOST_COPY_CTAS
-    max_ctas = None if max_ctas is None else int(max_ctas)
-    if dma:
-        if not traced:
-            if is_split(dst_pool.sharding):
-                raise ValueError("dma=True does not take pools split over several devices")
-            si, di, tokens = put_in_pinned_host((si, di, tokens), dst_pool)
-        check_dma(dst_pool, src_pool, {"src_indices": si, "dst_indices": di,
-                                       "num_tokens": tokens}, whole)
-    options = {"dma": dma, "whole_blocks": whole}
+    plan, (si, di, tokens), traced = plan_copy(
+        dst_pool, src_pool, src_indices, dst_indices, num_tokens, token_axis=token_axis,
+        block_axis=block_axis, max_ctas=max_ctas, stream=stream, dma=dma,
+        unique_dst_indices=unique_dst_indices, donate=donate)
     if traced:
-        if stream is None:
-            return block_copy_call(dst_pool, src_pool, si, di, tokens, facts, max_ctas,
-                                   **options)
-        within = src_pool is dst_pool
-
-        def copy(dst, src, a, b, n):
-            return block_copy_call(dst, dst if within else src, a, b, n, facts, max_ctas,
-                                   **options)
-
-        space = memory_space(dst_pool) or jax.memory.Space.Device
-        return on_stream(copy, int(stream), space)(dst_pool, src_pool, si, di, tokens)
-    if donate and dst_pool is src_pool:
-        raise ValueError("donate=True needs src_pool to be another array than dst_pool")
-    fn = eager_fn("pool", dst_pool.sharding, facts, bool(donate), max_ctas, **options)
-    return fn(dst_pool, src_pool, si, di, tokens)
-
-
-def _pairs(src_indices: IndexLike, dst_indices: IndexLike,
-           num_tokens: TokensLike) -> tuple[Any, Any, Any]:
-    """The index vectors (int32, one length) and the token counts of a batch, checked."""
-    si = as_index_array("src_indices", src_indices)
-    di = as_index_array("dst_indices", dst_indices)
-    if si.shape[0] != di.shape[0]:
-        raise ValueError(
-            f"src_indices has length {si.shape[0]} but dst_indices has length {di.shape[0]}")
-    return si, di, normalize_tokens(num_tokens, si.shape[0])
-
-
-def _copy_in_layout(dst_pool: jax.Array, src_pool: jax.Array, src_indices: IndexLike,
-                    dst_indices: IndexLike, num_tokens: TokensLike, *, token_axis: int | None,
-                    block_axis: int, donate: bool, max_ctas: int | None, stream: int | None,
-                    dma: bool | str, unique_dst_indices: bool) -> jax.Array:
-    """`copy_blocks` of pools in their own layout: the same copy over their 6-D views."""
-    check_pool("dst_pool", dst_pool, None)
-    check_pool("src_pool", src_pool, None)
-    if token_axis is None:
-        raise TypeError("block_axis needs token_axis: the axis a partial copy's tokens run along")
-    check_dma_choice(dma)
-    check_launch_options(max_ctas, stream)
-    dst_lay = layouts.layout("dst_pool", dst_pool, token_axis, block_axis)
-    src_lay = layouts.layout("src_pool", src_pool, token_axis, block_axis)
-    b = dst_lay.block_axis
-    if dst_pool.dtype != src_pool.dtype:
-        raise TypeError(f"src_pool has dtype {src_pool.dtype}, expected dst_pool's "
-                        f"{dst_pool.dtype}")
-    if len(src_lay.shape) != len(dst_lay.shape) or any(
-            x != y for k, (x, y) in enumerate(zip(src_lay.shape, dst_lay.shape)) if k != b):
-        raise ValueError(f"src_pool has shape {src_lay.shape}, expected dst_pool's "
-                         f"{dst_lay.shape} except along block_axis {b}")
-    for name, pool in (("dst_pool", dst_pool), ("src_pool", src_pool)):
-        if not is_tracer(pool) and is_split(pool.sharding):
-            raise ValueError(f"{name} is split over devices: token_axis and block_axis take "
-                             "pools on one device (split pools take the 6-D layout)")
-    si, di, tokens = _pairs(src_indices, dst_indices, num_tokens)
-    check_in_range("src_indices", concrete(si), src_lay.num_blocks, "src_pool")
-    check_in_range("dst_indices", concrete(di), dst_lay.num_blocks, "dst_pool")
-    si, tokens = layouts.expand_pairs(si, src_lay), layouts.expand_tokens(tokens, dst_lay)
-    di = layouts.expand_pairs(di, dst_lay)
-    within = src_pool is dst_pool
-    static = {"lays": (dst_lay, src_lay), "within": within, "options": (
-        ("max_ctas", max_ctas), ("stream", stream), ("unique_dst_indices", unique_dst_indices))}
-    if any(is_tracer(x) for x in (dst_pool, src_pool, si, di, tokens)):
-        return _copy_views(dst_pool, src_pool, si, di, tokens, dma=dma, **static)
-    if unique_dst_indices and not index_facts(si, di, src_lay.view[0], dst_lay.view[0]).unique_dst:
-        raise ValueError("unique_dst_indices=True, but dst_indices writes one block in two pairs "
-                         "(negative padding may repeat)")
-    dma = bool(dma is True or dma is np.True_)  # outside jit: the kernel unless asked otherwise
-    if dma:
-        si, di, tokens = put_in_pinned_host((si, di, tokens), dst_pool)
-    if donate and within:
-        raise ValueError("donate=True needs src_pool to be another array than dst_pool")
-    fn = _eager_layout_fn(dst_pool.sharding, bool(donate), dma, **static)
-    return fn(dst_pool, src_pool, si, di, tokens)
-
-
-def _copy_views(dst, src, src_idx, dst_idx, tokens, *, lays: tuple, within: bool, dma: Any,
-                options: tuple) -> jax.Array:
-    """The copy over the pools' 6-D views, reshaped back to the destination's layout."""
-    dst_lay, src_lay = lays
-    view = dst.reshape(dst_lay.view)
-    src_view = view if within else src.reshape(src_lay.view)
-    return copy_blocks(view, src_view, src_idx, dst_idx, tokens, dma=dma,
-                       **dict(options)).reshape(dst.shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _eager_layout_fn(sharding: jax.sharding.Sharding, donate: bool, dma: bool, *, lays: tuple,
-                     within: bool, options: tuple) -> Any:
-    """A jitted copy in a layout, for calls outside jit: the views and the copy in one program,
-    so that a donated pool is updated in place."""
-    copy = functools.partial(_copy_views, dma=dma, lays=lays, within=within, options=options)
-    if within:  # one array passed twice: the copy reads and writes the first
-        return jax.jit(lambda dst, _, *rest: copy(dst, dst, *rest), out_shardings=sharding)
-    return jax.jit(copy, out_shardings=sharding, donate_argnums=(0,) if donate else ())
+        return emit(plan, dst_pool, src_pool, si, di, tokens)
+    return eager_copy(plan, dst_pool.sharding, bool(donate))(dst_pool, src_pool, si, di, tokens)
 
 
 def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Array, *,
@@ -301,26 +154,31 @@ def partial_block_copy(dst: jax.Array, src: jax.Array, num_tokens: int | jax.Arr
     Raises:
       TypeError, ValueError: as for `copy_blocks`.
     """
+    axes = None
     if token_axis is not None:
         check_pool("dst", dst, None)
         check_pool("src", src, None)
         if dst.shape != src.shape:
             raise ValueError(f"src has shape {tuple(src.shape)}, expected dst's {tuple(dst.shape)}")
-        axis = layouts.axis("token_axis", token_axis, dst.ndim)
-        return copy_blocks(dst[None], src[None], [0], [0], _one_count(num_tokens),
-                           token_axis=axis + 1)[0]
-    check_pool("dst", dst, BLOCK_RANK)
-    check_pool("src", src, BLOCK_RANK)
-    check_same_blocks(dst, src, "dst", "src", lead=0)
+        if not is_tracer(dst) and is_split(dst.sharding):
+            raise ValueError("dst is split over devices: token_axis takes blocks on one device "
+                             "(split blocks take the 5-D layout)")
+        axes = (0, layouts.axis("token_axis", token_axis, dst.ndim) + 1)
+        view = layouts.Layout((1, *dst.shape), *axes).view
+    else:
+        check_pool("dst", dst, BLOCK_RANK)
+        check_pool("src", src, BLOCK_RANK)
+        check_same_blocks(dst, src, "dst", "src", lead=0)
+        view = (1, *dst.shape)
     tokens = normalize_tokens(_one_count(num_tokens), 1)
-    check_byte_rows(dst.shape, dst.dtype, may_copy_partial(tokens, dst.shape[3]))
+    check_byte_rows(view[1:], dst.dtype, may_copy_partial(tokens, view[4]))
     check_platform(dst, src)
     check_split(dst, src, "dst", "src")
+    plan = CopyPlan(IndexFacts(hazard_free=True, unique_dst=True), axes=axes, one_block=True)
     zero = np.zeros(1, np.int32)
-    one_pair = IndexFacts(hazard_free=True, unique_dst=True)
     if any(is_tracer(a) for a in (dst, src, tokens)):
-        return block_copy_call(dst[None], src[None], zero, zero, tokens, one_pair)[0]
-    return eager_fn("block", dst.sharding, one_pair)(dst, src, zero, zero, tokens)
+        return emit(plan, dst, src, zero, zero, tokens)
+    return eager_copy(plan, dst.sharding)(dst, src, zero, zero, tokens)
 
 
 def _one_count(num_tokens: Any) -> Any:

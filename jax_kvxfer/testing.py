@@ -23,7 +23,7 @@ from ._batch import check_batch, split_runs
 # Both-ways plans, forced one by one: each mode's program must update both pools in place.
 from ._both_ways import BothWaysPlan, both_ways_call, both_ways_plan
 
-# What known indices prove (IndexFacts() proves nothing): for eager_fn and both_ways_call.
+# What known indices prove (IndexFacts() proves nothing): for a CopyPlan and both_ways_call.
 from ._checks import IndexFacts
 
 # The lanes' hazard bookkeeping, pure NumPy: its unit test against a brute-force model.
@@ -32,12 +32,14 @@ from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, LaneHazards, LaneOrde
 # The layered copy's custom call: the sanitizer traces it in a jit of its own.
 from ._layers import layer_copy_call
 
-# The jitted function an eager copy runs: the sharded tests lower it to look for collectives.
-from ._lowering import eager_fn
+# The jitted program an eager copy of a plan runs: the sharded tests lower it to look for
+# collectives.
+from ._lowering import eager_copy
 
 # The table of FFI targets: its check against the compiled registrations, and the fork's name
 # to look for in a both-ways program.
 from ._native import BLOCK_COPY_FORK_TARGET, TARGETS
+from ._plan import CopyPlan
 from ._plan_ring import PlanRing
 from .manager import KVCacheTransferManager
 
@@ -104,7 +106,7 @@ def plan_ring(manager: KVCacheTransferManager) -> PlanRing | None:
     return manager._engine.plans
 
 __all__ = ["BLOCK_COPY_FORK_TARGET", "DISPATCHERS", "NO_LANE", "OFFLOAD_LANE", "ONBOARD_LANE",
-           "TARGETS", "BothWaysPlan", "IndexFacts", "LaneHazards", "LaneOrder",
+           "TARGETS", "BothWaysPlan", "CopyPlan", "IndexFacts", "LaneHazards", "LaneOrder",
            "both_ways_call", "both_ways_plan", "check_batch", "copy_engine", "count_dispatches",
-           "dispatcher", "dma_batches", "eager_fn", "layer_copy_call", "plan_ring",
+           "dispatcher", "dma_batches", "eager_copy", "layer_copy_call", "plan_ring",
            "plan_tokens", "registered_targets", "slot_columns", "split_runs"]

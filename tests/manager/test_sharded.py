@@ -88,7 +88,7 @@ def test_sharded_copy_compiles_without_collectives():
                        specs=(pool.partition_spec,)).compile().as_text()
         assert "jax_kvxfer_block_copy" in hlo
         assert not [c for c in COLLECTIVES if c in hlo], "a sharded copy moved data between devices"
-    eager = testing.eager_fn("pool", pool.secondary.sharding, facts)
+    eager = testing.eager_copy(testing.CopyPlan(facts), pool.secondary.sharding)
     idx = np.zeros(4, np.int32)
     hlo = eager.lower(pool.secondary, pool.primary, idx, idx, idx).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
