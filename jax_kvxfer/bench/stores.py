@@ -37,6 +37,22 @@ server's memory for both sets of keys), the raw loop and the store alternate op 
 each of up to five runs; medians; each ratio is the median over the runs of the store's figure
 over the raw figure of the same direction and run.
 
+mooncake (when the mooncake wheel imports): a `mooncake_master` and a holder lending it
+2.5x `--stores-bytes` of memory, started on 127.0.0.1 by `stores.mooncake.start_local_master`
+for the section and stopped after it. For rows of 2 MiB, `--stores-bytes` per case:
+
+  raw       the same client library (Mooncake's `MooncakeDistributedStore`, its own client in
+            this process) doing a plain `batch_put_from` loop of the same values (header + row,
+            built beforehand in one buffer: no copy, no checksum), then `batch_get_into` of them
+            into one buffer (not checked), in batches of the store's `max_batch_bytes`; over 1
+            thread and over as many as the store's threads; per direction the faster
+  put       `MooncakeStore.put` of the rows, then `flush()` (every batch acknowledged)
+  get       `MooncakeStore.get` of the same keys into other rows; every row checked
+with 1 worker thread and with `--stores-threads` (MooncakeStore's default). Mooncake does not
+write a key it holds already, so every run uses new keys, and removes them after. The raw loop
+and the store alternate op by op within each of up to five runs; medians; each ratio is the
+median over the runs of the store's figure over the raw figure of the same direction and run.
+
 restart: 10^4 blocks of 64 bytes (8 KiB files) put and flushed through a FileStore, then a new
 FileStore on the folder: seconds from its construction to the first lookup and get answered.
 Then the folder is grown to 10^5 names with hard links to those files (the index lists names
@@ -93,7 +109,8 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
     if not sec:
         return []
     if "error" in sec:
-        return [f"stores: ERROR {sec['error'][:200]}"] + _redis_summary(sec.get("redis", {}))
+        return ([f"stores: ERROR {sec['error'][:200]}"] + _redis_summary(sec.get("redis", {}))
+                + _mooncake_summary(sec.get("mooncake", {})))
     fs = sec.get("filesystem", {})
     ceil = sec.get("ceiling", {})
     out = [(f"stores: FileStore on {fs.get('fstype')} ({fs.get('device')}, "
@@ -122,7 +139,29 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
             continue
         out.append(f"  restart with {r['blocks']:>7,} blocks: first lookup and get after "
                    f"{r['restart_s'] * 1e3:.0f} ms (indexed {r['indexed']:,})")
-    return out + _redis_summary(sec.get("redis", {}))
+    return out + _redis_summary(sec.get("redis", {})) + _mooncake_summary(sec.get("mooncake", {}))
+
+
+def _mooncake_summary(ms: dict[str, Any]) -> list[str]:
+    if not ms:
+        return []
+    if "skipped" in ms:
+        return [f"stores: MooncakeStore skipped: {ms['skipped']}"]
+    if "error" in ms and not ms.get("cases"):
+        return [f"stores: MooncakeStore ERROR {ms['error'][:200]}"]
+    out = [(f"stores: MooncakeStore on {ms.get('server')} ({ms.get('where')}), client "
+            f"{ms.get('client')}; 2 MiB rows, {fmt_size(ms.get('bytes', 0))} per case")]
+    for c in ms.get("cases", []):
+        if "error" in c or "skipped" in c:
+            out.append(f"  {c['name']:26}: {c.get('error') or c['skipped']}"[:230])
+            continue
+        out.append(f"  {c['name']:26}: put+flush {c['put_gbps']:6.2f} GB/s "
+                   f"({c['put_ratio']:4.0%} of raw put {c['raw_put_gbps']:.2f}), get "
+                   f"{c['get_gbps']:6.2f} GB/s ({c['get_ratio']:4.0%} of raw get "
+                   f"{c['raw_get_gbps']:.2f}); verified={c['verified']}")
+    if "error" in ms:
+        out.append(f"  ERROR {ms['error'][:200]}")
+    return out
 
 
 def _redis_summary(rs: dict[str, Any]) -> list[str]:
@@ -211,6 +250,8 @@ class StoresMixin:
                 self.log(traceback.format_exc())
             self.save()
             self._redis_section(root, sec)  # records its own errors
+            self.save()
+            self._mooncake_section(sec)  # records its own errors
         finally:
             shutil.rmtree(root, ignore_errors=True)
         self.save()
@@ -483,6 +524,157 @@ class StoresMixin:
                      f"{restart_s * 1e3:.0f} ms")
             self.save()
         return out
+
+    # --- MooncakeStore ----------------------------------------------------------------------
+
+    def _mooncake_section(self, sec: dict[str, Any]) -> None:
+        """MooncakeStore against the same client's raw batch put / get throughput (see the
+        module's docstring); skipped, with the reason, where the wheel does not import."""
+        cfg = self.cfg
+        ms: dict[str, Any] = {"bytes": cfg.stores_bytes, "cases": []}
+        sec["mooncake"] = ms
+        from ..stores import mooncake as mc
+
+        try:
+            client_module = mc.import_client()
+        except ImportError as e:
+            ms["skipped"] = str(e)
+            self.log(f"== stores: MooncakeStore skipped: {ms['skipped']} ==")
+            return
+        master = None
+        try:
+            segment = int(2.5 * cfg.stores_bytes) + 64 * MiB
+            master = mc.start_local_master(segment)
+            try:
+                from importlib.metadata import version
+                wheel = version("mooncake-transfer-engine-non-cuda")
+            except Exception:  # noqa: BLE001 - the CUDA wheel, or another name
+                wheel = "?"
+            ms["server"] = f"mooncake_master (wheel {wheel}), a {fmt_size(segment)} holder"
+            ms["where"] = "127.0.0.1, the same machine, over TCP"
+            ms["client"] = "MooncakeDistributedStore (batch_put_from / batch_get_into)"
+            threads = cfg.stores_threads or mc.DEFAULT_THREADS
+            reps = max(1, min(cfg.repeats, 5))
+            self.log(f"== stores: MooncakeStore on {ms['server']} ({ms['where']}), "
+                     f"{fmt_size(cfg.stores_bytes)} per case, {reps} runs ==")
+            for n_threads in sorted({1, threads}):
+                name = f"2M, {n_threads} thread{'s' if n_threads > 1 else ''}"
+                rec: dict[str, Any] = {"name": name, "row_bytes": 2 * MiB, "threads": n_threads}
+                ms["cases"].append(rec)
+                if self.past_deadline():
+                    rec["skipped"] = "past the deadline"
+                    continue
+                try:
+                    rec.update(self._mooncake_case(client_module, master.address, 2 * MiB,
+                                                   cfg.stores_bytes, n_threads, reps))
+                    self.log(f"  {name}: put+flush {rec['put_gbps']:.2f} GB/s "
+                             f"({rec['put_ratio']:.0%} of raw put {rec['raw_put_gbps']:.2f}), "
+                             f"get {rec['get_gbps']:.2f} GB/s ({rec['get_ratio']:.0%} of raw "
+                             f"get {rec['raw_get_gbps']:.2f}), verified={rec['verified']}")
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = err_text(e)
+                    self.log(f"  {name}: ERROR {rec['error'][:300]}")
+                self.save()
+        except Exception as e:  # noqa: BLE001
+            ms["error"] = err_text(e)
+            self.log(traceback.format_exc())
+        finally:
+            if master is not None:
+                master.stop()
+
+    def _mooncake_case(self, client_module: Any, address: str, row: int, total: int,
+                       threads: int, reps: int) -> dict[str, Any]:
+        from ..stores.base import HEADER_NBYTES
+        from ..stores.mooncake import MooncakeStore
+
+        count = max(1, total // row)
+        value = HEADER_NBYTES + row
+        src = np.frombuffer(self.rng.bytes(count * row), np.uint8).reshape(count, row)
+        dst = np.zeros_like(src)
+        store = MooncakeStore(address, namespace=f"bench-{threads}", threads=threads,
+                              timeout_s=60.0)
+        store.bind(("bench", "mooncake", row), row)
+        assert store.fingerprint is not None
+        client = client_module.MooncakeDistributedStore()
+        if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", address) != 0:
+            raise RuntimeError("the raw Mooncake client's setup failed")
+        # the raw loop's values: header + row as the store sends them, made beforehand
+        values = np.empty((count, value), np.uint8)
+        raw_in = np.empty_like(values)
+        per = max(1, store.max_batch_bytes // value)
+
+        def raw(op: str, names: list[str], streams: int) -> float:
+            """GB/s of a batch_put_from (or batch_get_into) loop over `streams` threads."""
+            buf = values if op == "put" else raw_in
+
+            def part(k: int) -> None:
+                for i in range(k * per, count, streams * per):
+                    j = min(count, i + per)
+                    ptrs = [buf.ctypes.data + x * value for x in range(i, j)]
+                    if op == "put":
+                        codes = client.batch_put_from(names[i:j], ptrs, [value] * (j - i))
+                        ok = all(c == 0 for c in codes)
+                    else:
+                        codes = client.batch_get_into(names[i:j], ptrs, [value] * (j - i))
+                        ok = all(c == value for c in codes)
+                    if not ok:
+                        raise RuntimeError(f"the raw {op} loop failed: {codes[:4]}")
+
+            with ThreadPoolExecutor(streams) as pool:
+                t = time.perf_counter()
+                list(pool.map(part, range(streams)))
+                return count * row / (time.perf_counter() - t) / 1e9
+
+        streams = sorted({1, threads})
+        raw_put, raw_get, puts, gets = [], [], [], []
+        verified = True
+        dropped = corrupt = 0
+        try:
+            for rep in range(reps + 1):  # the first: a warm-up; every run with new keys
+                keys = [self.rng.bytes(16) for _ in range(count)]
+                for i, k in enumerate(keys):
+                    values[i, :HEADER_NBYTES] = np.frombuffer(
+                        encode_header(store.fingerprint, k, src[i]), np.uint8)
+                    values[i, HEADER_NBYTES:] = src[i]
+                best_put = best_get = 0.0
+                for n in streams:  # each stream count writes its own names, removed after
+                    names = [f"kvx-bench-raw:{threads}:{rep}:{n}:{i}" for i in range(count)]
+                    best_put = max(best_put, raw("put", names, n))
+                    best_get = max(best_get, raw("get", names, n))
+                    client.batch_remove(names, True)
+                t = time.perf_counter()
+                store.put(keys, list(src)).result()
+                store.flush()
+                put_gbps = count * row / (time.perf_counter() - t) / 1e9
+                dst[:] = 0
+                t = time.perf_counter()
+                found = store.get(keys, list(dst)).result()
+                get_gbps = count * row / (time.perf_counter() - t) / 1e9
+                ok = all(found) and bool(np.array_equal(dst, src))
+                stats = store.stats()
+                client.batch_remove([store.key_prefix + k.hex() for k in keys], True)
+                if rep == 0:
+                    continue
+                raw_put.append(best_put)
+                raw_get.append(best_get)
+                puts.append(put_gbps)
+                gets.append(get_gbps)
+                verified = verified and ok
+                dropped += stats.dropped_writes
+                corrupt += stats.corrupt
+        finally:
+            store.close()
+            client.close()
+        rec = {"blocks": count, "bytes": count * row, "batch_rows": per,
+               "max_batch_bytes": store.max_batch_bytes,
+               "raw_put_gbps": median(raw_put), "raw_get_gbps": median(raw_get),
+               "put_gbps": median(puts), "get_gbps": median(gets),
+               "raw_put_runs": raw_put, "raw_get_runs": raw_get, "put_runs": puts,
+               "get_runs": gets, "verified": verified, "dropped_writes": dropped,
+               "corrupt": corrupt}
+        rec["put_ratio"] = median([p / r for p, r in zip(puts, raw_put)])
+        rec["get_ratio"] = median([g / r for g, r in zip(gets, raw_get)])
+        return rec
 
     # --- RedisStore -------------------------------------------------------------------------
 

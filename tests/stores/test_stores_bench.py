@@ -1,7 +1,8 @@
 """The bench's stores section (`--only stores`) runs, verifies what it read and reports its
 figures against the same run's disk ceiling (FileStore) and the same server's raw client
-throughput (RedisStore, on a valkey-server it starts and stops). No timing assertions:
-benchmarks are not tests."""
+throughput (RedisStore, on a valkey-server it starts and stops; MooncakeStore, on a
+mooncake_master it starts and stops, against the same client's raw batch calls). No timing
+assertions: benchmarks are not tests."""
 
 from __future__ import annotations
 
@@ -53,3 +54,16 @@ def test_stores_section_runs_and_verifies(tmp_path, capsys):
         assert c["blocks"] == 2 and c["put_gbps"] > 0 and c["get_gbps"] > 0, c
         assert c["raw_set_gbps"] > 0 and c["raw_get_gbps"] > 0 and c["put_ratio"] > 0, c
     assert "stores: RedisStore on valkey" in text
+    ms = sec["mooncake"]
+    if importlib.util.find_spec("mooncake") is None and not os.environ.get("CI"):
+        assert "jax_kvxfer[mooncake]" in ms["skipped"]
+        return
+    assert "error" not in ms and "skipped" not in ms, ms
+    assert ms["server"].startswith("mooncake_master")
+    assert [c["name"] for c in ms["cases"]] == ["2M, 1 thread", "2M, 3 threads"]
+    for c in ms["cases"]:
+        assert "error" not in c, c
+        assert c["verified"] is True and c["dropped_writes"] == c["corrupt"] == 0, c
+        assert c["blocks"] == 2 and c["put_gbps"] > 0 and c["get_gbps"] > 0, c
+        assert c["raw_put_gbps"] > 0 and c["raw_get_gbps"] > 0 and c["put_ratio"] > 0, c
+    assert "stores: MooncakeStore on mooncake_master" in text
