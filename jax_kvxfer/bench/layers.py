@@ -3,33 +3,25 @@
 32 NHD arrays `[blocks, 16 tokens, 16 heads, 128]` in bf16 (64 KiB per layer block, 2 MiB per
 host row), batches of 64 and 1,024 random blocks (16 and 64 with --quick), through the manager's
 `offload_indices` / `onboard_indices` (all layers in one custom call per batch):
-  - one batch, then `sync_transfers()`: what one batch costs, the call's host time included
-    (`returns_s`: when the call returned to Python);
-  - four batches back to back, then one sync (per batch): a serving loop's steady state, where
-    a call's host time overlaps the copy before it;
-against one contiguous copy of the same bytes (the step section's ceiling), and two ways without
-contiguous host rows: the manager over one pool per layer (a copy per layer and block, 64 KiB
-host blocks) and a jitted loop of one `copy_blocks` per layer into per-layer host arrays.
+  - one batch, then `sync_transfers()`; `returns_s`: when the call returned to Python;
+  - four batches back to back, then one sync (per batch): a serving loop's steady state;
+against one contiguous copy of the same bytes (same run), and two ways without contiguous host
+rows: the manager over one pool per layer, and a jitted loop of one `copy_blocks` per layer
+into per-layer host arrays (offload).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-import traceback
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ..manager import KVCacheTransferManager
-from ..ops import copy_blocks
-from ..pool import KVCacheBlockPool
+from .. import KVCacheBlockPool, KVCacheTransferManager, copy_blocks
 from .config import DTYPE
-from .helpers import err_text, median
-
-_LAYERS, _TOKENS, _HEADS, _DIM = 32, 16, 16, 128  # 64 KiB per layer block in bf16
+from .helpers import median
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -39,79 +31,66 @@ def _per_layer_loop(dsts, srcs, src_idx, dst_idx):
 
 
 class LayersMixin:
-    """`Bench`'s layers section (uses `BenchCore`'s and the step section's helpers)."""
-
-    def run_layers(self) -> None:
-        sec: dict[str, Any] = {}
-        self.sections["layers"] = sec
-        if self.hsh is None:
-            sec["skipped"] = "no pinned_host memory"
-            return
-        try:
-            self._layers(sec)
-        except Exception as e:  # noqa: BLE001
-            sec["error"] = err_text(e)
-            self.log(traceback.format_exc())
-        self.save()
-
-    def _layers(self, sec: dict[str, Any]) -> None:
-        batches = (16, 64) if self.cfg.quick else (64, 1024)
-        layers, tokens = (4, 4) if self.cfg.quick else (_LAYERS, _TOKENS)
+    def run_layers(self, sec: dict[str, Any]) -> None:
+        batches, layers, tokens = ((16, 64), 4, 4) if self.cfg.quick else ((64, 1024), 32, 16)
         nb = max(batches)
-        shape = (nb, tokens, _HEADS, _DIM)
-
-        def fresh_arrays() -> list[jax.Array]:
-            return [jnp.asarray(self.rng.standard_normal(shape), DTYPE) for _ in range(layers)]
-
-        pool = KVCacheBlockPool.from_layers(fresh_arrays(), token_axis=1, num_secondary_blocks=nb)
+        shape = (nb, tokens, 16, 128)
+        arrays = lambda: [self.random_pool(shape, self.dsh) for _ in range(layers)]
+        pool = KVCacheBlockPool.from_layers(arrays(), token_axis=1, num_secondary_blocks=nb)
         mgr = KVCacheTransferManager(pool)
-        per_layer_mgr = KVCacheTransferManager(
-            [KVCacheBlockPool.from_layers([a], token_axis=1, num_secondary_blocks=nb)
-             for a in fresh_arrays()])
-        host_layers = [jax.device_put(np.zeros(shape, DTYPE), self.hsh) for _ in range(layers)]
-        rows = {}
+        per_layer = KVCacheTransferManager([KVCacheBlockPool.from_layers(
+            [a], token_axis=1, num_secondary_blocks=nb) for a in arrays()])
+        host = [jax.device_put(np.zeros(shape, DTYPE), self.hsh) for _ in range(layers)]
+        sec.update({"layers": layers, "row_bytes": pool.block_nbytes, "batches": {}})
         for batch in batches:
             src, dst = self.rng.permutation(nb)[:batch], self.rng.permutation(nb)[:batch]
             total = batch * pool.block_nbytes
-            rec: dict[str, Any] = {"blocks": batch, "row_bytes": pool.block_nbytes,
-                                   "layers": layers, "ceiling": self._contiguous_ceiling(total)}
-            for name, args in (("offload_indices", (src, dst)), ("onboard_indices", (dst, src))):
-                def one(m=mgr, name=name, args=args) -> float:  # seconds until the call returns
-                    t = time.perf_counter()
-                    getattr(m, name)(*args)
+            ceil = self.ceiling(total)
+            rec = sec["batches"][str(batch)] = {"ceiling": ceil}
+            for verb, args in (("offload_indices", (src, dst)), ("onboard_indices", (dst, src))):
+                def one(m: Any = mgr, verb: str = verb, args: Any = args) -> float:
+                    t = time.perf_counter()  # seconds until the call returns
+                    getattr(m, verb)(*args)
                     return time.perf_counter() - t
 
-                returns = []
-                t = self._timed(lambda r=returns: (r.append(one()), mgr.sync_transfers()))
-                rec[name] = {"s": t, "returns_s": median(returns[-self.cfg.repeats:])}
-                t = self._timed(lambda: ([one() for _ in range(4)], mgr.sync_transfers())) / 4
-                rec[name + "_back_to_back"] = {"s": t}
-                t = self._timed(lambda: (one(per_layer_mgr), per_layer_mgr.sync_transfers()))
-                rec[name + "_pool_per_layer"] = {"s": t}
-            si, di = np.int32(src), np.int32(dst)
+                returns: list[float] = []
+                rec[verb] = {"s": self.timed(lambda r=returns: (r.append(one()),
+                                                                mgr.sync_transfers()))}
+                rec[verb]["returns_s"] = median(returns[-self.cfg.repeats:])
+                rec[verb + "_back_to_back"] = {"s": self.timed(
+                    lambda: ([one() for _ in range(4)], mgr.sync_transfers())) / 4}
+                rec[verb + "_pool_per_layer"] = {"s": self.timed(
+                    lambda: (one(per_layer), per_layer.sync_transfers()))}
 
-            def loop(si=si, di=di) -> None:
-                nonlocal host_layers
-                host_layers = _per_layer_loop(host_layers, pool.primary, si, di)
-                jax.block_until_ready(host_layers)
-            rec["copy_blocks_per_layer_offload"] = {"s": self._timed(loop)}
+            si, di = src.astype(np.int32), dst.astype(np.int32)
+
+            def loop(si: Any = si, di: Any = di) -> None:
+                nonlocal host
+                host = _per_layer_loop(host, pool.primary, si, di)
+                jax.block_until_ready(host)
+
+            rec["copy_blocks_per_layer_offload"] = {"s": self.timed(loop)}
             for name, r in rec.items():
-                if isinstance(r, dict) and "s" in r:
+                if "s" in r:
                     r["gbps"] = total / r["s"] / 1e9
-                    ceiling = rec["ceiling"].get("h2d" if name.startswith("onboard") else "d2h")
-                    if ceiling:
-                        r["ratio"] = r["gbps"] / ceiling
-            rows[str(batch)] = rec
-            ratio = {k: f"{v.get('ratio', 0):.0%}" for k, v in rec.items()
-                     if isinstance(v, dict) and "s" in v}
-            self.log(f"  layers: {batch} x {layers} x {pool.block_nbytes // layers >> 10} KiB, "
-                     f"offload / onboard of contiguous: one batch {ratio['offload_indices']} / "
-                     f"{ratio['onboard_indices']} (returns after "
-                     f"{rec['offload_indices']['returns_s'] * 1e3:.2f} / "
-                     f"{rec['onboard_indices']['returns_s'] * 1e3:.2f} ms), back to back "
-                     f"{ratio['offload_indices_back_to_back']} / "
-                     f"{ratio['onboard_indices_back_to_back']}; a pool per layer "
-                     f"{ratio['offload_indices_pool_per_layer']} / "
-                     f"{ratio['onboard_indices_pool_per_layer']}; a copy_blocks per layer "
-                     f"{ratio['copy_blocks_per_layer_offload']}")
-        sec["batches"] = rows
+                    r["ratio"] = r["gbps"] / ceil["h2d" if name.startswith("on") else "d2h"]
+            self.log("layers: " + layers_line(batch, rec, layers, pool.block_nbytes))
+            self.save()
+
+
+def layers_line(batch: int, rec: dict[str, Any], layers: int, row_bytes: int) -> str:
+    r = {k: f"{v['ratio']:.0%}" for k, v in rec.items() if "ratio" in v}
+    off, on = rec["offload_indices"], rec["onboard_indices"]
+    return (f"{batch} x {layers} x {row_bytes // layers >> 10} KiB, offload / onboard, % of a "
+            f"contiguous copy: one batch {r['offload_indices']} / {r['onboard_indices']} "
+            f"(returns after {off['returns_s'] * 1e3:.2f} / {on['returns_s'] * 1e3:.2f} ms), "
+            f"back to back {r['offload_indices_back_to_back']} / "
+            f"{r['onboard_indices_back_to_back']}; a pool per layer "
+            f"{r['offload_indices_pool_per_layer']} / {r['onboard_indices_pool_per_layer']}; "
+            f"a copy_blocks per layer {r['copy_blocks_per_layer_offload']}")
+
+
+def layers_summary(sec: dict[str, Any]) -> list[str]:
+    return [f"layers: {layers_line(int(b), rec, sec['layers'], sec['row_bytes'])}"
+            for b, rec in sec.get("batches", {}).items()
+            if "copy_blocks_per_layer_offload" in rec]

@@ -1,121 +1,96 @@
-"""The sharded section: aggregate offload/onboard bandwidth of pools sharded by KV heads.
+"""The sharded section: the manager's offload / onboard of pools sharded by KV heads.
 
-Weak scaling: every device holds the same shard (the `--sizes`-independent per-device block of
-`sharded_block` bytes, `sharded_blocks` blocks per batch), so N devices move N times the bytes of
-one. Each GPU has its own PCIe link, so the aggregate should be about N times the one-device
-figure measured in the same run. The transfers go through the manager (`offload_blocks` /
-`onboard_blocks`, then `sync_transfers`), the product's API. With cupy, the ceiling is measured in
-the same run: one contiguous memcpy of the same bytes on every GPU at once.
+Over 1, 2 and all devices, every device holding the same shard (256 blocks of 1 MiB; 16 of 16
+KiB with --quick), so N devices move N times the bytes of one: the aggregate GB/s through
+`offload_blocks` / `onboard_blocks` + `sync_transfers()`, against N times the one-device figure
+and against one contiguous copy of the same bytes on every device at once (same run: cupy's
+memcpy on each GPU's own stream, else `jax.device_put` of one array sharded alike).
 """
 
 from __future__ import annotations
 
-import gc
-import time
-import traceback
 from typing import Any
 
 import jax
 import numpy as np
 
-from ..manager import KVCacheTransferManager
-from ..pool import KVCacheBlock, KVCacheBlockPool, to_numpy
+from .. import KVCacheBlockPool, KVCacheTransferManager, to_numpy
 from .config import DTYPE, fmt_size, geometry_for
-from .helpers import err_text, median
+from .helpers import err_text
+from .manager import pairs
 
 
 class ShardedMixin:
-    """`Bench`'s sharded-pool section (uses `BenchCore`'s state and helpers)."""
-
-    def run_sharded(self) -> None:
-        cfg = self.cfg
+    def run_sharded(self, sec: dict[str, Any]) -> None:
         devices = jax.devices()
-        counts = sorted({1, min(len(devices), 2), len(devices)})
-        geom = geometry_for(cfg.sharded_block)
-        B = cfg.sharded_blocks
-        sec: dict[str, Any] = {"block_bytes_per_device": geom.block_bytes, "blocks": B,
-                               "devices_available": len(devices), "cases": []}
-        self.sections["sharded"] = sec
-        if self.hsh is None:
-            sec["skipped"] = "no pinned_host memory"
-            return
-        if len(devices) < 2:
-            sec["note"] = "one device: the aggregate is the one-device figure"
-        self.log(f"== sharded pools: {B} blocks of {fmt_size(geom.block_bytes)} per device, "
-                 f"devices {counts} ==")
-        single: dict[str, float] = {}
-        for n in counts:
+        g = geometry_for(16 * 1024 if self.cfg.quick else 1024 * 1024)
+        nb = 16 if self.cfg.quick else 256
+        sec.update({"block_bytes_per_device": g.block_bytes, "blocks": nb, "cases": []})
+        self.log(f"== sharded: {nb} blocks of {fmt_size(g.block_bytes)} a device ==")
+        for n in sorted({1, min(len(devices), 2), len(devices)}):
             if self.past_deadline():
                 sec["cases"].append({"devices": n, "skipped": "past the deadline"})
                 continue
             try:
-                res = self._sharded_case(devices[:n], geom, B)
+                res = self._sharded_case(devices[:n], g, nb)
+                one = sec["cases"][0] if sec["cases"] else res
                 for d in ("offload", "onboard"):
-                    if n == 1:
-                        single[d] = res[f"{d}_gbps"]
-                    if single.get(d):
-                        res[f"{d}_scaling"] = res[f"{d}_gbps"] / (n * single[d])
+                    res[f"{d}_scaling"] = res[f"{d}_gbps"] / (n * one[f"{d}_gbps"])
                 sec["cases"].append(res)
-                ceil = (f" (concurrent memcpy {res['memcpy_offload_gbps']:.1f} / "
-                        f"{res['memcpy_onboard_gbps']:.1f})" if "memcpy_offload_gbps" in res
-                        else "")
-                self.log(f"sharded x{n}: offload {res['offload_gbps']:.1f} GB/s, onboard "
-                         f"{res['onboard_gbps']:.1f} GB/s aggregate{ceil}"
-                         + (f" = {res['offload_scaling']:.2f} / {res['onboard_scaling']:.2f} "
-                            f"of {n} x one device" if n > 1 and single else "")
-                         + ("" if res["verified"] else "  VERIFY FAILED"))
+                self.log(sharded_line(res))
             except Exception as e:  # noqa: BLE001 - one failing case must not stop the run
-                sec["cases"].append({"devices": n, "error": err_text(e),
-                                     "traceback": traceback.format_exc(limit=6)})
+                sec["cases"].append({"devices": n, "error": err_text(e)})
                 self.log(f"sharded x{n}: ERROR {err_text(e)[:300]}")
-            gc.collect()
             self.save()
 
-    def _sharded_case(self, devices: list[Any], geom: Any, B: int) -> dict[str, Any]:
+    def _sharded_case(self, devices: list[Any], g: Any, nb: int) -> dict[str, Any]:
         n = len(devices)
         mesh = jax.sharding.Mesh(np.array(devices), ("tp",))
         pool = KVCacheBlockPool.create(
-            num_layers=geom.layers, num_kv_heads=geom.heads * n, size_per_head=geom.head_dim,
-            tokens_per_block=geom.tokens, dtype=DTYPE, num_primary_blocks=B,
-            num_secondary_blocks=B, kv_factor=geom.kv, mesh=mesh, kv_head_axis="tp")
-        bits = self.rng.integers(0, 0x3FFF, pool.primary.shape, dtype=np.uint16)
-        pool.primary = jax.device_put(bits.view(DTYPE), pool.sharding("device"))
-        manager = KVCacheTransferManager([pool])
-        si, di = self.perms(1, B, B)[0], self.perms(1, B, B)[0]
-        offload = [(KVCacheBlock(0, int(s), True), KVCacheBlock(0, int(d), False))
-                   for s, d in zip(si, di)]
-        onboard = [(KVCacheBlock(0, int(d), False), KVCacheBlock(0, int(s), True))
-                   for s, d in zip(si, di)]
-        reps = max(1, self.cfg.sharded_calls)
-        batch_bytes = n * B * geom.block_bytes
+            num_layers=g.layers, num_kv_heads=g.heads * n, size_per_head=g.head_dim,
+            tokens_per_block=g.tokens, dtype=DTYPE, num_primary_blocks=nb,
+            num_secondary_blocks=nb, kv_factor=g.kv, mesh=mesh, kv_head_axis="tp")
+        pool.primary = self.random_pool(pool.primary.shape, pool.sharding("device"))
+        bits = to_numpy(pool.primary).view(np.uint16)
+        mgr = KVCacheTransferManager([pool])
+        si, di = self.perms(1, nb)[0], self.perms(1, nb)[0]
+        batch, calls = n * nb * g.block_bytes, 2 if self.cfg.quick else 8
 
-        def timed(verb: Any, pairs: list[Any]) -> float:
-            verb(pairs)  # compile + warm-up
-            manager.sync_transfers()
-            times = []
-            for _ in range(self.cfg.repeats):
-                t = time.perf_counter()
-                for _ in range(reps):
-                    verb(pairs)
-                manager.sync_transfers()
-                times.append((time.perf_counter() - t) / reps)
-            return median(times)
+        def timed(verb: Any, pairs: list[Any]) -> float:  # `calls` back to back, then a sync
+            run = lambda: ([verb(pairs) for _ in range(calls)], mgr.sync_transfers())
+            return calls * batch / self.timed(run) / 1e9
 
-        t_off = timed(manager.offload_blocks, offload)
-        verified = bool(np.array_equal(to_numpy(pool.secondary)[di].view(np.uint16), bits[si]))
+        res = {"devices": n, "bytes_per_batch": batch,
+               "offload_gbps": timed(mgr.offload_blocks, pairs(si, di, True))}
+        ok = np.array_equal(to_numpy(pool.secondary)[di].view(np.uint16), bits[si])
         pool.primary = jax.device_put(np.zeros_like(bits).view(DTYPE), pool.sharding("device"))
-        t_on = timed(manager.onboard_blocks, onboard)
-        verified &= bool(np.array_equal(to_numpy(pool.primary)[si].view(np.uint16), bits[si]))
-        res = {"devices": n, "bytes_per_batch": batch_bytes, "offload_s": t_off,
-               "onboard_s": t_on, "offload_gbps": batch_bytes / t_off / 1e9,
-               "onboard_gbps": batch_bytes / t_on / 1e9, "verified": verified}
-        if self.cupy is not None:  # the same bytes as one contiguous memcpy per GPU, all at once
-            ids = [i if getattr(d, "local_hardware_id", None) is None else d.local_hardware_id
-                   for i, d in enumerate(devices)]
-            per_device = B * geom.block_bytes
-            for d, to_host in (("offload", True), ("onboard", False)):
-                t = median(self.cupy.concurrent_memcpy(ids, per_device, to_host,
-                                                        self.cfg.repeats))
-                res[f"memcpy_{d}_gbps"] = batch_bytes / t / 1e9
-                res[f"{d}_of_memcpy"] = res[f"{d}_gbps"] / res[f"memcpy_{d}_gbps"]
+        res["onboard_gbps"] = timed(mgr.onboard_blocks, pairs(di, si, False))
+        res["verified"] = bool(ok and np.array_equal(to_numpy(pool.primary)[si].view(np.uint16),
+                                                     bits[si]))
+        for d, to_host in (("offload", True), ("onboard", False)):
+            if self.cupy is not None:
+                ids = [getattr(x, "local_hardware_id", None) or 0 for x in devices]
+                s = self.cupy.concurrent(ids, nb * g.block_bytes, to_host, self.cfg)
+            else:
+                x = jax.device_put(bits.view(DTYPE), pool.sharding("device" if to_host
+                                                                   else "pinned_host"))
+                target = pool.sharding("pinned_host" if to_host else "device")
+                s = self.per_call(lambda x=x, t=target: jax.device_put(x, t), 2)
+            res[f"ceiling_{d}_gbps"] = batch / s / 1e9
+            res[f"{d}_ratio"] = res[f"{d}_gbps"] / res[f"ceiling_{d}_gbps"]
         return res
+
+
+def sharded_line(r: dict[str, Any]) -> str:
+    return (f"sharded x{r['devices']}: offload / onboard {r['offload_gbps']:.1f} / "
+            f"{r['onboard_gbps']:.1f} GB/s aggregate = {r['offload_scaling']:.2f} / "
+            f"{r['onboard_scaling']:.2f} of {r['devices']} x one device, {r['offload_ratio']:.0%}"
+            f" / {r['onboard_ratio']:.0%} of a contiguous copy on each at once "
+            f"({r['ceiling_offload_gbps']:.1f} / {r['ceiling_onboard_gbps']:.1f} GB/s), "
+            f"verified={r['verified']}")
+
+
+def sharded_summary(sec: dict[str, Any]) -> list[str]:
+    return [sharded_line(r) if "offload_ratio" in r else
+            f"sharded x{r['devices']}: {r.get('error') or r.get('skipped')}"
+            for r in sec.get("cases", [])]
