@@ -35,7 +35,8 @@ class ManagerMixin:
     def run_manager(self, sec: dict[str, Any]) -> None:
         for name, layers, nb in GEOMETRIES:
             if self.cfg.quick:
-                layers, nb = min(layers, 2), 64
+                name, layers, nb = (name, layers, 64) if layers < 2 else (
+                    f"{name} with 2 layers (--quick)", 2, 64)
             pool = KVCacheBlockPool.create(num_layers=layers, **GEOMETRY, dtype=DTYPE,
                                            num_primary_blocks=nb, num_secondary_blocks=nb,
                                            device=self.dev)
@@ -56,10 +57,11 @@ class ManagerMixin:
         ceil = rec["ceiling"] = self.ceiling(total)
         a, b = self.perms(1, nb)[0], self.perms(1, nb)[0]
         ends = [0, nb - 1]
+        onboards, offloads = pairs(b, a, False), pairs(a, b, True)  # made before the timing
         # onboard first: the host pool holds other data than the device pool's blocks
-        for verb, call in (("onboard_blocks", lambda: mgr.onboard_blocks(pairs(b, a, False))),
+        for verb, call in (("onboard_blocks", lambda: mgr.onboard_blocks(onboards)),
                            ("onboard_indices", lambda: mgr.onboard_indices(b, a)),
-                           ("offload_blocks", lambda: mgr.offload_blocks(pairs(a, b, True))),
+                           ("offload_blocks", lambda: mgr.offload_blocks(offloads)),
                            ("offload_indices", lambda: mgr.offload_indices(a, b))):
             returns: list[float] = []
 
@@ -94,8 +96,7 @@ class ManagerMixin:
 def manager_line(r: dict[str, Any]) -> str:
     verbs = [v for v in ("offload_blocks", "onboard_blocks", "offload_indices", "onboard_indices")
              if v in r]
-    return (f"{r['blocks']} x {fmt_size(r['block_bytes'])} ({r['model']}, {r['layers']} "
-            f"layers), + sync, % of a "
+    return (f"{r['blocks']} x {fmt_size(r['block_bytes'])} ({r['model']}), + sync, % of a "
             f"contiguous copy ({r['ceiling']['d2h']:.1f} / {r['ceiling']['h2d']:.1f} GB/s): "
             + ", ".join(f"{v} {r[v]['gbps']:.1f} GB/s {r[v]['ratio']:.0%}"
                         + ("" if r[v]["verified"] else " VERIFY FAILED") for v in verbs)
