@@ -17,7 +17,6 @@ donating, with a `DonationWarning`.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import warnings
@@ -29,14 +28,11 @@ import jax
 import numpy as np
 
 from ._batch import PairBatch
-from ._both_ways import both_ways_call, both_ways_plan
+from ._both_ways import both_ways_plan
 from ._checks import IndexFacts, index_facts
 from ._hazards import OFFLOAD_LANE, ONBOARD_LANE, LaneHazards
 from ._jax_seams import pinned_by_external_reference
-from ._lanes import join_call, lane_copy_call, lanes_idle, layer_lane_copy_call, wait_lanes
-from ._layers import manager_copy, manager_copy_within
-from ._lowering import block_copy_call
-from ._plan import HOST_COPY_CTAS, CopyPlan
+from ._lanes import join_call, lanes_idle, wait_lanes
 from ._plan_ring import PlanRing, PlanSlot
 
 
@@ -47,90 +43,45 @@ class DonationWarning(UserWarning):
 # One jitted dispatch per run covers every pool: one custom call per pool, the destinations
 # donated so that each copy happens in place. `plan` holds the source indices, destination
 # indices and token counts: three pinned-host arrays from the plan ring, or one [3, B] NumPy
-# array where there is no pinned_host memory. `specs` holds each pool's PartitionSpec over
-# `mesh` (None: unsharded): a sharded pool is copied by every device on its own shard, with no
-# traffic between devices.
+# array where there is no pinned_host memory. `storages` holds each pool's storage
+# (_storage.py), which makes its copy: a pool split over `mesh` is copied by every device on its
+# own shard, with no traffic between devices.
 #
 # Besides the pools, a dispatch takes donated and hands back unchanged the tokens of the plan
 # ring slots it reads (_plan_ring.py): XLA aliases them to outputs, so no op runs for them, and
 # each returned token is ready when the dispatch has run. Without the ring, tokens are None.
-def _on_shards(fn, mesh, spec, num_pools: int):
-    if spec is None:
-        return fn
-    whole = jax.sharding.PartitionSpec()
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * num_pools + (whole,), out_specs=spec)
+def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, storages, whole=False):
+    """whole: every pair copies a whole block."""
+    return tuple(st.copy(d, s, plan, facts, whole, mesh)
+                 for d, s, st in zip(dsts, srcs, storages)), token
 
 
-def _copy_across_impl(dsts, srcs, plan, token, facts, mesh, specs, whole=False, layers=None):
-    """whole: every pair copies a whole block; layers: per pool, its LayerViews (None: none
-    has)."""
-    pools = []
-    for d, s, spec, views in zip(dsts, srcs, specs, layers or (None,) * len(dsts)):
-        if views is not None:  # an engine's arrays (a list) and the host rows
-            pools.append(manager_copy(d, s, plan, views=views, mesh=mesh,
-                                      unique_dst=facts.unique_dst, dma=False, whole=whole))
-            continue
-
-        def copy(d, s, p):
-            return block_copy_call(d, s, p[0], p[1], p[2], CopyPlan(facts, whole_blocks=whole))
-        pools.append(_on_shards(copy, mesh, spec, 2)(d, s, plan))
-    return tuple(pools), token
+def _copy_within_impl(pools, plan, token, facts, mesh, storages, whole=False):
+    return tuple(st.copy_within(p, plan, facts, whole, mesh)
+                 for p, st in zip(pools, storages)), token
 
 
-def _copy_within_impl(pools, plan, token, facts, mesh, specs, whole=False, layers=None):
-    def copy(pool, p):
-        return block_copy_call(pool, pool, p[0], p[1], p[2], CopyPlan(facts, whole_blocks=whole))
-    out = []
-    for pool, spec, views in zip(pools, specs, layers or (None,) * len(pools)):
-        if views is None:
-            out.append(_on_shards(copy, mesh, spec, 1)(pool, plan))
-        else:  # an engine's arrays
-            out.append(manager_copy_within(pool, plan, facts, views=views, mesh=mesh,
-                                           whole=whole))
-    return tuple(out), token
-
-
-def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan, mesh, specs):
+def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan, mesh,
+                    storages):
     """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) in one custom call."""
-    results = []
-    for g, h, spec in zip(gpus, hosts, specs):
-        def copy(g, h, off, on):
-            return both_ways_call(g, h, off, on, facts, plan, HOST_COPY_CTAS, dma=False)
-        if spec is not None:
-            replicated = jax.sharding.PartitionSpec()
-            copy = jax.shard_map(copy, mesh=mesh, in_specs=(spec, spec, replicated, replicated),
-                                 out_specs=(spec, spec))
-        results.append(copy(g, h, offload_plan, onboard_plan))
+    results = [st.both_ways(g, h, offload_plan, onboard_plan, facts, plan, mesh)
+               for g, h, st in zip(gpus, hosts, storages)]
     return tuple(r[0] for r in results), tuple(r[1] for r in results), tokens
 
 
 def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane, whole,
-                      layers=None):
+                      storages):
     lanes = {"lane": lane, "wait_lane": wait_lane, "stream_wait_lane": stream_wait_lane,
              "whole_blocks": whole}
-    pools = []
-    for d, s, views in zip(dsts, srcs, layers or (None,) * len(dsts)):
-        if views is None:  # within one pool when d is s: one traced value
-            pools.append(lane_copy_call(d, s, plan[0], plan[1], plan[2], **lanes))
-        elif d is s:  # an engine's arrays, each within itself in its own layout
-            pools.append(manager_copy_within(d, plan, None, views=views, mesh=None, whole=whole,
-                                             copy=functools.partial(_lane_within_view, **lanes)))
-        else:  # an engine's arrays and their host rows
-            offload = not isinstance(d, list)
-            pools.append(layer_lane_copy_call(d if offload else s, s if offload else d, plan[0],
-                                              plan[1], plan[2], offload=offload, views=views,
-                                              **lanes))
-    return tuple(pools), token
+    # within one pool when d is s: one traced value
+    return tuple(st.lane_copy(d, s, plan, **lanes)
+                 for d, s, st in zip(dsts, srcs, storages)), token
 
 
-def _lane_within_view(view, src_idx, dst_idx, tokens, facts, **lanes):
-    return lane_copy_call(view, view, src_idx, dst_idx, tokens, **lanes)
-
-
-def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole, layers=None):
-    # each pool is its own source: one traced value, which lane_copy_call copies within
+def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole, storages):
+    # each pool is its own source: one traced value, which the lane copy copies within
     return _lane_across_impl(pools, pools, plan, token, lane, wait_lane, stream_wait_lane, whole,
-                             layers)
+                             storages)
 
 
 def _join_impl(arrays, token, lanes):
@@ -144,11 +95,11 @@ def _donated_and_not(impl, pools_argnums: tuple[int, ...], token_argnum: int, st
             jax.jit(impl, donate_argnums=token_argnum, static_argnames=static))
 
 
-_STATIC = ("facts", "mesh", "specs", "whole", "layers")
-_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole", "layers")
+_STATIC = ("facts", "mesh", "storages", "whole")
+_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole", "storages")
 COPY_ACROSS = _donated_and_not(_copy_across_impl, (0,), 3, _STATIC)
 COPY_WITHIN = _donated_and_not(_copy_within_impl, (0,), 2, _STATIC)
-BOTH_WAYS = _donated_and_not(_both_ways_impl, (0, 1), 4, ("facts", "plan", "mesh", "specs"))
+BOTH_WAYS = _donated_and_not(_both_ways_impl, (0, 1), 4, ("facts", "plan", "mesh", "storages"))
 LANE_ACROSS = _donated_and_not(_lane_across_impl, (0,), 3, _LANE_STATIC)
 LANE_WITHIN = _donated_and_not(_lane_within_impl, (0,), 2, _LANE_STATIC)
 JOIN = _donated_and_not(_join_impl, (0,), 1, ("lanes",))
@@ -225,10 +176,8 @@ class Engine:
         self.pools = tuple(pools)
         self.plans = plans
         first = self.pools[0]
-        layers = tuple(p.layers for p in self.pools)
-        self.layers = layers if any(v is not None for v in layers) else None
         self.mesh = first.mesh
-        self.specs = tuple(p.partition_spec for p in self.pools)
+        self.storages = tuple(p.storage for p in self.pools)
         self.last_token: jax.Array | None = None  # of the last copy dispatched (see Fence)
 
     def plan_arrays(self, run: PairBatch) -> tuple[Any, PlanSlot | None]:
@@ -296,8 +245,7 @@ class InLineEngine(Engine):
     def copy(self, run: PairBatch) -> None:
         src_primary, dst_primary = run.direction
         plan, slot = self.plan_arrays(run)
-        static = {"mesh": self.mesh, "specs": self.specs, "whole": run.whole,
-                  "layers": self.layers}
+        static = {"mesh": self.mesh, "storages": self.storages, "whole": run.whole}
         if src_primary == dst_primary:  # within the GPU pool
             blocks = self.pools[0].num_primary_blocks
             static["facts"] = index_facts(run.src, run.dst, blocks, blocks)
@@ -312,7 +260,8 @@ class InLineEngine(Engine):
         """Both runs in one custom call per pool, where that is exact and possible: every
         offload primary -> secondary, every onboard secondary -> primary, no onboard reading a
         secondary slot that an offload writes, and pools of one layout. False: not done."""
-        if (self.layers is not None or on.direction != (False, True)
+        if (not all(st.copies_both_ways for st in self.storages)
+                or on.direction != (False, True)
                 or set(on.src.tolist()) & set(off.dst.tolist())):
             return False
         (off_plan, off_slot), (on_plan, on_slot) = self.plan_arrays(off), self.plan_arrays(on)
@@ -321,7 +270,7 @@ class InLineEngine(Engine):
                             IndexFacts(hazard_free=True, unique_dst=on.unique_dst)),
                   "plan": both_ways_plan(off.src, off.dst, on.src, on.dst,
                                          first.num_primary_blocks, first.num_secondary_blocks),
-                  "mesh": self.mesh, "specs": self.specs}
+                  "mesh": self.mesh, "storages": self.storages}
         args = (self.current(True), self.current(False), tuple(off_plan), tuple(on_plan))
         gpus, hosts = self.dispatch(BOTH_WAYS, args, (off_slot, on_slot), static,
                                     "primary and secondary")
@@ -360,7 +309,7 @@ class LaneEngine(Engine):
         plan, slot = self.plan_arrays(run)
         static = {"lane": order.lane, "wait_lane": order.wait_lane,
                   "stream_wait_lane": order.stream_wait_lane, "whole": run.whole,
-                  "layers": self.layers}
+                  "storages": self.storages}
         if src_primary == dst_primary:
             args, fns = (self.current(True), plan), LANE_WITHIN
         else:

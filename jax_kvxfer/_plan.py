@@ -101,6 +101,8 @@ def plan_copy(dst_pool: Any, src_pool: Any, src_indices: IndexLike, dst_indices:
         check_same_blocks(dst_pool, src_pool, "dst_pool", "src_pool", lead=1)
         si, di, tokens = _pairs(src_indices, dst_indices, num_tokens)
         dst_shape, src_blocks = tuple(dst_pool.shape), src_pool.shape[0]
+        may_be_partial = may_copy_partial(tokens, dst_shape[4])
+        check_byte_rows(dst_shape[1:], dst_pool.dtype, may_be_partial)
         check_in_range("src_indices", concrete(si), src_blocks, "src_pool")
         check_in_range("dst_indices", concrete(di), dst_shape[0], "dst_pool")
     else:
@@ -112,8 +114,8 @@ def plan_copy(dst_pool: Any, src_pool: Any, src_indices: IndexLike, dst_indices:
         tokens = layouts.expand_tokens(tokens, dst_lay)
         axes = (dst_lay.block_axis, dst_lay.token_axis)
         dst_shape, src_blocks = dst_lay.view, src_lay.view[0]
-    may_be_partial = may_copy_partial(tokens, dst_shape[4])
-    check_byte_rows(dst_shape[1:], dst_pool.dtype, may_be_partial)
+        may_be_partial = may_copy_partial(tokens, dst_shape[4])
+        check_byte_rows(dst_shape[1:], dst_pool.dtype, may_be_partial)
     check_platform(dst_pool, src_pool)
     check_split(dst_pool, src_pool, "dst_pool", "src_pool")
     si_host, di_host = concrete(si), concrete(di)

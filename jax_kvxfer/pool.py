@@ -13,7 +13,8 @@ import numpy as np
 from ._checks import check_byte_rows, check_memory_space, dtype_bits
 from ._jax_seams import host_byte_views
 from ._lanes import wait_lanes
-from ._layers import LayerViews, check_layers, layer_views
+from ._layers import check_layers, layer_views
+from ._storage import LayerArrays, PoolArrays, PoolStorage
 from .limits import check_fits
 
 
@@ -131,53 +132,19 @@ class KVCacheBlockPool:
     memory kind to either, e.g. the output of an attention step that wrote new tokens.
     """
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, size_per_head: int,
-                 tokens_per_block: int, dtype: Any, num_primary_blocks: int,
-                 num_secondary_blocks: int, kv_factor: int = 2,
-                 device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None,
+    def __init__(self, storage: PoolStorage, *, num_layers: int, tokens_per_block: int,
+                 dtype: Any, num_primary_blocks: int, num_secondary_blocks: int,
+                 device: jax.Device, mesh: jax.sharding.Mesh | None = None,
                  kv_head_axis: str | None = None) -> None:
-        """Describes a pool without allocating it; use `KVCacheBlockPool.create`."""
-        self.layers: LayerViews | None = None  # a pool over an engine's arrays (from_layers)
-        self.num_layers = _check_positive("num_layers", num_layers)
-        self.kv_factor = _check_positive("kv_factor", kv_factor)
-        if self.kv_factor not in (1, 2):
-            raise ValueError(f"kv_factor must be 1 (K only / MLA) or 2 (K and V), got {kv_factor}")
-        self.num_kv_heads = _check_positive("num_kv_heads", num_kv_heads)
-        self.tokens_per_block = _check_positive("tokens_per_block", tokens_per_block)
-        self.size_per_head = _check_positive("size_per_head", size_per_head)
-        self.num_primary_blocks = _check_positive("num_primary_blocks", num_primary_blocks)
-        self.num_secondary_blocks = _check_positive("num_secondary_blocks", num_secondary_blocks, 0)
-        try:
-            self.dtype = jnp.dtype(dtype)
-        except TypeError as e:
-            raise TypeError(f"dtype must be a JAX dtype, got {dtype!r}") from e
-        dtype_bits(self.dtype)
-        check_byte_rows(self.block_shape, self.dtype, partial_possible=False)
-        if device is not None and not isinstance(device, jax.Device):
-            raise TypeError(f"device must be a jax.Device (for example jax.devices()[0]), "
-                            f"got {device!r}")
-        if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        self.mesh, self.kv_head_axis = mesh, kv_head_axis
-        if mesh is not None:
-            if device is not None:
-                raise ValueError("give device or mesh, not both")
-            if kv_head_axis not in mesh.axis_names:
-                raise ValueError(f"kv_head_axis must name an axis of the mesh "
-                                 f"{tuple(mesh.axis_names)}, got {kv_head_axis!r}")
-            shards = mesh.shape[kv_head_axis]
-            if self.num_kv_heads % shards:
-                raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must be divisible by the "
-                                 f"{shards} devices of mesh axis {kv_head_axis!r}")
-            local = _process_devices(mesh)
-            if not local:
-                raise ValueError(f"mesh has no device of this process (process "
-                                 f"{jax.process_index()}); every process must hold a part "
-                                 "of the pool")
-            device = local[0]  # this process's first device: where its own checks look
-        elif kv_head_axis is not None:
-            raise ValueError("kv_head_axis needs a mesh")
-        self.device = device if device is not None else jax.devices()[0]
+        """A pool of `storage` without its arrays; use `KVCacheBlockPool.create` or
+        `KVCacheBlockPool.from_layers`, which check their arguments and allocate."""
+        self.storage = storage  # how the blocks are held (_storage.py)
+        self.num_layers = num_layers
+        self.tokens_per_block = tokens_per_block
+        self.num_primary_blocks = num_primary_blocks
+        self.num_secondary_blocks = num_secondary_blocks
+        self.dtype = jnp.dtype(dtype)
+        self.mesh, self.kv_head_axis, self.device = mesh, kv_head_axis, device
         self._primary: Any = None
         self._secondary: jax.Array | None = None
         self._lane_joins: dict[str, Any] = {}  # see hold_for_lanes
@@ -205,14 +172,56 @@ class KVCacheBlockPool:
           ValueError, TypeError: a bad geometry or dtype, named in the message.
           MemoryError: the pool does not fit the device or the pinned-host limit.
         """
-        pool = cls(num_layers=num_layers, num_kv_heads=num_kv_heads, size_per_head=size_per_head,
+        num_layers = _check_positive("num_layers", num_layers)
+        kv_factor = _check_positive("kv_factor", kv_factor)
+        if kv_factor not in (1, 2):
+            raise ValueError(f"kv_factor must be 1 (K only / MLA) or 2 (K and V), got {kv_factor}")
+        num_kv_heads = _check_positive("num_kv_heads", num_kv_heads)
+        tokens_per_block = _check_positive("tokens_per_block", tokens_per_block)
+        size_per_head = _check_positive("size_per_head", size_per_head)
+        num_primary_blocks = _check_positive("num_primary_blocks", num_primary_blocks)
+        num_secondary_blocks = _check_positive("num_secondary_blocks", num_secondary_blocks, 0)
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError as e:
+            raise TypeError(f"dtype must be a JAX dtype, got {dtype!r}") from e
+        dtype_bits(dtype)
+        block_shape = (num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head)
+        check_byte_rows(block_shape, dtype, partial_possible=False)
+        if device is not None and not isinstance(device, jax.Device):
+            raise TypeError(f"device must be a jax.Device (for example jax.devices()[0]), "
+                            f"got {device!r}")
+        if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        spec = None
+        if mesh is not None:
+            if device is not None:
+                raise ValueError("give device or mesh, not both")
+            if kv_head_axis not in mesh.axis_names:
+                raise ValueError(f"kv_head_axis must name an axis of the mesh "
+                                 f"{tuple(mesh.axis_names)}, got {kv_head_axis!r}")
+            shards = mesh.shape[kv_head_axis]
+            if num_kv_heads % shards:
+                raise ValueError(f"num_kv_heads ({num_kv_heads}) must be divisible by the "
+                                 f"{shards} devices of mesh axis {kv_head_axis!r}")
+            local = _process_devices(mesh)
+            if not local:
+                raise ValueError(f"mesh has no device of this process (process "
+                                 f"{jax.process_index()}); every process must hold a part "
+                                 "of the pool")
+            device = local[0]  # this process's first device: where its own checks look
+            spec = jax.sharding.PartitionSpec(None, None, None, kv_head_axis, None, None)
+        elif kv_head_axis is not None:
+            raise ValueError("kv_head_axis needs a mesh")
+        pool = cls(PoolArrays(block_shape, spec), num_layers=num_layers,
                    tokens_per_block=tokens_per_block, dtype=dtype,
                    num_primary_blocks=num_primary_blocks,
-                   num_secondary_blocks=num_secondary_blocks, kv_factor=kv_factor, device=device,
-                   mesh=mesh, kv_head_axis=kv_head_axis)
+                   num_secondary_blocks=num_secondary_blocks,
+                   device=device if device is not None else jax.devices()[0], mesh=mesh,
+                   kv_head_axis=kv_head_axis)
+        pool.kv_factor, pool.num_kv_heads, pool.size_per_head = kv_factor, num_kv_heads, size_per_head
         pool._primary = pool._allocate(pool.num_primary_blocks, "device")
-        if pool.num_secondary_blocks:
-            pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
+        pool._allocate_secondary()
         return pool
 
     @classmethod
@@ -251,45 +260,32 @@ class KVCacheBlockPool:
                     views.specs is None:
                 raise ValueError(f"arrays[{i}] lives on {a.sharding}, expected arrays[0]'s "
                                  f"{arrays[0].sharding}")
-        pool = cls.__new__(cls)
-        pool.num_layers = len(arrays)
-        pool.tokens_per_block = views.tokens_per_block
-        pool.num_primary_blocks = _check_positive("the arrays' number of blocks",
-                                                  views.num_blocks)
-        pool.num_secondary_blocks = _check_positive("num_secondary_blocks",
-                                                    num_secondary_blocks, 0)
-        pool.dtype = jnp.dtype(arrays[0].dtype)
-        pool.layers = views
+        num_blocks = _check_positive("the arrays' number of blocks", views.num_blocks)
+        num_secondary_blocks = _check_positive("num_secondary_blocks", num_secondary_blocks, 0)
         if views.specs is None:
-            pool.mesh = pool.kv_head_axis = None
-            pool.device = next(iter(arrays[0].devices()))
+            mesh, axis, device, devices = None, None, next(iter(arrays[0].devices())), 1
         else:
-            pool.mesh, pool.kv_head_axis = arrays[0].sharding.mesh, views.host_spec[1]
-            pool.device = _process_devices(pool.mesh)[0]
-        pool._primary, pool._secondary, pool._lane_joins = list(arrays), None, {}
-        if pool.num_secondary_blocks:
-            pool._secondary = pool._allocate(pool.num_secondary_blocks, "pinned_host")
+            mesh, axis = arrays[0].sharding.mesh, views.host_spec[1]
+            device, devices = _process_devices(mesh)[0], mesh.shape[axis]
+        pool = cls(LayerArrays(views, devices), num_layers=len(arrays),
+                   tokens_per_block=views.tokens_per_block, dtype=arrays[0].dtype,
+                   num_primary_blocks=num_blocks, num_secondary_blocks=num_secondary_blocks,
+                   device=device, mesh=mesh, kv_head_axis=axis)
+        pool._primary = list(arrays)
+        pool._allocate_secondary()
         return pool
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """`(num_layers, kv_factor, num_kv_heads, tokens_per_block, size_per_head)`; for a pool
         over an engine's arrays, `(row,)`: the elements of a host row."""
-        if self.layers is not None:  # split: one part of the row per device
-            devices = 1 if self.mesh is None else self.mesh.shape[self.kv_head_axis]
-            row = self.layers.row_nbytes // self.dtype.itemsize
-            return (row,) if devices == 1 else (devices, row)
-        return (self.num_layers, self.kv_factor, self.num_kv_heads, self.tokens_per_block,
-                self.size_per_head)
+        return self.storage.block_shape
 
     @property
     def partition_spec(self) -> jax.sharding.PartitionSpec | None:
-        """How a pool array is split over the mesh (KV heads, dimension 3), None if unsharded."""
-        if self.mesh is None:
-            return None
-        if self.layers is not None:  # the host array's
-            return self.layers.host_spec
-        return jax.sharding.PartitionSpec(None, None, None, self.kv_head_axis, None, None)
+        """How a pool array is split over the mesh (KV heads, dimension 3; for a pool over an
+        engine's arrays, the host array's), None if unsharded."""
+        return self.storage.spec
 
     def sharding(self, memory_kind: str) -> jax.sharding.Sharding:
         """The sharding of the primary (`device`) or secondary (`pinned_host`) array."""
@@ -313,9 +309,7 @@ class KVCacheBlockPool:
         """What a host row (one block of the secondary array) holds, as a hashable, repr-stable
         description: the stores keep blocks under it, so that a row is read back only into a
         pool that lays it out the same way."""
-        parts = (tuple((lay.shape, lay.token_axis, lay.block_axis) for lay in self.layers.layouts)
-                 if self.layers is not None else None)
-        return (self.block_shape, self.dtype.name, self.block_nbytes, parts)
+        return (self.block_shape, self.dtype.name, self.block_nbytes, self.storage.host_row_parts)
 
     def host_rows(self) -> np.ndarray:
         """The secondary array's rows as a writable byte view `[num_secondary_blocks,
@@ -342,8 +336,11 @@ class KVCacheBlockPool:
 
     def check_partial(self) -> None:
         """Raises where a partial copy cannot be made (rows that are not whole bytes)."""
-        if self.layers is None:
-            check_byte_rows(self.block_shape, self.dtype, partial_possible=True)
+        self.storage.check_partial(self.dtype)
+
+    def _allocate_secondary(self) -> None:
+        if self.num_secondary_blocks:
+            self._secondary = self._allocate(self.num_secondary_blocks, "pinned_host")
 
     def _allocate(self, num_blocks: int, memory_kind: str) -> jax.Array:
         shape = (num_blocks, *self.block_shape)
@@ -375,14 +372,11 @@ class KVCacheBlockPool:
         the list of them. While onboards into it are in flight on the transfer lanes, reading
         it first orders XLA's later work on it after them (see `hold_for_lanes`)."""
         self._settle("primary")
-        return list(self._primary) if self.layers is not None else self._primary
+        return self.storage.as_held(self._primary)
 
     @primary.setter
     def primary(self, value: Any) -> None:
-        if self.layers is not None:
-            value = list(check_layers("pool.primary", value, self._primary))
-        else:
-            value = self._checked("primary", value, self.num_primary_blocks, "device")
+        value = self.storage.checked_primary(self, value)
         self._settle("primary")
         self._primary = value
 
@@ -397,11 +391,13 @@ class KVCacheBlockPool:
     def secondary(self, value: jax.Array) -> None:
         if self.num_secondary_blocks == 0:
             raise ValueError("secondary: this pool has 0 secondary blocks; nothing can be assigned")
-        value = self._checked("secondary", value, self.num_secondary_blocks, "pinned_host")
+        value = self.checked_array("secondary", value, self.num_secondary_blocks, "pinned_host")
         self._settle("secondary")
         self._secondary = value
 
-    def _checked(self, name: str, value: Any, num_blocks: int, memory_kind: str) -> jax.Array:
+    def checked_array(self, name: str, value: Any, num_blocks: int,
+                      memory_kind: str) -> jax.Array:
+        """`value`, checked as the pool's new `name` array (shape, dtype, memory, sharding)."""
         if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
             raise TypeError(f"pool.{name} must be a concrete jax.Array, got {type(value).__name__}")
         expected = (num_blocks, *self.block_shape)
@@ -425,7 +421,7 @@ class KVCacheBlockPool:
         library from the current array, so it needs none of the assignment's checks, which
         cost a few microseconds a dispatch."""
         if is_primary:
-            self._primary = list(array) if self.layers is not None else array
+            self._primary = self.storage.as_held(array)
         else:
             self._secondary = array
 
@@ -474,12 +470,4 @@ class KVCacheBlockPool:
         return array
 
     def __repr__(self) -> str:
-        if self.layers is not None:
-            return (f"KVCacheBlockPool.from_layers({len(self.layers.layouts)} arrays, "
-                    f"dtype={self.dtype.name}, num_primary_blocks={self.num_primary_blocks}, "
-                    f"num_secondary_blocks={self.num_secondary_blocks}, device={self.device})")
-        return (f"KVCacheBlockPool(block_shape={self.block_shape}, dtype={self.dtype.name}, "
-                f"num_primary_blocks={self.num_primary_blocks}, "
-                f"num_secondary_blocks={self.num_secondary_blocks}, "
-                + (f"mesh={dict(self.mesh.shape)}, kv_head_axis={self.kv_head_axis!r})"
-                   if self.mesh is not None else f"device={self.device})"))
+        return self.storage.describe(self)

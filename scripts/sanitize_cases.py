@@ -465,7 +465,7 @@ def layer_pool_transfers(rng):
     check(pool.secondary, np.concatenate([h.reshape(rows, -1) for h in host], 1), "layer rows")
     for k, (got, want) in enumerate(zip(pool.primary, model)):
         check(got, np.moveaxis(want, 0, 1), f"layer array {k}")
-    views = pool.layers
+    views = pool.storage.views
     out = jax.jit(lambda h, ls, a, b, n: layer_copy_call(h, ls, a, b, n, offload=True,
                                                           views=views))(
         pool.secondary, pool.primary, i32([0, 1, 2, 3]), i32([4, 4, 1, 4]), i32([2, 0, 0, 5]))

@@ -91,10 +91,11 @@ def _worker(process_id: int, port: int, out_dir: str) -> None:
     assert pool.device.process_index == process_id
     others = [d for d in jax.devices() if d.process_index != process_id]
     try:  # a mesh this process holds no part of is a clear error, not a silent skip
-        kvx.KVCacheBlockPool(num_layers=1, num_kv_heads=2, size_per_head=8, tokens_per_block=4,
-                             dtype=jnp.float32, num_primary_blocks=2, num_secondary_blocks=2,
-                             mesh=jax.sharding.Mesh(np.array(others), ("tp",)),
-                             kv_head_axis="tp")
+        kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=2, size_per_head=8,
+                                    tokens_per_block=4, dtype=jnp.float32,
+                                    num_primary_blocks=2, num_secondary_blocks=2,
+                                    mesh=jax.sharding.Mesh(np.array(others), ("tp",)),
+                                    kv_head_axis="tp")
         raise AssertionError("a mesh of another process's devices must raise")
     except ValueError as e:
         assert "no device of this process" in str(e), e

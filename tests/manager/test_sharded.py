@@ -85,7 +85,7 @@ def test_sharded_copy_compiles_without_collectives():
                       ((pool.secondary,), (pool.primary,), plan, token)),
                      (testing.dispatcher("COPY_WITHIN"), ((pool.primary,), plan, token))):
         hlo = fn.lower(*args, facts=facts, mesh=pool.mesh,
-                       specs=(pool.partition_spec,)).compile().as_text()
+                       storages=(pool.storage,)).compile().as_text()
         assert "jax_kvxfer_block_copy" in hlo
         assert not [c for c in COLLECTIVES if c in hlo], "a sharded copy moved data between devices"
     eager = testing.eager_copy(testing.CopyPlan(facts), pool.secondary.sharding)
