@@ -106,13 +106,14 @@ inline ffi::Error CheckWorkspaces(int64_t num_pairs, const PoolGeometry& g, bool
   return ffi::Error::Success();
 }
 
-// A block copy's attributes, decoded once into a struct (the Python side passes them by name).
+// The attributes of the calls, by name as the Python side passes them, decoded once into a
+// struct: a block copy's, a lane copy's, and either with the layer views (layer_copy.h).
 struct CopyOptions {
-  bool hazard_free;   // no block is both read and written
   bool unique_dst;    // no block is written twice: the GPU skips its duplicate scan
   int64_t max_ctas;   // GPU grid cap in CTAs of 1024 threads, <= 0: none
-  bool dma;           // GPU: the copy engines where the batch qualifies
+  bool dma;           // GPU: the copy engines; refused where they cannot run, never downgraded
   bool whole_blocks;  // known on the host: every pair copies a whole block
+  bool hazard_free = true;  // no block is both read and written (a layered copy: always)
 };
 
 // The second half of a both-ways copy: a copy, and whether there is a first half to wait for.
@@ -127,6 +128,14 @@ struct LaneOptions {
   int64_t wait_lane;         // the lane waits for this one first, or -1
   int64_t stream_wait_lane;  // XLA's stream waits for it first, or -1
   bool whole_blocks;
+};
+
+// A layered copy's (layer_copy.h): the layers' views, then a copy's or a lane copy's options.
+template <typename Options>
+struct Layered {
+  bool offload;  // layers -> host rows; else host rows -> layers
+  ffi::Span<const int64_t> views;  // per layer: copies, num_blocks, outer, tokens, row_bytes
+  Options o;
 };
 
 // The FFI bindings after the pool operand(s), shared by the handlers: `binding` already holds
@@ -187,21 +196,22 @@ KVXFER_HOST_DEVICE inline int64_t TokensToCopy(int32_t n, const PoolGeometry& g)
 
 }  // namespace kvxfer
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::CopyOptions,
-                                      xla::ffi::StructMember<bool>("hazard_free"),
-                                      xla::ffi::StructMember<bool>("unique_dst"),
-                                      xla::ffi::StructMember<int64_t>("max_ctas"),
-                                      xla::ffi::StructMember<bool>("dma"),
-                                      xla::ffi::StructMember<bool>("whole_blocks"));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::JoinOptions,
-                                      xla::ffi::StructMember<bool>("hazard_free"),
-                                      xla::ffi::StructMember<bool>("unique_dst"),
-                                      xla::ffi::StructMember<int64_t>("max_ctas"),
-                                      xla::ffi::StructMember<bool>("dma"),
-                                      xla::ffi::StructMember<bool>("whole_blocks"),
-                                      xla::ffi::StructMember<bool>("wait"));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LaneOptions,
-                                      xla::ffi::StructMember<int64_t>("lane"),
-                                      xla::ffi::StructMember<int64_t>("wait_lane"),
-                                      xla::ffi::StructMember<int64_t>("stream_wait_lane"),
-                                      xla::ffi::StructMember<bool>("whole_blocks"));
+// The decodings (each struct's members in order; a layered copy passes no hazard_free).
+#define KVXFER_ATTR(type, name) xla::ffi::StructMember<type>(name)
+#define KVXFER_COPY_ATTRS                                                              \
+  KVXFER_ATTR(bool, "unique_dst"), KVXFER_ATTR(int64_t, "max_ctas"), KVXFER_ATTR(bool, "dma"), \
+      KVXFER_ATTR(bool, "whole_blocks")
+#define KVXFER_LANE_ATTRS                                                                \
+  KVXFER_ATTR(int64_t, "lane"), KVXFER_ATTR(int64_t, "wait_lane"),                       \
+      KVXFER_ATTR(int64_t, "stream_wait_lane"), KVXFER_ATTR(bool, "whole_blocks")
+#define KVXFER_LAYER_ATTRS \
+  KVXFER_ATTR(bool, "offload"), KVXFER_ATTR(xla::ffi::Span<const int64_t>, "views")
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::CopyOptions, KVXFER_COPY_ATTRS,
+                                      KVXFER_ATTR(bool, "hazard_free"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::JoinOptions, KVXFER_COPY_ATTRS,
+                                      KVXFER_ATTR(bool, "hazard_free"), KVXFER_ATTR(bool, "wait"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LaneOptions, KVXFER_LANE_ATTRS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::Layered<kvxfer::CopyOptions>, KVXFER_LAYER_ATTRS,
+                                      KVXFER_COPY_ATTRS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::Layered<kvxfer::LaneOptions>, KVXFER_LAYER_ATTRS,
+                                      KVXFER_LANE_ATTRS);

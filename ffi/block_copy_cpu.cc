@@ -130,9 +130,10 @@ ffi::Error LaneCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx,
 
 // The layered copy (layer_copy.h): each part's pairs in order, the copy engines' plan run with
 // memcpy (which the emulation checks against the reference, as the GPU's copy kernel).
+template <typename Options>
 ffi::Error CopyLayers(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                       ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
-                      ffi::RemainingRets outs, const LayerCopyOptions& options) {
+                      ffi::RemainingRets outs, const Layered<Options>& options) {
   LayerCopyPlan plan;
   if (auto err = PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan);
       err.failure()) {
@@ -159,16 +160,15 @@ ffi::Error CopyLayers(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_i
 ffi::Error LayerCopyCpu(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                         ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
                         ffi::Result<ffi::Buffer<ffi::S32>> /*superseded*/, ffi::RemainingRets outs,
-                        LayerCopyOptions options) {
+                        Layered<CopyOptions> options) {
   return CopyLayers(src_idx, dst_idx, num_tokens, arrays, outs, options);
 }
 
 // The layered copy on a lane: on the CPU, done when its call is.
 ffi::Error LayerLaneCopyCpu(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                             ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
-                            ffi::RemainingRets outs, LayerLaneOptions options) {
-  return CopyLayers(src_idx, dst_idx, num_tokens, arrays, outs,
-                    {options.offload, options.views, true, 0, false, options.whole_blocks});
+                            ffi::RemainingRets outs, Layered<LaneOptions> options) {
+  return CopyLayers(src_idx, dst_idx, num_tokens, arrays, outs, options);
 }
 
 ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
@@ -194,11 +194,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu,
                               BindLayerOperands(ffi::Ffi::Bind())
                                   .Ret<ffi::Buffer<ffi::S32>>()  // [B]: the GPU's duplicate scan
                                   .RemainingRets()  // the host array or the layers, aliased
-                                  .Attrs<LayerCopyOptions>());
+                                  .Attrs<Layered<CopyOptions>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCpu, LayerLaneCopyCpu,
                               BindLayerOperands(ffi::Ffi::Bind())
                                   .RemainingRets()  // the host array or the layers, aliased
-                                  .Attrs<LayerLaneOptions>());
+                                  .Attrs<Layered<LaneOptions>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,
                               KVXFER_POOLS_1.Ret<ffi::AnyBuffer>().Attr<int64_t>("lanes"));
 

@@ -21,29 +21,11 @@
 
 namespace kvxfer {
 
-struct LayerCopyOptions {
-  bool offload;  // layers -> host rows; else host rows -> layers
-  // per layer: copies, num_blocks, outer, tokens, row_bytes
-  ffi::Span<const int64_t> views;
-  bool unique_dst;
-  int64_t max_ctas;
-  bool dma;
-  bool whole_blocks;
-};
-
 struct LayerCopyPlan {
   std::vector<Batch> parts;  // one per layer and slab, each writing bytes of its own
   // (operand, result) of each destination array: where XLA did not alias them, the result
   // starts as a copy of the operand
   std::vector<std::pair<ffi::AnyBuffer, ffi::AnyBuffer>> destinations;
-};
-
-// The layered copy on a transfer lane (lanes_cuda.cu): the views, and a lane copy's options.
-struct LayerLaneOptions {
-  bool offload;
-  ffi::Span<const int64_t> views;
-  int64_t lane, wait_lane, stream_wait_lane;
-  bool whole_blocks;
 };
 
 // A layered call's operands: the indices, then the host array and the layers.
@@ -54,11 +36,11 @@ auto BindLayerOperands(Binding&& binding) {
 
 // Checks the operands against the views and plans the parts; never dereferences a data
 // pointer. `arrays`: the host array, then the layers; `outs`: the host result (offload) or the
-// layers' results (onboard).
-inline ffi::Error PlanLayerCopy(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
-                                ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
-                                ffi::RemainingRets outs, const LayerCopyOptions& o,
-                                LayerCopyPlan* plan) {
+// layers' results (onboard). `o`: a layered copy's options or a lane copy's.
+template <typename Options>
+ffi::Error PlanLayerCopy(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                         ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
+                         ffi::RemainingRets outs, const Layered<Options>& o, LayerCopyPlan* plan) {
   const auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jax_kvxfer layer copy: " + what);
   };
@@ -123,7 +105,7 @@ inline ffi::Error PlanLayerCopy(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::
       Batch b{o.offload ? row : device, o.offload ? device : row, src_idx.typed_data(),
               dst_idx.typed_data(), num_tokens.typed_data(), nullptr, n,
               o.offload ? device_blocks : host_blocks, o.offload ? host_blocks : device_blocks,
-              g, o.whole_blocks};
+              g, o.o.whole_blocks};
       plan->parts.push_back(b);
     }
     offset += v[0] * g.block_bytes;
@@ -132,18 +114,3 @@ inline ffi::Error PlanLayerCopy(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::
 }
 
 }  // namespace kvxfer
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LayerCopyOptions,
-                                      xla::ffi::StructMember<bool>("offload"),
-                                      xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("views"),
-                                      xla::ffi::StructMember<bool>("unique_dst"),
-                                      xla::ffi::StructMember<int64_t>("max_ctas"),
-                                      xla::ffi::StructMember<bool>("dma"),
-                                      xla::ffi::StructMember<bool>("whole_blocks"));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LayerLaneOptions,
-                                      xla::ffi::StructMember<bool>("offload"),
-                                      xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("views"),
-                                      xla::ffi::StructMember<int64_t>("lane"),
-                                      xla::ffi::StructMember<int64_t>("wait_lane"),
-                                      xla::ffi::StructMember<int64_t>("stream_wait_lane"),
-                                      xla::ffi::StructMember<bool>("whole_blocks"));

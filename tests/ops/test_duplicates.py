@@ -210,7 +210,7 @@ def test_duplicates_traced_small_and_large_batches(num_pairs, block, num_dst, ki
     """Traced indices, so the GPU finds later writers on the device: inside the copy kernel for
     a batch of few pairs and small blocks; for a large one before the copy, from each block's
     last writer (found with atomics where the workspace is in device memory) or by every pair
-    scanning the later ones (a copy to pinned_host memory) (ffi/block_copy_cuda.cu). Onto 24
+    scanning the later ones (a copy to pinned_host memory) (ffi/copy_kernel.cu). Onto 24
     blocks every block is written many times; onto 6,000 most are written once, a few twice or
     more. Either way the later pair wins. Without num_tokens the host knows every pair copies a
     whole block, and the kernel takes its whole-block units."""

@@ -1,0 +1,71 @@
+// The library's own streams, one runtime per device: the transfer lanes (lanes_cuda.cu), two
+// for the manager's copies beside compute (0: offloads, 1: onboards), and a third for the first
+// half of a both-ways copy (the fork). A handler enqueues on a lane behind XLA's stream (an
+// event: the lane reads what earlier work wrote) and returns; XLA's stream waits for the lane
+// where a later call asks it to (an event again: the manager's join, the both-ways join).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "block_copy_cuda.h"
+
+namespace kvxfer {
+
+constexpr int kLanes = 2;          // the manager's lanes
+constexpr int kForkLane = kLanes;  // the both-ways fork's
+
+struct DeviceStreams {
+  int device = 0;
+  std::mutex mu;  // handlers for one device may run on several threads: held while enqueueing
+  cudaStream_t lane[kLanes + 1] = {};
+  cudaEvent_t done[kLanes] = {};  // the last copy enqueued on each of the manager's lanes
+  cudaEvent_t ready = nullptr;    // where XLA's stream was when a lane last followed it
+  cudaMemPool_t staging = nullptr;  // offload snapshots, freed in a lane's order
+  std::unordered_map<const void*, cudaEvent_t> forks;  // a fork's copy done, by its ticket
+  // Timed event pairs around what the lanes cost XLA's stream (a join's wait, a snapshot),
+  // recorded there and summed once both have completed (SumExposed).
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exposed;
+  std::vector<cudaEvent_t> spare_events;
+  double exposed_seconds = 0;  // of the pairs summed so far
+
+  // `follower` waits for everything enqueued on `stream` so far.
+  cudaError_t Follow(cudaStream_t follower, cudaStream_t stream) {
+    cudaError_t err = cudaEventRecord(ready, stream);
+    return err == cudaSuccess ? cudaStreamWaitEvent(follower, ready, 0) : err;
+  }
+  // `waiter` waits for the last copy enqueued on each lane that `mask` names (bit i: lane i).
+  cudaError_t Await(cudaStream_t waiter, int64_t mask) {
+    cudaError_t err = cudaSuccess;
+    for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
+      if (mask & (int64_t{1} << i)) err = cudaStreamWaitEvent(waiter, done[i], 0);
+    }
+    return err;
+  }
+  // A fork's copy, enqueued on `side` so far, marked done under its ticket buffer; the join
+  // takes the mark (null: no fork under that ticket) and destroys it once waited for.
+  cudaError_t MarkFork(const void* ticket, cudaStream_t side);
+  cudaEvent_t TakeFork(const void* ticket);
+  // Times what is enqueued on `stream` between the two calls as the lanes' cost.
+  std::pair<cudaEvent_t, cudaEvent_t> BeginExposed(cudaStream_t stream);
+  void EndExposed(std::pair<cudaEvent_t, cudaEvent_t> timing, cudaStream_t stream);
+  // Adds the completed pairs' times to exposed_seconds and frees their events for reuse.
+  void SumExposed();
+};
+
+// The streams of the device of XLA's `stream`, made on its first use and never destroyed
+// (handlers may run late). Callers make that device current and hold `mu` while enqueueing.
+ffi::Error StreamsFor(cudaStream_t stream, DeviceStreams** streams);
+
+// For the Python side, over every device: blocks until the manager's lanes have done what was
+// enqueued so far; whether they have (without waiting); the exposed seconds since the last call.
+cudaError_t WaitLanes();
+bool LanesIdle();
+double TakeExposedSeconds();
+
+}  // namespace kvxfer
