@@ -45,6 +45,22 @@ TARGETS: tuple[str, ...] = (
     JOIN_LANES_TARGET)
 """Every target above: both builds (CPU and CUDA) register exactly these."""
 
+# The attributes each target's handler decodes (ffi/block_copy.h: the option structs and their
+# XLA_FFI_REGISTER_STRUCT_ATTR_DECODING lists). tests/native/test_targets.py checks this table
+# against those lists and against the attributes the emitters pass in a lowered program.
+_COPY = frozenset({"hazard_free", "unique_dst", "max_ctas", "dma", "whole_blocks"})
+_LANE = frozenset({"lane", "wait_lane", "stream_wait_lane", "whole_blocks"})
+_LAYERED = frozenset({"offload", "views"})
+TARGET_ATTRIBUTES: dict[str, frozenset[str]] = {
+    BLOCK_COPY_TARGET: _COPY, BLOCK_COPY_WITHIN_TARGET: _COPY,
+    BLOCK_COPY_NOGRAPH_TARGET: _COPY, BLOCK_COPY_WITHIN_NOGRAPH_TARGET: _COPY,
+    BLOCK_COPY_FORK_TARGET: _COPY, BLOCK_COPY_JOIN_TARGET: _COPY | {"wait"},
+    LAYER_COPY_TARGET: _LAYERED | _COPY - {"hazard_free"},
+    LAYER_LANE_COPY_TARGET: _LAYERED | _LANE,
+    LANE_COPY_TARGET: _LANE, LANE_COPY_WITHIN_TARGET: _LANE,
+    JOIN_LANES_TARGET: frozenset({"lanes"}),
+}
+
 HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None
 """True when this build carries the CUDA handlers (built with a CUDA compiler present)."""
 

@@ -29,6 +29,9 @@ from ._checks import IndexFacts
 # The lanes' hazard bookkeeping, pure NumPy: its unit test against a brute-force model.
 from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, LaneHazards, LaneOrder
 
+# The lane copies' and the join's custom calls: their attributes against the table.
+from ._lanes import join_call, lane_copy_call, layer_lane_copy_call
+
 # The layered copy's custom call: the sanitizer traces it in a jit of its own.
 from ._layers import layer_copy_call
 
@@ -36,9 +39,9 @@ from ._layers import layer_copy_call
 # collectives.
 from ._lowering import eager_copy
 
-# The table of FFI targets: its check against the compiled registrations, and the fork's name
-# to look for in a both-ways program.
-from ._native import BLOCK_COPY_FORK_TARGET, TARGETS
+# The table of FFI targets and their attributes: its checks against the compiled registrations,
+# the C++ decodings and the emitters, and the fork's name to look for in a both-ways program.
+from ._native import BLOCK_COPY_FORK_TARGET, TARGET_ATTRIBUTES, TARGETS
 from ._plan import CopyPlan
 from ._plan_ring import PlanRing
 from .manager import KVCacheTransferManager
@@ -106,7 +109,8 @@ def plan_ring(manager: KVCacheTransferManager) -> PlanRing | None:
     return manager._engine.plans
 
 __all__ = ["BLOCK_COPY_FORK_TARGET", "DISPATCHERS", "NO_LANE", "OFFLOAD_LANE", "ONBOARD_LANE",
-           "TARGETS", "BothWaysPlan", "CopyPlan", "IndexFacts", "LaneHazards", "LaneOrder",
+           "TARGETS", "TARGET_ATTRIBUTES", "BothWaysPlan", "CopyPlan", "IndexFacts", "LaneHazards", "LaneOrder",
            "both_ways_call", "both_ways_plan", "check_batch", "copy_engine", "count_dispatches",
-           "dispatcher", "dma_batches", "eager_copy", "layer_copy_call", "plan_ring",
+           "dispatcher", "dma_batches", "eager_copy", "join_call", "lane_copy_call",
+           "layer_copy_call", "layer_lane_copy_call", "plan_ring",
            "plan_tokens", "registered_targets", "slot_columns", "split_runs"]

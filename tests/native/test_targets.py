@@ -1,10 +1,20 @@
 """The table of FFI targets (jax_kvxfer/_native.py, read through jax_kvxfer.testing) against
 what the compiled modules register with XLA: the CPU module always, the CUDA one where this
 build has it. Both read ffi/targets.h, which tests/test_layering.py checks against the table
-in the sources, so a CUDA build is covered there even where it is not built."""
+in the sources, so a CUDA build is covered there even where it is not built. The attributes
+each target takes are in the table too (TARGET_ATTRIBUTES), checked against the option
+structs' decodings in ffi/block_copy.h and against what the emitters pass."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
 
 import jax_kvxfer as kvx
 from jax_kvxfer import testing
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_every_target_in_the_table_once():
@@ -17,3 +27,77 @@ def test_the_compiled_registrations_are_the_table():
     assert set(registered) == ({"cpu", "cuda"} if kvx.HAS_CUDA_HANDLERS else {"cpu"})
     for platform, names in registered.items():
         assert names == sorted(testing.TARGETS), platform
+
+
+def _decodings() -> dict[str, frozenset[str]]:
+    """Per option struct, the attribute names ffi/block_copy.h decodes (its macros expanded)."""
+    text = (ROOT / "ffi" / "block_copy.h").read_text()
+    macros = {name: re.findall(r'KVXFER_ATTR\([^,]+,\s*"(\w+)"\)', body)
+              for name, body in re.findall(r"#define (KVXFER_\w+_ATTRS)((?:.*\\\n)*.*)", text)}
+    out = {}
+    for struct, body in re.findall(
+            r"XLA_FFI_REGISTER_STRUCT_ATTR_DECODING\(([\w:<>]+),(.*?)\);", text, re.DOTALL):
+        names = re.findall(r'KVXFER_ATTR\([^,]+,\s*"(\w+)"\)', body)
+        for macro in re.findall(r"KVXFER_\w+_ATTRS", body):
+            names += macros[macro]
+        assert len(names) == len(set(names)), (struct, names)
+        out[struct.replace("kvxfer::", "")] = frozenset(names)
+    return out
+
+
+def test_the_attribute_table_is_what_the_handlers_decode():
+    decoded = _decodings()
+    assert set(decoded) == {"CopyOptions", "JoinOptions", "LaneOptions", "Layered<CopyOptions>",
+                            "Layered<LaneOptions>"}, decoded
+    assert set(testing.TARGET_ATTRIBUTES) == set(testing.TARGETS)
+    # the join of the lanes decodes one scalar attribute of its own ("lanes"), not a struct
+    structs = set(decoded.values()) | {frozenset({"lanes"})}
+    for target, names in testing.TARGET_ATTRIBUTES.items():
+        assert names in structs, (target, sorted(names))
+
+
+def _custom_calls(lowered) -> dict[str, set[frozenset[str]]]:
+    """Per custom call target in a lowered program, the attribute name sets it is given."""
+    out: dict[str, set[frozenset[str]]] = {}
+    for target, config in re.findall(r"custom_call @(\w+)\(.*?mhlo\.backend_config = \{(.*?)\}",
+                                     lowered.as_text()):
+        out.setdefault(target, set()).add(frozenset(re.findall(r"(\w+) = ", config)))
+    return out
+
+
+def test_the_emitters_pass_the_table_s_attributes():
+    """Every target, lowered on the CPU through the code that emits it, is given exactly the
+    attributes of its row in the table."""
+    pool = jnp.zeros((4, 1, 2, 1, 4, 8), jnp.float32)
+    i = jnp.array([0, 1], jnp.int32)
+    seen: dict[str, set[frozenset[str]]] = {}
+
+    def lower(fn, *args):
+        for target, names in _custom_calls(jax.jit(fn).lower(*args)).items():
+            seen.setdefault(target, set()).update(names)
+
+    lower(lambda a, b, s: kvx.copy_blocks(a, b, s, s + 2, 3), pool, pool, i)
+    lower(lambda a, s: kvx.copy_blocks(a, a, s, s + 2, 3), pool, i)
+    for src in (None, 1):  # nograph: inside a stream annotation, between pools and within one
+        lower(kvx.on_stream(lambda a, b, s, src=src: kvx.copy_blocks(
+            a, a if src is None else b, s, s + 2), 1, jax.memory.Space.Device), pool, pool, i)
+    for plan in ("together", "staged"):  # the fork and the join; the join without a fork
+        lower(lambda a, b, s, plan=plan: testing.both_ways_call(
+            a, b, (s, s, s), (s, s, s), (testing.IndexFacts(),) * 2, testing.BothWaysPlan(plan),
+            None, False), pool, pool, i)
+    lanes = {"lane": 1}
+    lower(lambda a, b, s: testing.lane_copy_call(a, b, s, s, s, **lanes), pool, pool, i)
+    lower(lambda a, s: testing.lane_copy_call(a, a, s, s, s, **lanes), pool, i)
+    lower(lambda a: testing.join_call(a), pool)
+    layers = [jnp.zeros((4, 4, 2, 8), jnp.float32) for _ in range(2)]
+    views = kvx.KVCacheBlockPool.from_layers(layers, token_axis=1,
+                                             num_secondary_blocks=0).storage.views
+    host = jnp.zeros((4, views.row_nbytes // 4), jnp.float32)
+    for offload in (True, False):
+        lower(lambda h, ls, s, o=offload: testing.layer_copy_call(h, ls, s, s, s, offload=o,
+                                                                  views=views), host, layers, i)
+        lower(lambda h, ls, s, o=offload: testing.layer_lane_copy_call(
+            h, ls, s, s, s, offload=o, views=views, **lanes), host, layers, i)
+    assert set(seen) == set(testing.TARGETS), sorted(set(testing.TARGETS) - set(seen))
+    for target, name_sets in seen.items():
+        assert name_sets == {testing.TARGET_ATTRIBUTES[target]}, (target, name_sets)
