@@ -25,6 +25,7 @@ same without a store (each replica recomputes them). replicas+store must be exac
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -730,6 +731,16 @@ def main(argv: list[str] | None = None) -> int:
         # GPU memory is taken by the replica processes first, then by this one's runs: this
         # process must not take its share up front (XLA's default), read when JAX starts.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # Every process compiles the model step for itself, and XLA's autotuner, which times
+        # candidate kernels, may pick others in each (on an H200, bfloat16 logits 0.1 apart
+        # from the first turn on): one autotuning cache for all of them, filled by the first
+        # replica (the others start once it is ready) and read by the rest and this process.
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_gpu_per_fusion_autotune_cache_dir" not in flags:
+            folder = tempfile.mkdtemp(prefix="jax-kvxfer-autotune-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            os.environ["XLA_FLAGS"] = (
+                f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={folder}").strip()
     every = cfg["low_priority_every"]
     priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
                   for i in range(len(convs))]

@@ -155,10 +155,17 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
     Returns every turn as one run, with each replica's own result (`RunResult.replicas`) and
     the turns that moved (`RunResult.moved`). Raises ReplicaError when a replica fails."""
     ctx = multiprocessing.get_context("spawn")  # JAX's runtime does not survive a fork
-    procs = [_Replica(ctx, ReplicaSpec(i, replicas, model, seed, smollm2, server, store,
-                                       namespace, mem_fraction)) for i in range(replicas)]
+    procs: list[_Replica] = []
     try:
-        compile_seconds = max(p.recv(READY_TIMEOUT_S)[1] for p in procs)
+        # The first compiles alone, then the others: with an autotuning cache shared through
+        # XLA_FLAGS, they all read the kernels it picked (the same numerics in every process).
+        compile_seconds = 0.0
+        for start in ([0], range(1, replicas)):
+            group = [_Replica(ctx, ReplicaSpec(i, replicas, model, seed, smollm2, server, store,
+                                               namespace, mem_fraction)) for i in start]
+            procs += group
+            compile_seconds = max([compile_seconds,
+                                   *(p.recv(READY_TIMEOUT_S)[1] for p in group)])
         loop = _route(procs, conversations, priorities, store is not None, fixed_step_s,
                       progress, min_offload_priority)
         results = []
