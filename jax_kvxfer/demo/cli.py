@@ -575,9 +575,10 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
         ]
     if "replicas" in verdict:
         rows += [
-            ("TTFT p50, turns with host hits", lambda s: opt_ms(s["ttft_p50_host_hit_turns_s"])),
+            ("TTFT p50, turns with host hits",
+             lambda s: opt_ms(s.get("ttft_p50_host_hit_turns_s"))),
             ("TTFT p50, turns that moved replica",
-             lambda s: opt_ms(s["ttft_p50_moved_turns_s"])),
+             lambda s: opt_ms(s.get("ttft_p50_moved_turns_s"))),
         ]
     rows += [
         ("exposed transfer time", lambda s: f"{s['exposed_transfer_s']:.3f} s "
@@ -977,8 +978,9 @@ def replica_lines(runs: dict, v: dict) -> list[str]:
         return "-" if x is None else f"{1e3 * x:,.1f} ms"
 
     n = v["replicas"]
-    lines = [(f"replicas: {n} serving processes, turn t of chat c on replica (c + t) % {n} "
-              f"(each turn after the first moves); {SHARED} shares "
+    lines = [(f"replicas: {n} serving process{'es' if n > 1 else ''}, turn t of chat c on "
+              f"replica (c + t) % {n}{' (each turn after the first moves)' if n > 1 else ''}; "
+              f"{SHARED} shares "
               f"{v['store_described'] or v['store']}, {ALONE} has no store")]
     width = max(len(name) for name in REPLICA_RUNS)
     for name in REPLICA_RUNS:
@@ -993,8 +995,8 @@ def replica_lines(runs: dict, v: dict) -> list[str]:
     if shared is not None and off is not None:
         ratio = v.get("moved_ttft_p50_over_host_hit_ttft_p50")
         lines.append(f"TTFT p50 of the turns that moved replica, prefix from the store: "
-                     f"{ms(shared['ttft_p50_moved_turns_s'])}; of the offload run's turns with "
-                     f"host hits: {ms(off['ttft_p50_host_hit_turns_s'])}"
+                     f"{ms(shared.get('ttft_p50_moved_turns_s'))}; of the offload run's turns "
+                     f"with host hits: {ms(off.get('ttft_p50_host_hit_turns_s'))}"
                      + (f" ({ratio:.2f}x)" if ratio is not None else " (it had none)"))
     if v.get("ttft_p50_without_over_with_store") is not None:
         lines.append(f"TTFT p50 {SHARED} {ms(shared['ttft_s']['p50'])} vs {ALONE} "
