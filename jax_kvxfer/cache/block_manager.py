@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 from ..manager import KVCacheTransferManager
 from ..pool import KVCacheBlockPool
 from ..stores.base import Store, StoreStats
+from .admission import AdmissionPolicy, admission_policy
 from .block_cache import (
     DEFAULT_PRIORITY,
     DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
@@ -102,6 +103,7 @@ class BlockManager:
                  transfer_manager: KVCacheTransferManager | None = None,
                  secondary_offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
                  enable_offload: bool = True, enable_partial_reuse: bool = True,
+                 admission: str | AdmissionPolicy | None = None,
                  stores: Sequence[Store] = (), store_on_release: bool = False) -> None:
         """Args:
           pools: the pool(s) a block spans (their block counts and tokens per block agree).
@@ -109,6 +111,10 @@ class BlockManager:
           secondary_offload_min_priority: evicted blocks of lower priority are not offloaded.
           enable_offload: False never offloads (TensorRT-LLM's `onboard_blocks=false`).
           enable_partial_reuse: False ignores partially matched blocks.
+          admission: which evicted blocks of an offloaded priority are offloaded
+            (jax_kvxfer.cache.admission): "always" (None), "second-sighting[:k]" (only
+            blocks whose key was seen k times, 2 by default, in a decaying window; a
+            sighting is a released sequence holding the block), or a policy object.
           stores: the tiers below the host pool, in order (`jax_kvxfer.stores`): every block
             offloaded to the host is written to them in the background, and a prefix found
             only there is read into host rows and onboarded. They need a host pool, on one
@@ -126,6 +132,8 @@ class BlockManager:
         self.secondary_offload_min_priority = check_priority(secondary_offload_min_priority)
         self.enable_offload = bool(enable_offload)
         self.enable_partial_reuse = bool(enable_partial_reuse)
+        self.admission = admission_policy(admission)
+        self._sightings = self.admission if self.admission.counts_sightings else None
         self.transfer_manager = transfer_manager or KVCacheTransferManager(pools)
         self._free = {True: collections.deque(range(self.num_primary_blocks)),
                       False: collections.deque(range(self.num_secondary_blocks))}
@@ -283,6 +291,8 @@ class BlockManager:
                         self._stage_for_stores(block, seq.priority)
             else:
                 key = block.key
+            if self._sightings is not None:
+                self._sightings.seen(key)
             block.priority = seq.priority  # ref_count > 0: not in a queue, safe to change
             parent = key
         # Last block first, so that a prefix is evicted after the blocks that extend it.
@@ -552,7 +562,8 @@ class BlockManager:
             self._timed_issue()
         dst = None
         if (self.enable_offload and self.num_secondary_blocks
-                and victim.priority >= self.secondary_offload_min_priority):
+                and victim.priority >= self.secondary_offload_min_priority
+                and self.admission.admit(victim.key)):
             dst = self._secondary_slot(victim.priority)
         slot = victim.slot
         if dst is None:
