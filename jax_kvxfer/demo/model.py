@@ -3,8 +3,10 @@
 Random seeded weights, grouped-query attention, RoPE, RMSNorm and a SwiGLU MLP. The KV cache
 is the primary array of one `KVCacheBlockPool` holding every layer, `[num_blocks, num_layers, 2,
 num_kv_heads, tokens_per_block, head_dim]`; each step writes the new tokens' K/V into the blocks
-named by the block tables and attends over the blocks it gathers from them (paged attention by
-gather: XLA, with cuDNN's fused attention for prefill chunks on a GPU; no kernel of ours).
+named by the block tables and attends over them tile by tile (`paged_attention`: a fixed number
+of blocks a tile, an online softmax, and only as many tiles as the longest row of the segment
+holds, so a step's attention follows what its rows hold, not the table's width; plain XLA, with
+cuDNN's fused attention for prefill chunks on a GPU; no kernel of ours).
 """
 
 from __future__ import annotations
@@ -153,8 +155,8 @@ _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w
 
 
 def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Rows, ...], *,
-            config: ModelConfig, fused_attention: bool = False
-            ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+            config: ModelConfig, fused_attention: bool = False, attention_tile: int | None = None,
+            full_width: bool = False) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """One step over several segments: writes their tokens' K/V into `kv_pool`; returns one
     logits row per sequence of each segment.
 
@@ -169,7 +171,12 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         tokens_per_block, head_dim]`.
       segments: `Rows` of sequences that are not in any other segment of this step.
       fused_attention: prefill chunks attend with cuDNN's fused attention (bfloat16 on an
-        NVIDIA GPU); otherwise, and for decodes, with plain XLA.
+        NVIDIA GPU) over the table's full width; otherwise, and for decodes, with
+        `paged_attention` (plain XLA, tile by tile).
+      attention_tile: tokens a key tile of `paged_attention` holds at least (whole blocks);
+        None: `default_attention_tile()`. Runs that must agree bit for bit use the same.
+      full_width: attend by gathering the table's full width for every row instead (the model
+        before tiling; a baseline for `scripts/model_bench.py`).
 
     Returns:
       `(one logits array [R, vocab_size] float32 per segment, new kv_pool)`.
@@ -177,21 +184,20 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     c = config
     precision = _HIGHEST if jnp.dtype(c.dtype) == jnp.float32 else None
     t = kv_pool.shape[4]
+    tile_blocks = max(1, -(-(attention_tile or default_attention_tile()) // t))
 
     def dot(x, w):
         return jnp.einsum("bcd,de->bce", x, w, precision=precision)
 
     def where_written(seg: Rows) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """(destination block, offset) of each token, the attention mask [R, C, J], and the
-        positions with padding at 0."""
+        """(destination block, offset) of each token, which tokens are real (not padding) and
+        the positions with padding at 0."""
         valid = seg.positions >= 0
         pos = jnp.maximum(seg.positions, 0)
         max_blocks = seg.block_tables.shape[1]
         dst = jnp.take_along_axis(seg.block_tables, jnp.minimum(pos // t, max_blocks - 1), axis=1)
         dst = jnp.where(valid, dst, kv_pool.shape[0])  # padding points past the pool: dropped
-        key_pos = jnp.arange(max_blocks * t)
-        mask = (key_pos[None, None, :] <= pos[:, :, None]) & valid[:, :, None]
-        return dst.reshape(-1), (pos % t).reshape(-1), mask, pos
+        return dst.reshape(-1), (pos % t).reshape(-1), valid, pos
 
     placed = [where_written(seg) for seg in segments]
     group = c.num_heads // c.num_kv_heads
@@ -215,11 +221,18 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
             pool = pool.at[dst, index, :, :, offset, :].set(kv.astype(pool.dtype), mode="drop")
             queries.append(q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim))
         out = []
-        for (x, p), q, seg, (_, _, mask, _) in zip(per_segment, queries, segments, placed):
+        for (x, p), q, seg, (_, _, valid, pos) in zip(per_segment, queries, segments, placed):
             b, chunk = x.shape[:2]
-            blocks = pool[seg.block_tables, index]
-            attn = (_attend_fused(q, blocks, mask) if fused_attention and chunk > 1
-                    else _attend(q, blocks, mask, precision))
+            if fused_attention and chunk > 1:
+                blocks = pool[seg.block_tables, index]
+                attn = _attend_fused(q, blocks, _mask(pos, valid, seg.block_tables.shape[1] * t))
+            elif full_width:
+                blocks = pool[seg.block_tables, index]
+                attn = _attend(q, blocks, _mask(pos, valid, seg.block_tables.shape[1] * t),
+                               precision)
+            else:
+                attn = paged_attention(q, pool, index, seg.block_tables, pos, valid,
+                                       tile_blocks=tile_blocks, precision=precision)
             x = x + dot(attn.reshape(b, chunk, c.num_heads * c.head_dim).astype(x.dtype), p["wo"])
             h = _rms_norm(x, p["mlp_norm"], c.norm_eps)
             out.append(x + dot(jax.nn.silu(dot(h, p["w1"])) * dot(h, p["w3"]), p["w2"]))
@@ -257,6 +270,76 @@ def _attend_fused(q: jax.Array, blocks: jax.Array, mask: jax.Array) -> jax.Array
     return out.reshape(r, c, hkv, g, d)
 
 
+def default_attention_tile() -> int:
+    """Tokens a key tile of `paged_attention` holds by default: 1024 on a GPU, where each tile
+    is a loop iteration of a few kernel launches a layer, 128 elsewhere."""
+    return 1024 if jax.default_backend() == "gpu" else 128
+
+
+_MASKED = -1e30  # a masked key's score (finite: a row that holds no key stays finite)
+
+
+def paged_attention(q: jax.Array, pool: jax.Array, layer: jax.Array | int,
+                    block_tables: jax.Array, positions: jax.Array, valid: jax.Array, *,
+                    tile_blocks: int, precision=None) -> jax.Array:
+    """Attention of q `[R, C, Hkv, G, D]` over one layer of each row's paged K/V, reading only
+    the tiles of blocks that the segment's rows hold: `[R, C, Hkv, G, D]` float32.
+
+    Each row's keys are its table's blocks in order (`pool[block_tables[r], layer]`, pool
+    `[N, L, 2, Hkv, T, D]`); query `c` of row `r` at `positions[r, c]` sees keys 0 to its
+    position, padding queries (`valid` false) none. Keys come in tiles of `tile_blocks`
+    blocks, merged by an online softmax (scores in float32; probabilities in the model's dtype
+    for the second product, as flash attention does), and the loop runs as many tiles as the
+    segment's longest row holds. A tile a row holds no key of is an exact no-op for that row
+    (its running maximum is unchanged, so the rescale is exp(0) = 1 and its probabilities are
+    0): a row's result depends on its own keys and on `tile_blocks` only, not on the other
+    rows, the table's width or the slots its blocks occupy (only on their contents, which must
+    be finite).
+    """
+    r, c, hkv, g, d = q.shape
+    pool = jnp.asarray(pool)
+    t = pool.shape[4]
+    width = block_tables.shape[1]
+    num_tiles = -(-width // tile_blocks)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_tiles * tile_blocks - width)))
+    tile_tokens = tile_blocks * t
+    held = jnp.max(jnp.where(valid, positions + 1, 0))  # keys of the longest row
+    trips = jnp.minimum((held + tile_tokens - 1) // tile_tokens, num_tiles)
+    scale = 1.0 / np.sqrt(d)
+
+    def tile(i, state):
+        m, l, acc = state
+        ids = jax.lax.dynamic_slice_in_dim(tables, i * tile_blocks, tile_blocks, axis=1)
+        blocks = pool[ids, layer]  # [R, tile_blocks, 2, Hkv, T, D]
+        keys = blocks[:, :, 0].transpose(0, 2, 1, 3, 4).reshape(r, hkv, tile_tokens, d)
+        values = blocks[:, :, 1].transpose(0, 2, 1, 3, 4).reshape(r, hkv, tile_tokens, d)
+        key_pos = i * tile_tokens + jnp.arange(tile_tokens)
+        mask = (key_pos[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+        mask = mask[:, None, None]  # [R, 1, 1, C, tile]
+        scores = jnp.einsum("rckgd,rkjd->rkgcj", q, keys, precision=precision,
+                            preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(mask, scores, _MASKED)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        probs = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+        rescale = jnp.exp(m - m_new)
+        l = l * rescale + probs.sum(axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum(
+            "rkgcj,rkjd->rkgcd", probs.astype(q.dtype), values, precision=precision,
+            preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((r, hkv, g, c), _MASKED, jnp.float32), jnp.zeros((r, hkv, g, c), jnp.float32),
+            jnp.zeros((r, hkv, g, c, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, trips, tile, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.transpose(0, 3, 1, 2, 4)
+
+
+def _mask(positions: jax.Array, valid: jax.Array, keys: int) -> jax.Array:
+    """`[R, C, keys]`: query c of row r sees keys 0 to its position; padding none."""
+    return (jnp.arange(keys)[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+
+
 def _attend(q: jax.Array, blocks: jax.Array, mask: jax.Array, precision) -> jax.Array:
     """Attention of q `[R, C, Hkv, G, D]` over one layer of each sequence's gathered blocks
     `[R, M, 2, Hkv, T, D]`, keys masked by `mask` `[R, C, M*T]`: `[R, C, Hkv, G, D]`.
@@ -276,25 +359,28 @@ def _attend(q: jax.Array, blocks: jax.Array, mask: jax.Array, precision) -> jax.
 
 
 def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
-              fused_attention: bool | None = None) -> Any:
+              fused_attention: bool | None = None, attention_tile: int | None = None) -> Any:
     """`forward` jitted, pool donated: `step(params, pool.primary, segments)`.
 
     Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
-    `fused_attention`: None picks it for bfloat16 and float16 models on a GPU. Pools of one
-    model and one split share one jitted function, and so its compiled steps.
+    `fused_attention`: None picks it for bfloat16 and float16 models on a GPU;
+    `attention_tile`: `forward`'s. Pools of one model and one split share one jitted function,
+    and so its compiled steps.
     """
     if fused_attention is None:
         fused_attention = (config.dtype in ("bfloat16", "float16")
                            and jax.default_backend() == "gpu")
     return _jitted_step(config, None if pool is None or pool.mesh is None
-                        else pool.sharding("device"), fused_attention)
+                        else pool.sharding("device"), fused_attention,
+                        attention_tile or default_attention_tile())
 
 
 @functools.cache
 def _jitted_step(config: ModelConfig, pool_sharding: jax.sharding.NamedSharding | None,
-                 fused_attention: bool) -> Any:
-    fn = functools.partial(forward, config=config, fused_attention=fused_attention)
+                 fused_attention: bool, attention_tile: int) -> Any:
+    fn = functools.partial(forward, config=config, fused_attention=fused_attention,
+                           attention_tile=attention_tile)
     if pool_sharding is None:
         return jax.jit(fn, donate_argnums=1)
     replicated = jax.sharding.NamedSharding(pool_sharding.mesh, jax.sharding.PartitionSpec())

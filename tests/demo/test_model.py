@@ -5,6 +5,7 @@ where the block tables say and nothing else; and its operation count."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -145,3 +146,71 @@ def test_token_flops_counts_the_weights_and_attention(context):
                - c.num_layers * 2 * c.d_model)  # less the embeddings and the norms
     attention = 4 * c.num_layers * c.num_heads * c.head_dim * context
     assert c.token_flops(context) == 2 * weights + attention
+
+
+def _random_rows(rng, lengths, chunk, width, num_blocks, t):
+    """Rows of the given key counts (0: a padding row), each attending from its last `chunk`
+    positions (fewer when it holds fewer), over scattered blocks of a pool of `num_blocks`."""
+    r = len(lengths)
+    positions = np.full((r, chunk), -1, np.int32)
+    tables = rng.integers(0, num_blocks, (r, width)).astype(np.int32)  # junk past each row
+    free = list(rng.permutation(num_blocks))
+    for i, n in enumerate(lengths):
+        held = -(-n // t)
+        tables[i, :held] = [free.pop() for _ in range(held)]
+        k = min(chunk, n)
+        positions[i, :k] = np.arange(n - k, n)
+    return tables, positions
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_paged_attention_matches_full_width_attention(chunk):
+    """Rows of very different lengths (and a padding row): the tiled attention equals the
+    full-width gather's softmax, for decodes and for chunks."""
+    from jax_kvxfer.demo.model import _attend, _mask, paged_attention
+
+    rng = np.random.default_rng(0)
+    t, width, nb, hkv, g, d = 4, 40, 128, 2, 3, 8
+    pool = rng.standard_normal((nb, 2, 2, hkv, t, d)).astype(np.float32)
+    lengths = [0, 1, 3, 37, 150, 160]
+    tables, positions = _random_rows(rng, lengths, chunk, width, nb, t)
+    valid = positions >= 0
+    pos = np.maximum(positions, 0)
+    q = rng.standard_normal((len(lengths), chunk, hkv, g, d)).astype(np.float32)
+    hi = jax.lax.Precision.HIGHEST
+    got = np.asarray(paged_attention(q, pool, 1, tables, pos, valid, tile_blocks=3,
+                                     precision=hi))
+    want = np.asarray(_attend(q, pool[tables, 1], _mask(pos, valid, width * t), hi))
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(got).all()
+
+
+def test_masked_tiles_are_exact_no_ops():
+    """A row's result is bit for bit the same whatever else shares the step: with a wider
+    table (more tiles, all masked for it), beside a longer row (more trips), and with its
+    blocks in other slots of the pool."""
+    from jax_kvxfer.demo.model import paged_attention
+
+    rng = np.random.default_rng(1)
+    t, nb, hkv, g, d, tile = 4, 96, 2, 2, 16, 2
+    pool = rng.standard_normal((nb, 1, 2, hkv, t, d)).astype(np.float32)
+    lengths = [0, 1, 9, 30]
+    tables, positions = _random_rows(rng, lengths, 1, 8, nb, t)
+    valid, pos = positions >= 0, np.maximum(positions, 0)
+    q = rng.standard_normal((len(lengths), 1, hkv, g, d)).astype(np.float32)
+    step = jax.jit(functools.partial(paged_attention, layer=0, tile_blocks=tile))
+    base = np.asarray(step(q, pool, block_tables=tables, positions=pos, valid=valid))
+
+    wide = np.concatenate([tables, rng.integers(0, nb, (len(lengths), 13))], 1).astype(np.int32)
+    long_row = np.zeros((1, wide.shape[1]), np.int32)
+    long_row[0] = rng.permutation(nb)[:wide.shape[1]]
+    beside = (np.concatenate([q, q[-1:]]), np.concatenate([wide, long_row]),
+              np.concatenate([pos, [[wide.shape[1] * t - 1]]]),
+              np.concatenate([valid, [[True]]]))
+    perm = rng.permutation(nb)  # block b moves to slot perm[b]
+    moved = np.empty_like(pool)
+    moved[perm] = pool
+    for qq, tab, p, v, pl in ((q, wide, pos, valid, pool), (*beside, pool),
+                              (q, perm[tables].astype(np.int32), pos, valid, moved)):
+        out = np.asarray(step(qq, pl, block_tables=tab, positions=p, valid=v))
+        np.testing.assert_array_equal(out[:len(lengths)], base)
