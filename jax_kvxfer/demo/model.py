@@ -151,6 +151,46 @@ class Rows(NamedTuple):
     logit_index: Any
 
 
+def budget_chunks(remaining: list[int], *, rows: int, row_tokens: int) -> list[int]:
+    """Token-budgeted chunked prefill: how many prompt tokens each request (in order, with
+    `remaining` tokens still to compute) computes in a step whose prefill segment holds `rows`
+    rows of `row_tokens` tokens. Each takes what is left of the budget in whole rows, up to its
+    remaining tokens (its last row partly filled only where its prompt ends); 0 once the
+    budget is spent."""
+    out, free = [], rows
+    for n in remaining:
+        take = min(n, free * row_tokens)
+        out.append(take)
+        free -= -(-take // row_tokens)
+    return out
+
+
+def pack_prefill(chunks: list[tuple[list[int], int, Any]], *, rows: int, row_tokens: int,
+                 max_blocks: int) -> tuple[Rows, list[int]]:
+    """One prefill segment `[rows, row_tokens]` of several requests' chunks (tokens, first
+    position, block table), each split over consecutive rows (as `budget_chunks` sized them),
+    the rest padding; and for each chunk the row whose logits are its last token's. The
+    segment has one shape in every step, and each of its rows attends over its own table, so
+    a token's K/V and logits do not depend on which row or beside which requests it ran."""
+    tok = np.zeros((rows, row_tokens), np.int32)
+    pos = np.full((rows, row_tokens), -1, np.int32)
+    tables = np.zeros((rows, max_blocks), np.int32)
+    last = np.zeros(rows, np.int32)
+    at, last_rows = 0, []
+    for toks, start, table in chunks:
+        for i in range(0, len(toks), row_tokens):
+            piece = toks[i:i + row_tokens]
+            tok[at, :len(piece)] = piece
+            pos[at, :len(piece)] = np.arange(start + i, start + i + len(piece))
+            tables[at, :len(table)] = table
+            last[at] = len(piece) - 1
+            at += 1
+        last_rows.append(at - 1)
+    if at > rows:
+        raise ValueError(f"{at} rows of {row_tokens} tokens do not fit a segment of {rows}")
+    return Rows(tok, pos, tables, last), last_rows
+
+
 _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 
 

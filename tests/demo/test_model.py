@@ -214,3 +214,56 @@ def test_masked_tiles_are_exact_no_ops():
                               (q, perm[tables].astype(np.int32), pos, valid, moved)):
         out = np.asarray(step(qq, pl, block_tables=tab, positions=p, valid=v))
         np.testing.assert_array_equal(out[:len(lengths)], base)
+
+
+def test_budget_chunks_fill_whole_rows_in_order():
+    from jax_kvxfer.demo.model import budget_chunks
+
+    assert budget_chunks([20, 3, 9], rows=4, row_tokens=8) == [20, 3, 0]  # 3 rows + 1 row
+    assert budget_chunks([5, 40], rows=4, row_tokens=8) == [5, 24]
+    assert budget_chunks([100], rows=2, row_tokens=8) == [16]
+    assert budget_chunks([], rows=2, row_tokens=8) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_packed_prefill_segment_is_exact_whatever_row_or_company(dtype):
+    """Token-budgeted prefill: one fixed `[rows, row_tokens]` segment packs several requests'
+    chunks. A request's chunk gives the reference's logits, and the same logits and K/V bit for
+    bit alone at row 0, after another request's rows, and split at other row boundaries."""
+    from jax_kvxfer.demo.model import budget_chunks, pack_prefill
+
+    config = dataclasses.replace(CONFIG, dtype=dtype)
+    rng = np.random.default_rng(5)
+    params = init_params(config, seed=2)
+    rows, row_tokens, width = 4, 4, 6
+    step = make_step(config, create_pool(config, tokens_per_block=T, num_primary_blocks=24,
+                                         num_secondary_blocks=0))
+    mine = [int(x) for x in rng.integers(0, config.vocab_size, 10)]
+    other = [int(x) for x in rng.integers(0, config.vocab_size, 7)]
+    ref = _reference_logits(params, mine, config)
+    results = []
+    for lead, my_table, other_table, spans in (
+            ([], [0, 1, 2], [9], ((0, 6), (6, 10))),
+            ([6], [5, 3, 11], [7, 8], ((0, 6), (6, 10))),  # after the other's rows
+            ([], [20, 21, 22], [4], ((0, 2), (2, 6), (6, 10)))):  # other row boundaries
+        pool = create_pool(config, tokens_per_block=T, num_primary_blocks=24,
+                           num_secondary_blocks=0)
+        logits_mine = []
+        for start, end in spans:
+            chunks = [(other[:7], 0, other_table)] if lead and start == 0 else []
+            taken = budget_chunks([7] * len(chunks) + [end - start], rows=rows,
+                                  row_tokens=row_tokens)
+            assert taken[-1] == end - start
+            chunks.append((mine[start:end], start, my_table))
+            seg, last = pack_prefill(chunks, rows=rows, row_tokens=row_tokens, max_blocks=width)
+            (logits,), pool.primary = step(params, pool.primary, (seg,))
+            if end in (6, 10):
+                logits_mine.append(np.asarray(logits)[last[-1]])
+        kv = np.asarray(pool.primary)[my_table]
+        results.append((np.stack(logits_mine), kv))
+        if dtype == "float32":
+            np.testing.assert_allclose(logits_mine[0], ref[5], rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(logits_mine[1], ref[9], rtol=2e-4, atol=2e-4)
+    for logits, kv in results[1:]:
+        np.testing.assert_array_equal(logits, results[0][0])
+        np.testing.assert_array_equal(kv, results[0][1])
