@@ -2,7 +2,7 @@
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
-#                        [sanitize] [stress] [stress-dma] [disk] [replicas]
+#                        [sanitize] [stress] [stress-dma] [disk] [replicas] [model]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -15,6 +15,9 @@
 #   (scripts/gpu-check.sh fetch-wheels, here, where pip reaches PyPI; then carry ".whl"), and this
 #   step installs them into /tmp/kvxfer-site first. GPU_CHECK_REPLICAS_ARGS: more demo options
 #   for it (e.g. "--conversations 24" to finish sooner: the whole preset takes about 8 minutes).
+#   model: the demo model's compute rate (scripts/model_bench.py, h200 preset): full-prefill
+#   TFLOP/s against a bf16 matmul measured in the same run, decode step time against the tokens
+#   the rows hold; one summary line against the targets (issue 48).
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +71,13 @@ if has step; then
   python3 -m jax_kvxfer bench --only manager,step --no-plot --out "$OUT" > "$OUT/bench-step.txt" 2> "$OUT/bench-step.log"
   summary+=("bench step: exit $? ($(( $(date +%s) - t )) s)")
   grep -E "\] (manager|step) " "$OUT/bench-step.log"
+fi
+if has model; then  # the demo model's prefill rate and decode against length (issue 48)
+  t=$(date +%s)
+  python3 scripts/model_bench.py --preset h200 --json "$OUT/model-bench.json" \
+    > "$OUT/model-bench.txt" 2> "$OUT/model-bench.log"
+  summary+=("model: exit $? ($(( $(date +%s) - t )) s): $(tail -1 "$OUT/model-bench.txt")")
+  cat "$OUT/model-bench.log" | grep -E "^(peak|prefill|decode)"
 fi
 # The demos share JAX's compilation cache (outside $OUT: it is large), so that only the first
 # pays the model step's compilation. The h200 preset's demo takes about 4 minutes.

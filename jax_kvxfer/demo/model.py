@@ -399,13 +399,14 @@ def _attend(q: jax.Array, blocks: jax.Array, mask: jax.Array, precision) -> jax.
 
 
 def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
-              fused_attention: bool | None = None, attention_tile: int | None = None) -> Any:
+              fused_attention: bool | None = None, attention_tile: int | None = None,
+              full_width: bool = False) -> Any:
     """`forward` jitted, pool donated: `step(params, pool.primary, segments)`.
 
     Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
     `fused_attention`: None picks it for bfloat16 and float16 models on a GPU;
-    `attention_tile`: `forward`'s. Pools of one model and one split share one jitted function,
+    `attention_tile`, `full_width`: `forward`'s. Pools of one model and one split share one jitted function,
     and so its compiled steps.
     """
     if fused_attention is None:
@@ -413,14 +414,14 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
                            and jax.default_backend() == "gpu")
     return _jitted_step(config, None if pool is None or pool.mesh is None
                         else pool.sharding("device"), fused_attention,
-                        attention_tile or default_attention_tile())
+                        attention_tile or default_attention_tile(), full_width)
 
 
 @functools.cache
 def _jitted_step(config: ModelConfig, pool_sharding: jax.sharding.NamedSharding | None,
-                 fused_attention: bool, attention_tile: int) -> Any:
+                 fused_attention: bool, attention_tile: int, full_width: bool = False) -> Any:
     fn = functools.partial(forward, config=config, fused_attention=fused_attention,
-                           attention_tile=attention_tile)
+                           attention_tile=attention_tile, full_width=full_width)
     if pool_sharding is None:
         return jax.jit(fn, donate_argnums=1)
     replicated = jax.sharding.NamedSharding(pool_sharding.mesh, jax.sharding.PartitionSpec())
