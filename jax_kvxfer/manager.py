@@ -24,6 +24,7 @@ from ._checks import check_dma_choice
 from ._engines import DonationWarning, Fence, InLineEngine, LaneEngine
 from ._lanes import take_exposed_seconds
 from ._plan_ring import PlanRing
+from .metrics import TransferManagerReport, check_metrics_choice
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 __all__ = ["DonationWarning", "KVCacheTransferManager", "PendingTransfer", "TransferStats"]
@@ -76,7 +77,7 @@ class KVCacheTransferManager:
     """
 
     def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True,
-                 dma: bool | str = "auto") -> None:
+                 dma: bool | str = "auto", metrics: bool | None = None) -> None:
         """Args:
           pools: one or more pools with equal block counts and tokens per block.
           plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
@@ -89,8 +90,11 @@ class KVCacheTransferManager:
             device and the plan ring is on; "auto" falls back to the copy kernel on XLA's
             stream for sharded pools or plan_ring=False, True raises there. False: the copy
             kernel on XLA's stream, in line with compute (no lanes).
+          metrics: report the statistics to the process-wide Prometheus registry
+            (jax_kvxfer.metrics); None: when a metrics server has been started.
         """
         check_dma_choice(dma)
+        report = check_metrics_choice(metrics)
         if isinstance(pools, KVCacheBlockPool):
             pools = [pools]
         self._pools = tuple(pools)
@@ -133,10 +137,17 @@ class KVCacheTransferManager:
             LaneEngine(self._pools, plans, self._lock)
             if dma is not False and plans is not None and first.mesh is None
             else InLineEngine(self._pools, plans))
+        self._report = (TransferManagerReport(lambda: self._stats, self._lock)
+                        if report else None)
 
     @property
     def pools(self) -> tuple[KVCacheBlockPool, ...]:
         return self._pools
+
+    @property
+    def metrics_label(self) -> str | None:
+        """The `manager` label of this manager's metrics (None: it does not report)."""
+        return self._report.label if self._report is not None else None
 
     @property
     def on_lanes(self) -> bool:
@@ -293,6 +304,8 @@ class KVCacheTransferManager:
         with self._lock:
             stats, self._stats = self._stats, TransferStats()
             stats.exposed_seconds = take_exposed_seconds()
+            if self._report is not None:
+                self._report.reset(stats)
             return stats
 
     # -- implementation ----------------------------------------------------------------------

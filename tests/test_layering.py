@@ -244,7 +244,8 @@ def test_the_python_and_native_tables_agree():
 # The checks themselves.
 
 @pytest.mark.parametrize("module, expected", [
-    ("manager", "core"), ("_native", "core"), ("cache.block_manager", "cache"),
+    ("manager", "core"), ("_native", "core"), ("events", "core"), ("metrics", "core"),
+    ("cache.block_manager", "cache"),
     ("cache.__init__", "cache"), ("demo.cli", "demo"), ("bench.sweep", "bench"),
     ("__init__", "api"), ("__main__", "main")])
 def test_layer_of(module, expected):

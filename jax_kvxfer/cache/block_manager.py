@@ -11,7 +11,9 @@ import math
 import time
 from collections.abc import Hashable, Sequence
 
+from .. import events as kv_events
 from ..manager import KVCacheTransferManager
+from ..metrics import BlockManagerReport, check_metrics_choice
 from ..pool import KVCacheBlockPool
 from ..stores.base import Store, StoreStats
 from .admission import AdmissionPolicy, admission_policy
@@ -104,7 +106,9 @@ class BlockManager:
                  secondary_offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
                  enable_offload: bool = True, enable_partial_reuse: bool = True,
                  admission: str | AdmissionPolicy | None = None,
-                 stores: Sequence[Store] = (), store_on_release: bool = False) -> None:
+                 stores: Sequence[Store] = (), store_on_release: bool = False,
+                 events: kv_events.KVEventPublisher | None = None,
+                 metrics: bool | None = None) -> None:
         """Args:
           pools: the pool(s) a block spans (their block counts and tokens per block agree).
           transfer_manager: moves the blocks (default: `KVCacheTransferManager(pools)`).
@@ -123,7 +127,15 @@ class BlockManager:
             that is offloaded) are also written to them at once, copied through free host
             rows, not only once evicted to the host: replicas sharing a store find a finished
             turn's blocks while this one still holds them on the GPU.
+          events: publishes the cache's KV events (blocks stored and removed, per medium)
+            in vLLM's format, one batch per `sync_transfers` (jax_kvxfer.events).
+          metrics: report the statistics to the process-wide Prometheus registry
+            (jax_kvxfer.metrics); None: when a metrics server has been started.
         """
+        if events is not None and not isinstance(events, kv_events.KVEventPublisher):
+            raise TypeError("events must be a jax_kvxfer.events.KVEventPublisher or None, got "
+                            f"{type(events).__name__}")
+        report = check_metrics_choice(metrics)
         pools = checked_pools(pools)
         first = pools[0]
         self.tokens_per_block = first.tokens_per_block
@@ -134,7 +146,7 @@ class BlockManager:
         self.enable_partial_reuse = bool(enable_partial_reuse)
         self.admission = admission_policy(admission)
         self._sightings = self.admission if self.admission.counts_sightings else None
-        self.transfer_manager = transfer_manager or KVCacheTransferManager(pools)
+        self.transfer_manager = transfer_manager or KVCacheTransferManager(pools, metrics=report)
         self._free = {True: collections.deque(range(self.num_primary_blocks)),
                       False: collections.deque(range(self.num_secondary_blocks))}
         self._reusable = {True: EvictionQueue(), False: EvictionQueue()}
@@ -148,6 +160,12 @@ class BlockManager:
         self.store_on_release = bool(store_on_release) and self._tiers is not None
         self._staged: list[int] = []  # host rows of store_on_release copies, freed at issue
         self._prefetching: dict[bytes, _Prefetch] = {}  # by the key of each block it reads
+        # KV events: this step's raw events (events.STORED, ...), published at the boundary
+        self._publisher = events
+        self._events: list[tuple] | None = [(kv_events.CLEARED,)] if events is not None else None
+        self._report = (BlockManagerReport(lambda: self._stats, self._metric_gauges,
+                                           self._tiers.stats if self._tiers else None)
+                        if report else None)
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -289,6 +307,8 @@ class BlockManager:
                     self._index.add(block)
                     if self.store_on_release:
                         self._stage_for_stores(block, seq.priority)
+                    if self._events is not None:
+                        self._event_stored(block, kv_events.MEDIUM_GPU)
             else:
                 key = block.key
             if self._sightings is not None:
@@ -337,6 +357,8 @@ class BlockManager:
         self._issue()
         self.transfer_manager.sync_transfers(block=block)
         self._stats.transfer_seconds += time.perf_counter() - t0
+        if self._events:
+            self._publish_events()
 
     def prefetch(self, token_ids: Sequence[int]) -> int:
         """Starts reading, in the background, the blocks of this prompt's prefix that only a
@@ -369,10 +391,14 @@ class BlockManager:
         if self._tiers is not None:
             self.flush()
             self._tiers.close()
+        if self._events:
+            self._publish_events()
 
     def store_stats(self) -> dict[str, StoreStats]:
         """Each store's statistics since the last call, by tier name ("DISK", ...): blocks hit,
         missed and corrupt, bytes and seconds read and written, dropped writes."""
+        if self._report is not None:
+            return self._report.take_store_stats()
         return self._tiers.stats() if self._tiers is not None else {}
 
     @property
@@ -380,6 +406,11 @@ class BlockManager:
         return dataclasses.replace(self._stats)
 
     def get_and_reset_stats(self) -> BlockManagerStats:
+        if self._report is not None:  # the metrics keep what is reset
+            return self._report.reset(self._swap_stats)
+        return self._swap_stats()
+
+    def _swap_stats(self) -> BlockManagerStats:
         stats, self._stats = self._stats, BlockManagerStats()
         return stats
 
@@ -399,6 +430,17 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._index)
+
+    def cached_blocks(self, primary: bool = True) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, token ids) of every cached block of one pool, in use or not: what its KV
+        events say it holds (full blocks; `events.block_hash64(key)` is a block's hash)."""
+        return [(b.key, b.tokens) for b in self._index.by_key.values()
+                if b.is_primary == primary]
+
+    @property
+    def metrics_label(self) -> str | None:
+        """The `manager` label of this block manager's metrics (None: it does not report)."""
+        return self._report.label if self._report is not None else None
 
     # -- internals --------------------------------------------------------------------------
 
@@ -503,6 +545,8 @@ class BlockManager:
             if i < intact and block.key not in self._index.by_key:
                 self._index.add(block)
                 kept.append(block)
+                if self._events is not None:
+                    self._event_stored(block, kv_events.MEDIUM_CPU)
             else:
                 self._free[False].append(block.slot)
                 block.key = None
@@ -547,6 +591,9 @@ class BlockManager:
         # Its secondary slot is freed once the onboard reading it is issued.
         self._queue.onboard(block, dst, 0, free_secondary_slot=block.slot)
         block.slot, block.is_primary = dst, True
+        if self._events is not None:  # the block moves: gone from the host, on the GPU
+            self._event_removed(block, kv_events.MEDIUM_CPU)
+            self._event_stored(block, kv_events.MEDIUM_GPU)
         self._stats.onboarded_blocks += 1
 
     def _primary_slot(self) -> int:
@@ -566,6 +613,8 @@ class BlockManager:
                 and self.admission.admit(victim.key)):
             dst = self._secondary_slot(victim.priority)
         slot = victim.slot
+        if self._events is not None:
+            self._event_removed(victim, kv_events.MEDIUM_GPU)
         if dst is None:
             self._index.remove(victim)
             self._stats.dropped_primary_blocks += 1
@@ -574,6 +623,10 @@ class BlockManager:
         if self._tiers is not None:
             self._to_store.append((victim.key, dst))
         victim.slot, victim.is_primary = dst, False
+        if self._events is not None:  # on the host now, and written through to the stores
+            self._event_stored(victim, kv_events.MEDIUM_CPU)
+            for tier in dict.fromkeys(s.tier for s in self._tiers.stores) if self._tiers else ():
+                self._event_stored(victim, tier)
         self._reusable[False].push(victim)
         self._stats.offloaded_blocks += 1
         return slot
@@ -608,6 +661,8 @@ class BlockManager:
         self._staged.append(dst)
 
     def _drop_secondary(self, block: CachedBlock, free_slot: bool = True) -> int:
+        if self._events is not None:
+            self._event_removed(block, kv_events.MEDIUM_CPU)
         self._reusable[False].remove(block)
         self._index.remove(block)
         if any(slot == block.slot for _, slot in self._to_store):
@@ -637,3 +692,34 @@ class BlockManager:
         t0 = time.perf_counter()
         self._issue()
         self._stats.transfer_seconds += time.perf_counter() - t0
+
+    # -- events and metrics -------------------------------------------------------------------
+
+    def _event_stored(self, block: CachedBlock, medium: str) -> None:
+        """A full block is now held on `medium` (partly filled blocks are not published: a
+        router matches whole blocks, and Dynamo's rejects shorter ones)."""
+        if len(block.tokens) == self.tokens_per_block:
+            parent = None if block.parent_key == ROOT_KEY else block.parent_key
+            self._events.append((kv_events.STORED, medium, block.key, parent, block.tokens,
+                                 self.tokens_per_block))
+
+    def _event_removed(self, block: CachedBlock, medium: str) -> None:
+        if len(block.tokens) == self.tokens_per_block:
+            self._events.append((kv_events.REMOVED, medium, block.key))
+
+    def _publish_events(self) -> None:
+        events, self._events = self._events, []
+        self._publisher.publish(events)
+
+    def _metric_gauges(self) -> dict:
+        """The pools' use (and the stores' where they tell), read by a metrics scrape."""
+        out = {}
+        for tier, primary, total in (("GPU", True, self.num_primary_blocks),
+                                     ("CPU", False, self.num_secondary_blocks)):
+            free = len(self._free[primary])
+            out[tier] = {"usage": (total - free) / total if total else 0.0, "free": free,
+                         "reusable": len(self._reusable[primary])}
+        if self._tiers is not None:
+            used = ((s.tier, getattr(s, "used_bytes", None)) for s in self._tiers.stores)
+            out["stores"] = {tier: n for tier, n in used if isinstance(n, int)}
+        return out
