@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 
 import jax_kvxfer as kvx
+from jax_kvxfer import events as kv_events
 from jax_kvxfer import limits
+from jax_kvxfer import metrics as kv_metrics
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
 BEGIN, END = "<!-- BEGIN bad-input table (generated) -->", "<!-- END bad-input table -->"
@@ -751,6 +753,41 @@ CASES: list[Case] = [
          ValueError, "dma=True needs plan_ring=True: the copy engines are handed the block "
          "indices from the plan ring's pinned_host arrays",
          lambda c, mp: lambda: kvx.KVCacheTransferManager(c.pair, dma=True, plan_ring=False)),
+    Case("block-manager-events-not-a-publisher", "BlockManager", "events='tcp://*:5557'",
+         TypeError, "events must be a jax_kvxfer.events.KVEventPublisher or None, got str",
+         lambda c, mp: lambda: kvx.BlockManager(c.pair, events="tcp://*:5557")),
+    Case("block-manager-metrics-not-bool", "BlockManager", "metrics='yes'", TypeError,
+         "metrics must be True, False or None (report once a metrics server runs), got 'yes'",
+         lambda c, mp: lambda: kvx.BlockManager(c.pair, metrics="yes")),
+    Case("manager-metrics-not-bool", "KVCacheTransferManager", "metrics=1", TypeError,
+         "metrics must be True, False or None (report once a metrics server runs), got 1",
+         lambda c, mp: lambda: kvx.KVCacheTransferManager(c.pair, metrics=1)),
+    Case("events-endpoint-no-scheme", "events.KVEventPublisher", "endpoint='localhost:5557'",
+         ValueError, "endpoint must be a ZMQ endpoint string such as 'tcp://*:5557' or "
+         "'ipc:///tmp/kv-events', got 'localhost:5557'",
+         lambda c, mp: lambda: kv_events.KVEventPublisher("localhost:5557")),
+    Case("events-replay-endpoint", "events.KVEventPublisher", "replay_endpoint=5558",
+         ValueError, "replay_endpoint must be a ZMQ endpoint string such as 'tcp://*:5557' or "
+         "'ipc:///tmp/kv-events', got 5558",
+         lambda c, mp: lambda: kv_events.KVEventPublisher("tcp://*:5557", replay_endpoint=5558)),
+    Case("events-buffer-steps-zero", "events.KVEventPublisher", "buffer_steps=0", ValueError,
+         "buffer_steps must be at least 1, got 0",
+         lambda c, mp: lambda: kv_events.KVEventPublisher("tcp://*:5557", buffer_steps=0)),
+    Case("events-hwm-float", "events.KVEventPublisher", "hwm=1.5", TypeError,
+         "hwm must be an integer, got 1.5",
+         lambda c, mp: lambda: kv_events.KVEventPublisher("tcp://*:5557", hwm=1.5)),
+    Case("events-topic-bytes", "events.KVEventPublisher", "topic=b'kv'", TypeError,
+         "topic must be a str, got b'kv'",
+         lambda c, mp: lambda: kv_events.KVEventPublisher("tcp://*:5557", topic=b"kv")),
+    Case("metrics-port-range", "metrics.start_metrics_server", "port=70000", ValueError,
+         "port must be in 0..65535 (0: a free port), got 70000",
+         lambda c, mp: lambda: kv_metrics.start_metrics_server(70000)),
+    Case("metrics-port-str", "metrics.start_metrics_server", "port='9090'", TypeError,
+         "port must be an integer, got '9090'",
+         lambda c, mp: lambda: kv_metrics.start_metrics_server("9090")),
+    Case("metrics-addr-none", "metrics.start_metrics_server", "addr=None", TypeError,
+         "addr must be a non-empty str (an address to bind), got None",
+         lambda c, mp: lambda: kv_metrics.start_metrics_server(9090, addr=None)),
 ]
 
 
