@@ -382,7 +382,8 @@ def _mask(positions: jax.Array, valid: jax.Array, keys: int) -> jax.Array:
 
 def _attend(q: jax.Array, blocks: jax.Array, mask: jax.Array, precision) -> jax.Array:
     """Attention of q `[R, C, Hkv, G, D]` over one layer of each sequence's gathered blocks
-    `[R, M, 2, Hkv, T, D]`, keys masked by `mask` `[R, C, M*T]`: `[R, C, Hkv, G, D]`.
+    `[R, M, 2, Hkv, T, D]`, keys masked by `mask` `[R, C, M*T]`: `[R, C, Hkv, G, D]`. The
+    table's full width for every row (`forward(full_width=True)`, the tests' reference).
 
     Scores and softmax in float32; probabilities in the model's dtype for the second product,
     as flash attention does.
