@@ -46,7 +46,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Self
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "KVEventPublisher", "block_hash64", "wire_types"]
+__all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "KVEventPublisher", "block_hash64", "default_publisher",
+           "publish_by_default", "wire_types"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,27 @@ def block_hash64(key: bytes) -> int:
 
 
 _WIRE: dict[str, Any] = {}
+_default: KVEventPublisher | None = None
+
+
+def publish_by_default(publisher: KVEventPublisher | None) -> None:
+    """Makes every BlockManager created from now on without `events=` publish to
+    `publisher` (None: stops). For a program that makes its block managers deep inside (the
+    demo's `--kv-events`); passing `events=` is the usual way.
+
+    Raises:
+      TypeError: not a KVEventPublisher or None.
+    """
+    global _default
+    if publisher is not None and not isinstance(publisher, KVEventPublisher):
+        raise TypeError("publisher must be a KVEventPublisher or None, got "
+                        f"{type(publisher).__name__}")
+    _default = publisher
+
+
+def default_publisher() -> KVEventPublisher | None:
+    """The publisher set by `publish_by_default`, if any."""
+    return _default
 
 
 def wire_types() -> dict[str, Any]:

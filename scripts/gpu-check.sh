@@ -2,7 +2,7 @@
 # One call on the GPU machine: build without network, run the whole test suite on the GPU,
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
-#                        [sanitize] [stress] [stress-dma] [disk] [replicas] [model]
+#                        [sanitize] [stress] [stress-dma] [disk] [events] [replicas] [model]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -18,6 +18,8 @@
 #   model: the demo model's compute rate (scripts/model_bench.py, h200 preset): full-prefill
 #   TFLOP/s against a bf16 matmul measured in the same run, decode step time against the tokens
 #   the rows hold; one summary line against the targets (issue 48).
+#   events: the demo's offload run with KV events and metrics off then on in one process
+#   (--events-overhead), and its step-time ratio (needs pyzmq, msgspec, prometheus-client).
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -149,6 +151,17 @@ PYEOF
 )
   summary+=("demo --replicas 2 --store valkey: exit $code ($(( $(date +%s) - t )) s): $line")
   tail -3 "$OUT/demo-replicas.log"
+fi
+if has events; then  # KV events + metrics on and off in one process: the step-time ratio
+  t=$(date +%s)
+  if python3 -c "import zmq, msgspec, prometheus_client" 2> /dev/null; then
+    JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --events-overhead \
+      > "$OUT/demo-events.txt" 2> "$OUT/demo-events.log"
+    summary+=("demo --events-overhead: exit $? ($(( $(date +%s) - t )) s): $(grep -E 'events\+metrics overhead' "$OUT/demo-events.txt")")
+    cat "$OUT/demo-events.txt"
+  else
+    summary+=("events: skipped (pip install pyzmq msgspec prometheus-client)")
+  fi
 fi
 if has sharded; then
   t=$(date +%s)

@@ -128,13 +128,15 @@ class BlockManager:
             rows, not only once evicted to the host: replicas sharing a store find a finished
             turn's blocks while this one still holds them on the GPU.
           events: publishes the cache's KV events (blocks stored and removed, per medium)
-            in vLLM's format, one batch per `sync_transfers` (jax_kvxfer.events).
+            in vLLM's format, one batch per `sync_transfers` (jax_kvxfer.events); None: the
+            publisher of `events.publish_by_default`, if one is set.
           metrics: report the statistics to the process-wide Prometheus registry
             (jax_kvxfer.metrics); None: when a metrics server has been started.
         """
         if events is not None and not isinstance(events, kv_events.KVEventPublisher):
             raise TypeError("events must be a jax_kvxfer.events.KVEventPublisher or None, got "
                             f"{type(events).__name__}")
+        events = events if events is not None else kv_events.default_publisher()
         report = check_metrics_choice(metrics)
         pools = checked_pools(pools)
         first = pools[0]

@@ -46,8 +46,8 @@ from ..limits import (
     pinned_host_limit_bytes,
 )
 from ..stores import FileStore
+from . import observe, serving, store_servers, workloads
 from . import replicas as replica_runs
-from . import serving, store_servers, workloads
 from .model import ModelConfig, kv_block_nbytes
 
 PRESETS = {
@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "copy kernel in line with it (false)")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="weights and workload seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    observe.add_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -815,6 +816,13 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
               "fixed_step_s": None if args.fixed_step_ms is None else args.fixed_step_ms / 1e3,
               "dma": {"auto": "auto", "true": True, "false": False}[args.dma]}
     pools = run_pools(cfg, convs)
+    try:  # --kv-events, --metrics-port: every block manager from now on reports
+        observe.start(args)
+    except Exception as e:  # noqa: BLE001 - a bad option or a missing package: one line
+        print(f"jax-kvxfer demo: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.events_overhead:  # the offload run with events and metrics off, then on
+        return observe.overhead(args, model, convs, pools["offload"], common, real)
     results = {}
     # The disk runs' files: a fresh subdirectory of --disk (the first pass starts cold; the
     # restart finds what it left), removed at the end.
