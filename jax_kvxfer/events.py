@@ -125,8 +125,11 @@ def wire_types() -> dict[str, Any]:
     class AllBlocksCleared(KVCacheEvent):
         pass
 
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    # (the events' types given as objects: this module's annotations are strings, and
+    # msgspec resolves those in the module's globals, where these local classes are not)
+    KVEventBatch = msgspec.defstruct(
+        "KVEventBatch", [("events", list[BlockStored | BlockRemoved | AllBlocksCleared])],
+        bases=(EventBatch,), module=__name__)
 
     _WIRE.update(KVEventBatch=KVEventBatch, BlockStored=BlockStored, BlockRemoved=BlockRemoved,
                  AllBlocksCleared=AllBlocksCleared)

@@ -309,6 +309,9 @@ def test_the_wire_format_of_each_event():
         ["BlockStored", [h1, h2], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU", None],
         ["BlockStored", [h3], h1, [9, 9, 9, 9], 4, None, "GPU", None],
         ["BlockRemoved", [h1, h2], "CPU"]], 0]
+    ours = msgspec.msgpack.Decoder(type=kv_events.wire_types()["KVEventBatch"]).decode(payload)
+    assert msgspec.msgpack.encode(ours) == payload  # the library's structs decode it too
+    assert msgspec.msgpack.encode(DECODER.decode(payload)) == payload  # as vLLM's re-encode it
 
 
 def test_nothing_is_imported_without_events_or_metrics():
