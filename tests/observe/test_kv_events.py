@@ -311,7 +311,6 @@ def test_the_wire_format_of_each_event():
         ["BlockRemoved", [h1, h2], "CPU"]], 0]
     ours = msgspec.msgpack.Decoder(type=kv_events.wire_types()["KVEventBatch"]).decode(payload)
     assert msgspec.msgpack.encode(ours) == payload  # the library's structs decode it too
-    assert msgspec.msgpack.encode(DECODER.decode(payload)) == payload  # as vLLM's re-encode it
 
 
 def test_nothing_is_imported_without_events_or_metrics():
