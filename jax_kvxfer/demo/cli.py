@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -38,7 +39,7 @@ import time
 
 import jax
 
-from ..cache import PoolExhaustedError
+from ..cache import PoolExhaustedError, admission_policy
 from ..limits import (
     HOST_LIMIT_ENV,
     available_host_bytes,
@@ -69,6 +70,27 @@ PRESETS = {
              "secondary_blocks": 16384, "arrival_rate": 4.0, "think_s": 1.0,
              "low_priority_every": 0},
 }
+# --workload: each one's sizes per preset, over the preset's (options override them). docqa:
+# `conversations` documents of `doc_tokens` tokens, each asked `turns` questions of about
+# `user_tokens` tokens, `arrival_rate` questions a second; lowreuse: short one- or two-turn
+# chats, whose only reuse is a short system prompt and the second turn soon after the first
+# (which the GPU pool still holds). Both size their pools from the workload (POOLS_FROM).
+WORKLOADS = {
+    "docqa": {
+        "cpu": {"conversations": 8, "turns": 3, "doc_tokens": (96, 192), "user_tokens": 8,
+                "gen_tokens": 6, "arrival_rate": 100.0, "low_priority_every": 0},
+        "h200": {"conversations": 20, "turns": 4, "doc_tokens": (8192, 16384),
+                 "user_tokens": 32, "gen_tokens": 32, "arrival_rate": 1.0, "batch": 8},
+    },
+    "lowreuse": {
+        "cpu": {"conversations": 32, "turns": 2, "system_tokens": 16, "user_tokens": 24,
+                "gen_tokens": 8, "think_s": 0.02, "arrival_rate": 200.0,
+                "low_priority_every": 0},
+        "h200": {"conversations": 256, "turns": 2, "system_tokens": 256, "user_tokens": 384,
+                 "gen_tokens": 24, "think_s": 0.5, "arrival_rate": 8.0},
+    },
+}
+GPU_FRACTION = 0.25  # pools sized from the workload: the GPU pool's share of the working set
 # --model smollm2: its own workload sizes (real chat text), unless given on the command line
 SMOLLM2_SIZES = {"conversations": 8, "turns": 3, "batch": 3, "gen_tokens": 24,
                  "tokens_per_block": 8, "chunk": 16, "primary_blocks": 44,
@@ -121,6 +143,49 @@ def _float_at_least(minimum: float):
     return parse
 
 
+def _rates(text: str) -> list[float]:
+    rates = []
+    for part in text.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number or a comma-separated list, got "
+                                             f"{text!r}") from None
+        if not rate >= 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {part}")
+        rates.append(rate)
+    return rates
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        pair = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH or N, got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
+    return pair
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _admission(text: str) -> str:
+    try:
+        admission_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _store_choice(text: str) -> str:
     try:
         return store_servers.check_choice(text)
@@ -161,13 +226,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "precision, bfloat16 at the default")
     p.add_argument("--rope-theta", type=_float_at_least(1.0), default=None,
                    help="RoPE base (preset's value by default)")
-    for name, text in (("arrival-rate", "conversations starting per second (Poisson)"),
-                       ("think-s", "mean seconds between a reply and the next turn")):
-        p.add_argument(f"--{name}", type=_float_at_least(0.0), default=None,
-                       help=f"{text} (preset's value by default)")
+    p.add_argument("--workload", choices=("chats", "docqa", "lowreuse"), default="chats",
+                   help="chats: multi-turn chats sharing a system prompt; docqa: --conversations "
+                        "documents of --doc-tokens tokens, each asked --turns short questions "
+                        "(--user-tokens, answered in --gen-tokens), the questions of different "
+                        "documents interleaved, --arrival-rate questions a second; lowreuse: "
+                        "short chats whose reuse the GPU pool holds (the case where offloading "
+                        "can only cost). Each has sizes per --preset")
+    p.add_argument("--doc-tokens", type=_token_range, default=None, metavar="LOW-HIGH",
+                   help="docqa: document lengths, uniform in [LOW, HIGH] (or one length)")
+    p.add_argument("--arrival-rate", type=_rates, default=None, metavar="RATE[,RATE...]",
+                   help="conversations (docqa: questions) starting per second (Poisson; 0: all "
+                        "at once); a list runs a load sweep: the three runs at each rate, TTFT "
+                        "and throughput against load (--plot draws them) (preset's value by "
+                        "default)")
+    p.add_argument("--think-s", type=_float_at_least(0.0), default=None,
+                   help="mean seconds between a reply and the next turn (preset's value by "
+                        "default)")
+    p.add_argument("--gpu-fraction", type=_fraction, default=None, metavar="F",
+                   help=f"pools sized from the workload (--trace, docqa, lowreuse, unless "
+                        f"--primary-blocks / --secondary-blocks are given): the GPU pool holds F "
+                        f"of the working set (the blocks the workload stores), the host pool all "
+                        f"of it; {GPU_FRACTION:g} by default")
+    p.add_argument("--admission", type=_admission, default="always",
+                   metavar="always|second-sighting[:k]",
+                   help="which evicted blocks the offload runs offload: always, or "
+                        "second-sighting[:k]: only blocks whose content was seen k times (2 by "
+                        "default) in a decaying window (blocks below priority 30 never are)")
     p.add_argument("--trace", default=None, metavar="PATH",
-                   help="replay a Mooncake-format trace (JSON lines: timestamp, input_length, "
-                        "output_length, hash_ids) instead of synthetic chats")
+                   help="replay a Mooncake-format trace (JSON lines: timestamp in ms, "
+                        "input_length, output_length, hash_ids: one id per 512 input tokens, "
+                        "equal ids equal content) instead of synthetic chats, with pools sized "
+                        "from it; tests/data/mooncake_sample.jsonl is a 7-request sample")
     p.add_argument("--trace-len-scale", type=_float_at_least(1e-6), default=1.0,
                    help="multiplies the trace's lengths (a block: round(512 * F) tokens)")
     p.add_argument("--trace-time-scale", type=_float_at_least(0.0), default=1.0,
@@ -276,6 +366,50 @@ def synthetic_chats(cfg: dict, vocab_size: int, seed: int) -> list[workloads.Con
         system_tokens=cfg["system_tokens"], user_tokens=cfg["user_tokens"],
         assistant_tokens=cfg["gen_tokens"], think_s=cfg["think_s"],
         arrival_rate=cfg["arrival_rate"] or 1e9, vocab_size=vocab_size, seed=seed)
+
+
+def workload(name: str, cfg: dict, vocab_size: int, seed: int) -> list[workloads.Conversation]:
+    """--workload's conversations at these sizes: chats and lowreuse are synthetic chats,
+    docqa documents asked questions (each question a one-turn conversation)."""
+    if name == "docqa":
+        return workloads.docqa_workload(
+            documents=cfg["conversations"], questions=cfg["turns"], doc_tokens=cfg["doc_tokens"],
+            question_tokens=cfg["user_tokens"], answer_tokens=cfg["gen_tokens"],
+            arrival_rate=cfg["arrival_rate"] or 1e9, vocab_size=vocab_size, seed=seed)
+    return synthetic_chats(cfg, vocab_size, seed)
+
+
+def pool_sizing(cfg: dict, convs: list[workloads.Conversation], fraction: float) -> dict:
+    """Pools sized from the workload: its working set (every distinct block it stores), the
+    GPU pool `fraction` of it (at least one request's blocks), the host pool all of it, and
+    never_evict's GPU pool what holds all of it beside a full batch of requests."""
+    t = cfg["tokens_per_block"]
+    working = serving.working_set_blocks(convs, t)
+    return {"working_set_blocks": working, "gpu_fraction": fraction,
+            "primary_blocks": max(math.ceil(fraction * working),
+                                  serving.max_request_blocks(convs, t)),
+            "secondary_blocks": working,
+            "never_evict_blocks": serving.blocks_to_never_evict(convs, cfg["batch"], t)}
+
+
+def sizing_line(sizing: dict, cfg: dict, block_bytes: int) -> str:
+    """The pools, as the demo prints them before it runs."""
+    def blocks(n: int) -> str:
+        return f"{n:,} blocks ({_size(n * block_bytes)})"
+
+    def given(key: str) -> str:
+        return " (given)" if cfg[key] != sizing[key] else ""
+
+    return (f"pools from the workload: working set {blocks(sizing['working_set_blocks'])}; "
+            f"GPU pool {blocks(cfg['primary_blocks'])}{given('primary_blocks') or ''}"
+            + ("" if given("primary_blocks") else
+               f", {sizing['gpu_fraction']:g} of it"
+               if cfg["primary_blocks"] <= math.ceil(sizing["gpu_fraction"]
+                                                     * sizing["working_set_blocks"])
+               else f", the most one request needs (more than {sizing['gpu_fraction']:g} of it)")
+            + f"; host pool {blocks(cfg['secondary_blocks'])}"
+            + (given("secondary_blocks") or ", all of it")
+            + f"; never_evict's GPU pool {blocks(max(cfg['primary_blocks'], sizing['never_evict_blocks']))}")
 
 
 def run_pools(cfg: dict, convs: list[workloads.Conversation]) -> dict[str, tuple[int, int]]:
@@ -504,9 +638,13 @@ def _summary(res: serving.RunResult, moved: set = frozenset()) -> dict:
         extra = _turn_figures(res, moved)
     if res.replicas is not None:
         extra["replicas"] = [_replica_summary(i, r, moved) for i, r in enumerate(res.replicas)]
+    metrics = res.metrics()
+    if jax.devices()[0].platform == "cpu":  # what a CPU's prefill rate says: nothing
+        metrics["full_prefill_tflop_per_s"] = None
     return {
         "primary_blocks": res.primary_blocks, "secondary_blocks": res.secondary_blocks,
-        **res.metrics(), "compile_seconds": round(res.compile_seconds, 4),
+        **metrics, "compile_seconds": round(res.compile_seconds, 4),
+        "admission": res.admission, "offloads_declined": res.offloads_declined,
         "prefix_hit_rate": round(b.prefix_hit_rate, 4),
         "offloaded_blocks": b.offloaded_blocks, "onboarded_full_blocks": b.onboarded_blocks,
         "partial_copies_device": b.partial_copies, "partial_copies_host": b.partial_onboards,
@@ -526,7 +664,7 @@ def _paths(offload: dict) -> dict:
             "host_eviction": offload["dropped_host_blocks"]}
 
 
-def _table(title: str, runs: dict, verdict: dict) -> str:
+def table(title: str, runs: dict, verdict: dict) -> str:
     """The runs in `runs` side by side, each column as wide as its widest value; the paths,
     the disk tier, the GPU's peak and exactness where known."""
     def ms(x: float) -> str:
@@ -581,13 +719,27 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
             ("TTFT p50, turns that moved replica",
              lambda s: opt_ms(s.get("ttft_p50_moved_turns_s"))),
         ]
+    def moved_any(s: dict) -> bool:
+        return bool(s["onboarded_bytes"] or s["offloaded_bytes"] or s["store"])
+
     rows += [
-        ("exposed transfer time", lambda s: f"{s['exposed_transfer_s']:.3f} s "
-                                            f"({100 * s['exposed_transfer_s'] / s['seconds']:.1f}%)"),
-        ("prefill rate (full-prefill steps)", lambda s: (
+        ("prefix hit rate", lambda s: f"{100 * s['prefix_hit_rate']:.1f}%"),
+        ("exposed transfer time", lambda s: (
+            f"{s['exposed_transfer_s']:.3f} s "
+            f"({100 * s['exposed_transfer_s'] / max(s['seconds'], 1e-12):.1f}%)"
+            if moved_any(s) else "-")),
+    ]
+    if any(s["admission"] != "always" for s in runs.values()):
+        rows.append(("offloads declined (admission)", lambda s: (
+            f"{s['offloads_declined']:,} ({s['admission']})" if s["secondary_blocks"] else "-")))
+    if any(s["full_prefill_tflop_per_s"] is not None for s in runs.values()):
+        rows.append(("prefill rate (full-prefill steps)", lambda s: (
             "-" if s["full_prefill_tflop_per_s"] is None
-            else f"{s['full_prefill_tflop_per_s']:,.1f} TFLOP/s")),
+            else f"{s['full_prefill_tflop_per_s']:,.1f} TFLOP/s")))
+    rows += [
         ("run time (+ compile)", lambda s: f"{s['seconds']:.2f} s (+{s['compile_seconds']:.1f})"),
+        ("compiles during the run", lambda s: (
+            f"{s['compiles_during_run']} ({s['compile_seconds_during_run']:.2f} s)")),
     ]
     names = [r for r in RUNS if r in runs]
     cells = [[fmt(runs[r]) for r in names] for _, fmt in rows]
@@ -625,6 +777,8 @@ def _table(title: str, runs: dict, verdict: dict) -> str:
             f"{v['max_abs_logit_diff']:.3g} (tolerance {verdict['tolerance']:g} "
             f"+ {verdict['tolerance']:g}*|ref|)"
             + ("" if v["exact"] else f"; first differing turn {v['first_bad_turn']}"))
+    if verdict.get("closing", {}).get("line"):
+        lines.append(verdict["closing"]["line"])
     return "\n".join(lines)
 
 
@@ -633,10 +787,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = dict(PRESETS[args.preset])
+    if args.workload != "chats":
+        if args.trace is not None or args.model != "toy":
+            parser.error(f"--workload {args.workload} is synthetic: it takes neither --trace nor "
+                         "--model smollm2")
+        cfg.update(WORKLOADS[args.workload][args.preset])
+    cfg.setdefault("doc_tokens", None)
     for key in cfg:
         value = getattr(args, key)
         if value is not None:
             cfg[key] = value
+    rates = args.arrival_rate or [cfg["arrival_rate"]]
+    cfg["arrival_rate"] = rates[0]
+    if args.doc_tokens is not None and args.workload != "docqa":
+        parser.error("--doc-tokens needs --workload docqa")
+    if len(rates) > 1:
+        for given, option in ((args.trace is not None, "--trace"), (args.disk is not None, "--disk"),
+                              (args.replicas is not None, "--replicas"),
+                              (args.model != "toy", "--model smollm2")):
+            if given:
+                parser.error(f"--arrival-rate: a list (a load sweep) takes no {option}")
     real = None
     if args.model == "smollm2":
         from . import smollm2
@@ -669,7 +839,15 @@ def main(argv: list[str] | None = None) -> int:
         if not convs:
             parser.error(f"--trace: {args.trace} holds no request")
     else:
-        convs = synthetic_chats(cfg, model.vocab_size, args.seed)
+        convs = workload(args.workload, cfg, model.vocab_size, args.seed)
+    if args.trace is not None or args.workload != "chats" or args.gpu_fraction is not None:
+        sizing = pool_sizing(cfg, convs, args.gpu_fraction or GPU_FRACTION)
+        for key in ("primary_blocks", "secondary_blocks"):
+            if getattr(args, key) is None:
+                cfg[key] = sizing[key]
+        cfg["pools_from_workload"] = sizing
+        print(sizing_line(sizing, cfg, kv_block_nbytes(model, cfg["tokens_per_block"])),
+              file=sys.stderr)
     need = serving.max_request_blocks(convs, cfg["tokens_per_block"])
     if cfg["primary_blocks"] < need:
         parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: one request of "
@@ -746,7 +924,11 @@ def main(argv: list[str] | None = None) -> int:
     every = cfg["low_priority_every"]
     priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
                   for i in range(len(convs))]
-    return _run(args, cfg, model, convs, priorities, real)
+    sweep = None
+    if len(rates) > 1:
+        sweep = [(rate, workload(args.workload, {**cfg, "arrival_rate": rate}, model.vocab_size,
+                                 args.seed)) for rate in rates]
+    return _run(args, cfg, model, convs, priorities, real, sweep=sweep)
 
 
 def _disk_problem(path: str) -> str | None:
@@ -787,7 +969,8 @@ class DiskError(RuntimeError):
 
 
 def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
-         convs: list[workloads.Conversation], priorities: list[int], real=None) -> int:
+         convs: list[workloads.Conversation], priorities: list[int], real=None,
+         sweep: list | None = None) -> int:
     import numpy as np
 
     from .model import TP_AXIS, init_params
@@ -814,7 +997,8 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
               "priorities": priorities,
               "stop_token": None if real is None else real[1].eos_id,
               "fixed_step_s": None if args.fixed_step_ms is None else args.fixed_step_ms / 1e3,
-              "dma": {"auto": "auto", "true": True, "false": False}[args.dma]}
+              "dma": {"auto": "auto", "true": True, "false": False}[args.dma],
+              "admission": args.admission}
     pools = run_pools(cfg, convs)
     try:  # --kv-events, --metrics-port: every block manager from now on reports
         observe.start(args)
@@ -823,6 +1007,8 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
         return 2
     if args.events_overhead:  # the offload run with events and metrics off, then on
         return observe.overhead(args, model, convs, pools["offload"], common, real)
+    if sweep is not None:
+        return _sweep(args, cfg, model, sweep, priorities, common, pools)
     results = {}
     # The disk runs' files: a fresh subdirectory of --disk (the first pass starts cold; the
     # restart finds what it left), removed at the end.
@@ -957,17 +1143,17 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
             "reference_evicted": ref.block_stats.offloaded_blocks
             + ref.block_stats.dropped_primary_blocks,
             "tolerance": tol, "prefill_fraction_of_peak": _fraction_of_peak(model, results)})
+    verdict["closing"] = closing(runs, compared)
     if args.json:
         config = {**cfg, "preset": args.preset, "seed": args.seed, "trace": args.trace,
-                  "disk": args.disk}
+                  "disk": args.disk, "workload": args.workload, "admission": args.admission}
         if "replicas" in verdict:  # a URL's password not shown
             config["store"] = verdict["replicas"]["store"]
         print(json.dumps({"config": config,
                           "runs": runs, **{k: v for k, v in verdict.items() if k != "runs"},
                           **({"exactness": compared} if compared else {})}, indent=1))
         return verdict["exact"]
-    source = (f"trace {args.trace}" if args.trace else
-              f"{cfg['conversations']} chats x {cfg['turns']} turns")
+    source = _source(args, cfg)
     title = (f"jax_kvxfer demo: {source}, {len(results['offload'].turns)} requests, "
              f"batch {cfg['batch']}; "
              f"model {model.num_layers} layers, d={model.d_model}, {model.num_heads}q/"
@@ -975,8 +1161,53 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
              f"{cfg['tokens_per_block']}-token blocks; {verdict['device']}")
     if real is not None:
         print(_transcript(real[1], results["offload"], cfg["conversations"]))
-    print(_table(title, runs, verdict))
+    print(table(title, runs, verdict))
     return verdict["exact"]
+
+
+def _source(args: argparse.Namespace, cfg: dict) -> str:
+    if args.trace:
+        return f"trace {args.trace}"
+    if args.workload == "docqa":
+        low, high = cfg["doc_tokens"]
+        return (f"docqa: {cfg['conversations']} documents of {low:,}-{high:,} tokens x "
+                f"{cfg['turns']} questions")
+    return (f"{'low reuse: ' if args.workload == 'lowreuse' else ''}{cfg['conversations']} chats "
+            f"x {cfg['turns']} turns")
+
+
+def _times(ratio: float | None, above: str, below: str) -> str:
+    """A ratio as "N× above" (>= 1) or "1/N× below"."""
+    if ratio is None:
+        return "n/a"
+    return f"{ratio:.2f}× {above}" if ratio >= 1 else f"{1 / ratio:.2f}× {below}"
+
+
+def closing(runs: dict, compared: dict) -> dict:
+    """offload against drop and never_evict, in one line and in figures: TTFT p50 (the other
+    run's over offload's: above 1, offload's is lower) and output tokens/s (offload's over the
+    other's), and whether offload is exact (else its first differing turn)."""
+    out: dict = {}
+    off = runs.get("offload")
+    parts = []
+    for other in ("drop", "never_evict"):
+        if off is None or other not in runs:
+            continue
+        o = runs[other]
+        ttft = o["ttft_s"]["p50"] / off["ttft_s"]["p50"] if off["ttft_s"]["p50"] else None
+        rate = (off["output_tokens_per_s"] / o["output_tokens_per_s"]
+                if o["output_tokens_per_s"] else None)
+        out[f"vs_{other}"] = {"ttft_p50_ratio": ttft, "output_tokens_per_s_ratio": rate}
+        parts.append(f"{'offload vs ' if not parts else 'vs '}{other}: TTFT p50 "
+                     f"{_times(ttft, 'lower', 'higher')}, output tokens/s "
+                     f"{_times(rate, 'higher', 'lower')}")
+    c = compared.get("offload")
+    if c is not None:
+        out["exact"], out["first_bad_turn"] = c["exact"], c["first_bad_turn"]
+        parts.append("exact" if c["exact"] else
+                     f"not exact (first differing turn {c['first_bad_turn']})")
+    out["line"] = "; ".join(parts)
+    return out
 
 
 def replica_lines(runs: dict, v: dict) -> list[str]:
@@ -1071,6 +1302,112 @@ def _plot(path: str, results: dict) -> None:
     bars.bar([name.replace(" ", "\n") for name in names], rates,
              color=[f"C{i}" for i in range(len(names))])
     bars.set(ylabel="output tokens/s", title="throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+SWEEP_RUNS = ("offload", "drop", "never_evict")
+
+
+def _sweep(args: argparse.Namespace, cfg: dict, model: ModelConfig, sweep: list,
+           priorities: list[int], common: dict, pools: dict) -> int:
+    """--arrival-rate with several rates: offload, drop and never_evict at each rate (the same
+    conversations, arriving at that rate), each against never_evict; a table of TTFT p50 / p90
+    and output tokens/s per rate, a closing line per rate, and with --plot TTFT against load.
+    Exits 0 when offload is exact at every rate."""
+    from .model import init_params
+
+    params = init_params(model, args.seed)
+    tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
+    points = []
+    for rate, convs in sweep:
+        results = {}
+        for name in SWEEP_RUNS:
+            primary, secondary = pools[name]
+            results[name] = serving.run(
+                model, params, convs, primary_blocks=primary, secondary_blocks=secondary,
+                progress=_Progress(f"{name} @{rate:g}/s", not args.no_progress), **common)
+        runs = {name: _summary(res) for name, res in results.items()}
+        compared = {}
+        for name in ("offload", "drop"):
+            exact, max_diff, first_bad = serving.compare(results[name], results["never_evict"],
+                                                         atol=tol, rtol=tol)
+            compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
+                              "first_bad_turn": first_bad}
+        points.append({"arrival_rate": rate, "runs": runs, "exactness": compared,
+                       "exact": compared["offload"]["exact"],
+                       "closing": closing(runs, compared)})
+    exact = all(p["exact"] for p in points)
+    if args.json:
+        config = {**cfg, "arrival_rate": [p["arrival_rate"] for p in points],
+                  "preset": args.preset, "seed": args.seed, "workload": args.workload}
+        print(json.dumps({"config": config, "device": str(jax.devices()[0].device_kind),
+                          "exact": exact, "sweep": points}, indent=1))
+    else:
+        title = (f"jax_kvxfer demo, load sweep: {_source(args, cfg)}, batch {cfg['batch']}; "
+                 f"model {model.num_layers} layers, d={model.d_model} "
+                 f"({model.num_params / 1e6:.2f}M params); {jax.devices()[0].device_kind}")
+        print(sweep_table(title, points))
+    if args.plot:
+        _plot_sweep(args.plot, points)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0 if exact else 1
+
+
+def grid(header: list[str], rows: list[list[str]], gap: int = 3) -> list[str]:
+    """Rows of cells in columns as wide as their widest cell (header included), at least
+    `gap` spaces apart: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return (f"{cells[0]:<{widths[0]}}"
+                + "".join(f"{' ' * gap}{c:>{w}}" for c, w in zip(cells[1:], widths[1:])))
+    return [line(header), *(line(r) for r in rows)]
+
+
+def sweep_table(title: str, points: list[dict]) -> str:
+    """The load sweep: per rate, each run's TTFT p50 / p90 and output tokens/s; then per rate
+    the closing line."""
+    def ms(x: float) -> str:
+        return f"{1e3 * x:,.1f}"
+
+    header = ["arrival rate (/s)"]
+    for name in SWEEP_RUNS:
+        header += [f"{name} TTFT p50 / p90 (ms)", f"{name} tokens/s"]
+    rows = []
+    for p in points:
+        row = [f"{p['arrival_rate']:g}"]
+        for name in SWEEP_RUNS:
+            r = p["runs"][name]
+            row += [f"{ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p90'])}",
+                    f"{r['output_tokens_per_s']:,.1f}"]
+        rows.append(row)
+    lines = [title, "", *grid(header, rows), ""]
+    lines += [f"at {p['arrival_rate']:g}/s: {p['closing']['line']}" for p in points]
+    return "\n".join(lines)
+
+
+def _plot_sweep(path: str, points: list[dict]) -> None:
+    """TTFT p50 (solid) and p90 (dashed) against the arrival rate, and output tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [p["arrival_rate"] for p in points]
+    fig, (ttft, rate) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, name in enumerate(SWEEP_RUNS):
+        for q, style in (("p50", "-"), ("p90", "--")):
+            ttft.plot(rates, [1e3 * p["runs"][name]["ttft_s"][q] for p in points], style,
+                      color=f"C{i}", marker="o", label=f"{name} {q}")
+        rate.plot(rates, [p["runs"][name]["output_tokens_per_s"] for p in points],
+                  color=f"C{i}", marker="o", label=name)
+    ttft.set(xlabel="arrival rate (/s)", ylabel="TTFT (ms)", title="time to first token vs load",
+             yscale="log")
+    rate.set(xlabel="arrival rate (/s)", ylabel="output tokens/s", title="throughput vs load")
+    ttft.legend(fontsize=8)
+    rate.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -47,6 +47,20 @@ LOW_PRIORITY = 20  # below the default secondary_offload_min_priority (30): drop
 # How long (wall time) a request waits for the prefix another replica writes to a shared store
 # (Request.expect_tokens) before it computes what is missing.
 PREFIX_WAIT_S = 5.0
+# XLA compiles in this process so far, [count, seconds] (jax.monitoring's backend-compile
+# event): a run's clock must start after every shape it needs is compiled, which the serving
+# loop checks by the compiles it sees while it runs.
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = [0, 0.0]
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event == _BACKEND_COMPILE_EVENT:
+        _compiles[0] += 1
+        _compiles[1] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 @dataclasses.dataclass
@@ -98,6 +112,12 @@ class RunResult:
     # previous turn ran on another replica.
     replicas: list[RunResult] | None = None
     moved: frozenset[tuple[int, int]] = frozenset()
+    # XLA compiles while the clock ran (none, when the warm-up compiled every shape), and their
+    # seconds; and the offloads the admission policy declined.
+    run_compiles: int = 0
+    run_compile_seconds: float = 0.0
+    offloads_declined: int = 0
+    admission: str = "always"
 
     def metrics(self) -> dict[str, object]:
         """TTFT, TPOT, throughput and cache figures, as the demo reports them."""
@@ -122,6 +142,8 @@ class RunResult:
             "onboarded_bytes": t.onboarded_bytes, "offloaded_bytes": t.offloaded_bytes,
             "exposed_transfer_s": self.exposed_transfer_seconds,
             "seconds": self.seconds, "steps": self.steps,
+            "compiles_during_run": self.run_compiles,
+            "compile_seconds_during_run": self.run_compile_seconds,
             "full_prefill_tflop_per_s": (self.full_prefill_flops / self.full_prefill_seconds / 1e12
                                          if self.full_prefill_seconds else None),
             "store": None if self.store_stats is None else {
@@ -152,13 +174,33 @@ def max_request_blocks(conversations: Sequence[Conversation], tokens_per_block: 
                          / tokens_per_block) for c in conversations)
 
 
+def working_set_blocks(conversations: Sequence[Conversation], tokens_per_block: int) -> int:
+    """The blocks the conversations ever store, each distinct block once: the full blocks of
+    each conversation's first prompt (its prefix and first user turn, known in advance) by
+    their content and position, so that a system prompt, a document or a trace's shared
+    blocks count once; and, per conversation, every block after those, plus two per turn (a
+    turn's partly filled last block of prompt and of reply)."""
+    seen: set[int] = set()
+    total = 0
+    for c in conversations:
+        first = list(c.prefix) + (list(c.turns[0].user) if c.turns else [])
+        full = len(first) // tokens_per_block
+        chain = 0
+        for b in range(full):
+            chain = hash((chain, tuple(first[b * tokens_per_block:(b + 1) * tokens_per_block])))
+            seen.add(chain)
+        length = len(c.prefix) + sum(len(t.user) + t.output_len for t in c.turns)
+        total += math.ceil(length / tokens_per_block) - full + 2 * len(c.turns)
+    return total + len(seen)
+
+
 def blocks_to_never_evict(conversations: Sequence[Conversation], batch: int,
                           tokens_per_block: int) -> int:
-    """A primary pool that holds every block the conversations ever store, plus room for
-    `batch` requests at once: no block is ever evicted."""
-    stored = sum(math.ceil((len(c.prefix) + sum(len(t.user) + t.output_len for t in c.turns))
-                           / tokens_per_block) + 2 * len(c.turns) for c in conversations)
-    return stored + batch * max_request_blocks(conversations, tokens_per_block)
+    """A primary pool that holds every block the conversations ever store
+    (`working_set_blocks`), plus room for `batch` requests at once: no block is ever
+    evicted."""
+    return (working_set_blocks(conversations, tokens_per_block)
+            + batch * max_request_blocks(conversations, tokens_per_block))
 
 
 def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation], *,
@@ -167,7 +209,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         progress: Callable[[int, int], None] | None = None,
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
         stop_token: int | None = None, fixed_step_s: float | None = None,
-        stores: Sequence[Store] = ()) -> RunResult:
+        stores: Sequence[Store] = (), admission: str | None = None) -> RunResult:
     """Serves the conversations once on fresh pools; `dma`: the transfer manager's. Up to
     `batch` requests run at once; a step prefills `chunk` tokens of up to `prefill_rows` of
     them and decodes the others. A turn's reply ends after its `output_len` tokens, or once it
@@ -177,6 +219,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     `stores`: tiers below the host pool (`jax_kvxfer.stores`), for the block manager; they need
     a host pool (`secondary_blocks` > 0) on one device (no `mesh`). They stay open (the
     caller's to close); the block manager is closed at the end, so their writes are durable.
+    `admission`: the block manager's admission policy for offloads (None: always).
 
     Raises:
       PoolExhaustedError: the primary pool cannot hold one request.
@@ -185,15 +228,17 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
                     batch=batch, chunk=chunk, tokens_per_block=tokens_per_block,
                     primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
                     prefill_rows=prefill_rows, mesh=mesh, dma=dma, stop_token=stop_token,
-                    stores=stores)
+                    stores=stores, admission=admission)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
     try:
         loop = _serve(server, conversations, priorities=priorities, progress=progress,
                       fixed_step_s=fixed_step_s)
     finally:
         server.close()
-    return server.result(loop.results, steps=loop.steps, seconds=loop.clock,
-                         full_flops=loop.full_flops, full_seconds=loop.full_seconds)
+    res = server.result(loop.results, steps=loop.steps, seconds=loop.clock,
+                        full_flops=loop.full_flops, full_seconds=loop.full_seconds)
+    return dataclasses.replace(res, run_compiles=loop.compiles,
+                               run_compile_seconds=loop.compile_seconds)
 
 
 @dataclasses.dataclass
@@ -222,7 +267,7 @@ class Server:
                  secondary_blocks: int, prefill_rows: int = 1,
                  mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
                  stop_token: int | None = None, stores: Sequence[Store] = (),
-                 store_on_release: bool = False) -> None:
+                 store_on_release: bool = False, admission: str | None = None) -> None:
         """`max_blocks`: the most primary blocks one request needs (block tables' width);
         `store_on_release`: the block manager writes a finished turn's blocks to the stores at
         once (replicas sharing a store), not only once they are evicted to the host."""
@@ -279,7 +324,7 @@ class Server:
         print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets "
               f"{self.compile_seconds - t1 + t0:.1f} s", file=sys.stderr)
         self.bm = BlockManager(pool, transfer_manager=transfers, stores=stores,
-                               store_on_release=store_on_release)
+                               store_on_release=store_on_release, admission=admission)
         self.waiting: list[Request] = []  # arrived, not admitted yet, in arrival order
         self.running: list[_Running] = []
         self._reserved = 0
@@ -480,7 +525,7 @@ class Server:
                                       else bm.stats.transfer_seconds),
             full_prefill_flops=full_flops, full_prefill_seconds=full_seconds,
             store_stats=store_stats, store_close_seconds=self.close_seconds if self.stores
-            else 0.0)
+            else 0.0, offloads_declined=bm.admission.declined, admission=bm.admission.name)
 
 
 @dataclasses.dataclass
@@ -492,6 +537,8 @@ class _Loop:
     clock: float
     full_flops: int
     full_seconds: float
+    compiles: int = 0  # XLA compiles while the loop ran, and their seconds
+    compile_seconds: float = 0.0
 
 
 def _serve(server: Server, conversations: Sequence[Conversation], *, priorities: list[int],
@@ -515,6 +562,7 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
             server.submit(Request((c, t), arrival, history[c] + list(turn.user),
                                   turn.output_len, priorities[c]))
 
+    compiled = list(_compiles)
     mark = time.perf_counter()  # the clock's wall time so far runs from here
     while pending or server.busy:
         submit_arrived()
@@ -541,7 +589,8 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
                 heapq.heappush(pending, (clock + turns[t + 1].think_s, c, t + 1))
             if progress:
                 progress(len(results), total)
-    return _Loop(results, steps, clock, full_flops, full_seconds)
+    return _Loop(results, steps, clock, full_flops, full_seconds,
+                 _compiles[0] - compiled[0], _compiles[1] - compiled[1])
 
 
 def _agreed_across_processes() -> Callable[[float], float]:
@@ -556,25 +605,54 @@ def _agreed_across_processes() -> Callable[[float], float]:
 
 
 def _warm_up_transfers(tm: KVCacheTransferManager, pool, max_pairs: int) -> None:
-    """Compiles the transfer manager's copies for every batch bucket up to `max_pairs`.
+    """Compiles the transfer manager's copies for every batch bucket up to `max_pairs`, in
+    every form a run issues them: offloads, onboards from the host and copies within the GPU
+    pool, of whole blocks and of partial ones, each with and without waiting for the other
+    transfer lane (an onboard reading a host row that a pending offload writes, an offload
+    writing a row that a pending onboard reads or snapshotting a slot that one writes), and
+    the joins of the step boundary and of a pool read while copies are pending. Each of these
+    is its own compiled program; one first met in a timed run would count its compile there.
 
     The pools are still all zeros, so copying their blocks around changes nothing; the
-    statistics are reset afterwards. Keeps compilation out of the measured transfer time.
+    statistics are reset afterwards. Keeps compilation out of the measured run.
     """
     p, s = pool.num_primary_blocks, pool.num_secondary_blocks
+
+    def pairs(src_primary: bool, src_lo: int, dst_primary: bool, dst_lo: int, n: int):
+        return [(KVCacheBlock(0, src_lo + i, src_primary), KVCacheBlock(0, dst_lo + i, dst_primary))
+                for i in range(n)]
+
     size = 1
     while True:
         n = 1 if size == 1 else size // 2 + 1  # the smallest batch padded to this bucket
         if n > max_pairs:
             break
-        if 2 * n <= p:
-            tm.onboard_blocks([(KVCacheBlock(0, i, True), KVCacheBlock(0, n + i, True))
-                               for i in range(n)], 1)
+        if 2 * n <= p:  # within the GPU pool (partial reuse), partial and whole
+            tm.onboard_blocks(pairs(True, 0, True, n, n), 1)
+            tm.onboard_blocks(pairs(True, 0, True, n, n))
+            _ = pool.primary
+            tm.sync_transfers(block=False)
         if n <= min(p, s):
-            tm.offload_blocks([(KVCacheBlock(0, i, True), KVCacheBlock(0, i, False))
-                               for i in range(n)])
-            tm.onboard_blocks([(KVCacheBlock(0, i, False), KVCacheBlock(0, i, True))
-                               for i in range(n)], 1)
+            tm.offload_blocks(pairs(True, 0, False, 0, n))  # no wait
+            _ = pool.secondary  # a read of a pool whose rows a lane writes: a join
+            tm.offload_blocks(pairs(True, 0, False, 0, n))
+            tm.onboard_blocks(pairs(False, 0, True, 0, n), 1)  # waits for the offload lane
+            tm.onboard_blocks(pairs(False, 0, True, 0, n))
+            tm.offload_blocks(pairs(True, 0, False, 0, n))  # waits for the onboard lane, and
+            # XLA's stream for it (its sources are being onboarded)
+            if 2 * n <= p:  # waits for the onboard lane only
+                tm.offload_blocks(pairs(True, n, False, 0, n))
+            if 2 * n <= s:  # XLA's stream waits, the lane does not
+                tm.offload_blocks(pairs(True, 0, False, n, n))
+            _ = pool.primary
+            tm.sync_transfers(block=False)  # the step boundary's join
+            tm.onboard_blocks(pairs(False, 0, True, 0, n), 1)
+            tm.sync_transfers()
+            tm.onboard_blocks(pairs(False, 0, True, 0, n), 1)  # nothing pending: no wait
+            tm.onboard_blocks(pairs(False, 0, True, 0, n))
+            tm.sync_transfers(block=False)
+            tm.offload_and_onboard(pairs(True, 0, False, 0, n), pairs(False, 0, True, 0, n))
+            tm.sync_transfers()
         size *= 2
     tm.sync_transfers()
     tm.get_and_reset_transfer_stats()  # and the exposed time of the warm-up

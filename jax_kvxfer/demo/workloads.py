@@ -6,11 +6,15 @@ shared system prompt), then has turns: the user adds tokens, the model replies w
 is the prefix, every earlier turn's user tokens and reply, then its own user tokens; so a
 serving loop unfolds a conversation as it runs (the replies are the model's).
 
-Two sources:
+Three sources:
 - `chat_workload`: synthetic chats whose shape follows published statistics (most
   conversations have several turns, every one shares the system prompt, reuse comes back after
   a think time): lengths log-normal around the given means, conversation starts a Poisson
   process, think times exponential.
+- `docqa_workload`: long documents, each asked several short questions (LMCache's long-document
+  case): every question is a one-turn conversation whose prefix is its document, and the
+  questions of different documents are interleaved, so that between two questions of one
+  document come those of many others.
 - `read_mooncake_trace`: replay of a trace in the Mooncake format, one JSON object per line:
   `timestamp` (ms), `input_length`, `output_length` and `hash_ids`, one id per 512-token block
   of the input, equal ids meaning equal content. Each request becomes a one-turn conversation
@@ -96,6 +100,64 @@ def chat_workload(*, conversations: int, turns: int, system_tokens: int, user_to
             user = tuple(int(x) for x in rng.integers(0, vocab_size, user_lens[k]))
             conv_turns.append(Turn(user, int(out_lens[k]), 0.0 if t == 0 else float(thinks[k])))
         result.append(Conversation(float(starts[c]), system, tuple(conv_turns)))
+    return result
+
+
+def docqa_workload(*, documents: int, questions: int, doc_tokens: tuple[int, int],
+                   question_tokens: float, answer_tokens: float, arrival_rate: float,
+                   vocab_size: int, interleave: int | None = None, length_sigma: float = 0.5,
+                   seed: int = 0) -> list[Conversation]:
+    """Long documents asked short questions: `documents * questions` one-turn conversations.
+
+    Args:
+      documents: how many; each is `doc_tokens` = (low, high) tokens long, uniform in that
+        range (inclusive), its tokens uniform in [0, vocab_size).
+      questions: questions per document; each is its own request whose prompt is the document
+        then the question (`question_tokens` on average, log-normal), answered in
+        `answer_tokens` on average.
+      arrival_rate: questions per second (a Poisson process; the first at 0).
+      interleave: the order of the questions: question q of document d comes at place
+        d + q * interleave (ties at random), so that between two questions of one document
+        come the questions of at least `interleave` - 1 other documents (those at the places
+        between), and each stretch of the stream holds first questions of new documents and
+        later questions of earlier ones alike. Default: half the documents (at least 1).
+
+    Raises:
+      ValueError: a count below 1, a bad length range, a rate or mean not positive.
+    """
+    for name, value in (("documents", documents), ("questions", questions),
+                        ("vocab_size", vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    low, high = doc_tokens
+    if not 1 <= low <= high:
+        raise ValueError(f"doc_tokens must be (low, high) with 1 <= low <= high, got {doc_tokens!r}")
+    for name, value in (("question_tokens", question_tokens), ("answer_tokens", answer_tokens),
+                        ("arrival_rate", arrival_rate), ("length_sigma", length_sigma)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    if interleave is None:
+        interleave = max(1, documents // 2)
+    if isinstance(interleave, bool) or not isinstance(interleave, (int, np.integer)) \
+            or interleave < 1:
+        raise ValueError(f"interleave must be an integer >= 1, got {interleave!r}")
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(low, high + 1, documents)
+    docs = [tuple(int(t) for t in rng.integers(0, vocab_size, n)) for n in lengths]
+    n = documents * questions
+    q_lens = _lognormal_lengths(rng, question_tokens, length_sigma, n)
+    a_lens = _lognormal_lengths(rng, answer_tokens, length_sigma, n)
+    places = [(d + q * interleave, rng.random(), d, q) for d in range(documents)
+              for q in range(questions)]
+    places.sort()
+    gaps = rng.exponential(1.0 / arrival_rate, n)
+    starts = np.concatenate([[0.0], np.cumsum(gaps[1:])])
+    result = []
+    for i, (_, _, d, q) in enumerate(places):
+        k = d * questions + q
+        question = tuple(int(x) for x in rng.integers(0, vocab_size, q_lens[k]))
+        result.append(Conversation(float(starts[i]), docs[d],
+                                   (Turn(question, int(a_lens[k])),)))
     return result
 
 

@@ -381,7 +381,7 @@ def test_the_h200_preset_is_refused_at_once_where_it_cannot_fit(monkeypatch, cap
     assert demo.main(["--preset", "h200", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "run never_evict, GPU pool" in err, err
-    assert "needs 57.08 GiB of " in err and err.endswith(", or --preset cpu\n"), err
+    assert "needs 51.20 GiB of " in err and err.endswith(", or --preset cpu\n"), err
     assert calls == []
 
 
