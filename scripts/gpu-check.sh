@@ -20,6 +20,13 @@
 #   the rows hold; one summary line against the targets (issue 48).
 #   events: the demo's offload run with KV events and metrics off then on in one process
 #   (--events-overhead), and its step-time ratio (needs pyzmq, msgspec, prometheus-client).
+#   real-workloads: the demo's real workloads on the h200 preset, each printing its closing line
+#   (offload vs drop and never_evict, exact): real-chats (the chats, about 4 minutes),
+#   real-docqa (long documents asked questions, about 5), real-lowreuse (the low-reuse
+#   workload twice, for the run-to-run spread, about 5), real-sweep (a 4-rate load sweep of 20
+#   chats x 3 turns with pools sized from the workload, its plot in $OUT/sweep.png, about 8).
+#   Together they take longer than one 10-minute command: run them as separate steps.
+#   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them.
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +40,7 @@ if [ "${1:-}" = fetch-wheels ]; then  # here, not on the GPU machine: the replic
   exit $?
 fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench demo)
+[[ " ${steps[*]} " == *" real-workloads "* ]] && steps+=(real-chats real-docqa real-lowreuse real-sweep)
 summary=()
 has() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 
@@ -175,6 +183,24 @@ if has demo-tp; then
   summary+=("demo --devices 2: exit $? ($(( $(date +%s) - t )) s)")
   tail -25 "$OUT/demo-tp2.txt"
 fi
+# The demo's real workloads (h200 preset): each prints its closing line.
+real() {  # real NAME DEMO-OPTIONS...: one demo run, its closing line into the summary
+  local name=$1; shift
+  local t; t=$(date +%s)
+  JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --no-progress \
+    ${GPU_CHECK_ADMISSION:+--admission $GPU_CHECK_ADMISSION} "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
+  local rc=$?
+  tail -30 "$OUT/$name.txt"
+  summary+=("$name: exit $rc ($(( $(date +%s) - t )) s): $(grep -E '^(at [0-9.]+/s: )?offload vs ' "$OUT/$name.txt" | tr '\n' ' ')")
+}
+has real-chats && real real-chats
+has real-docqa && real real-docqa --workload docqa
+if has real-lowreuse; then
+  real real-lowreuse-1 --workload lowreuse
+  real real-lowreuse-2 --workload lowreuse
+fi
+has real-sweep && real real-sweep --conversations 20 --turns 3 --gpu-fraction 0.25 \
+  --arrival-rate 0.25,0.5,1,2 --plot "$OUT/sweep.png"
 if has sanitize && [ -x scripts/sanitize.sh ]; then
   t=$(date +%s)
   bash scripts/sanitize.sh > "$OUT/sanitize.log" 2>&1
