@@ -37,7 +37,6 @@ import atexit
 import contextlib
 import ipaddress
 import logging
-import math
 import os
 import queue
 import shutil
@@ -50,22 +49,14 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Self
 
 import numpy as np
 
-from .base import (
-    HEADER_NBYTES,
-    CorruptBlock,
-    Countdown,
-    Store,
-    StoreStats,
-    check_keys,
-    check_value,
-    encode_header,
-)
+from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value, encode_header
+from .shared import SharedStore, int_at_least
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +70,6 @@ DEFAULT_LOCAL_BUFFER_BYTES = 16 * MiB
 DEFAULT_HOLDER_BYTES = 1 * GiB
 MIN_SEGMENT_BYTES = 16 * MiB  # Mooncake refuses smaller segments
 LOOKUP_BATCH = 4096
-_MIN_SPLIT_BYTES = MiB  # a call is spread over the threads in batches of at least this much
 _FREE_SLOTS = 8  # staging buffers kept for reuse
 INSTALL_HINT = ('pip install "jax_kvxfer[mooncake]" (the mooncake-transfer-engine-non-cuda '
                 'wheel), and on Debian or Ubuntu: apt-get install libibverbs1 libnuma1 libcurl4')
@@ -118,19 +108,6 @@ def _package_binary(name: str) -> str:
                 os.chmod(path, os.stat(path).st_mode | 0o111)
             return path
     raise ImportError(f"the mooncake package has no {name} binary here; {INSTALL_HINT}")
-
-
-def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def _int_at_least(name: str, value: Any, least: int, what: str = "an int") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ValueError(f"{name} must be {what} >= {least}, got {value!r}")
-    return int(value)
 
 
 def _segment_bytes(value: Any) -> int:
@@ -229,7 +206,7 @@ class _IoThreads:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-class MooncakeStore(Store):
+class MooncakeStore(SharedStore):
     """A tier on Mooncake Store, shared by every process that uses the same master and
     namespace. Its blocks live in the segments that clients lend the master (this store's
     `segment_bytes`, other stores', a standalone holder's), and go with them.
@@ -260,6 +237,7 @@ class MooncakeStore(Store):
     """
 
     tier = "MOONCAKE"
+    server = "master"
 
     def __init__(self, master: str, *, namespace: str, segment_bytes: int = 0,
                  local_buffer_bytes: int = DEFAULT_LOCAL_BUFFER_BYTES,
@@ -294,29 +272,15 @@ class MooncakeStore(Store):
           ValueError, TypeError: a bad argument (the message names it, with what was expected).
           ImportError: the mooncake client is not installed (the message says how).
         """
-        if not isinstance(namespace, str) or not namespace or len(namespace) > 256 or any(
-                not c.isprintable() for c in namespace):
-            raise ValueError("namespace must be a non-empty string of at most 256 printable "
-                             f"characters (a model id), got {namespace!r}")
-        super().__init__(namespace)
+        super().__init__(namespace, timeout_s=timeout_s, retry_s=retry_s, threads=threads,
+                         max_batch_bytes=max_batch_bytes, key_prefix=key_prefix,
+                         thread_name="kvx-mooncake")
         host, port = _check_master(master)
         self.master = master.strip()
         self._master_addr = (host, port)
         self.segment_bytes = _segment_bytes(segment_bytes)
-        self.local_buffer_bytes = _int_at_least("local_buffer_bytes", local_buffer_bytes, MiB,
-                                                "a number of bytes")
-        self.timeout_s = _positive_number("timeout_s", timeout_s)
-        if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or \
-                not math.isfinite(retry_s) or retry_s < 0:
-            raise ValueError(f"retry_s must be a number of seconds >= 0, got {retry_s!r}")
-        self.retry_s = float(retry_s)
-        self.threads = _int_at_least("threads", threads, 1)
-        self.max_batch_bytes = _int_at_least("max_batch_bytes", max_batch_bytes, 1)
-        if not isinstance(key_prefix, str) or not key_prefix or any(
-                not c.isprintable() or c.isspace() for c in key_prefix):
-            raise ValueError("key_prefix must be a non-empty string of printable characters "
-                             f"without spaces, got {key_prefix!r}")
-        self.key_prefix_base = key_prefix
+        self.local_buffer_bytes = int_at_least("local_buffer_bytes", local_buffer_bytes, MiB,
+                                               "a number of bytes")
         if local_hostname is not None and (not isinstance(local_hostname, str) or
                                            not local_hostname or any(c.isspace() for c in
                                                                      local_hostname)):
@@ -328,21 +292,11 @@ class MooncakeStore(Store):
                              f"URL or an etcd address, got {metadata_server!r}")
         self.metadata_server = metadata_server
         self._mc = import_client()
-        self._lock = threading.Lock()
-        self._stats = StoreStats()
-        self._pending: set[Future] = set()
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvx-mooncake")
         self._io = _IoThreads(self.threads + 1, "kvx-mooncake-io")
         self._slots = _Slots()
-        self._closed = False
-        self._available: bool | None = None
-        self._down_until = 0.0
-        self._warned: set[str] = set()
         self._client: Any = None
         self._setup_running = False
         self._setup_done = threading.Event()
-        #: the keys' prefix once bound: `<key_prefix>:<fingerprint hex>:`
-        self.key_prefix = ""
         self._start_setup()
         self._setup_done.wait(self.timeout_s)
 
@@ -353,10 +307,8 @@ class MooncakeStore(Store):
     # --- the client and availability --------------------------------------------------------
 
     @property
-    def available(self) -> bool | None:
-        """Whether the master answered the last call that reached for it (None: not asked
-        yet). While False, calls answer without the network until `retry_s` has passed."""
-        return self._available
+    def where(self) -> str:
+        return self.master
 
     def _start_setup(self) -> None:
         """Makes the client in the background (setup() waits about 90 s for a master that is
@@ -405,37 +357,12 @@ class MooncakeStore(Store):
 
     def _usable(self) -> Any:
         """The client when calls may use the network now, else None."""
-        if self._available is False and time.monotonic() < self._down_until:
+        if self._down():
             return None
         client = self._client
         if client is None:
             self._start_setup()
         return client
-
-    def _failed(self, e: BaseException | str) -> None:
-        with self._lock:
-            was = self._available
-            self._available = False
-            self._down_until = time.monotonic() + self.retry_s
-        if was is not False:
-            log.warning("MooncakeStore at %s: master unavailable (%s); lookups and gets miss "
-                        "and puts are dropped, retried every %.1f s", self.master,
-                        e if isinstance(e, str) else f"{type(e).__name__}: {e}", self.retry_s)
-
-    def _succeeded(self) -> None:
-        if self._available is True:
-            return
-        with self._lock:
-            was, self._available = self._available, True
-        if was is False:
-            log.warning("MooncakeStore at %s: master available again", self.master)
-
-    def _warn_once(self, what: str, detail: Any) -> None:
-        if what in self._warned:
-            return
-        self._warned.add(what)
-        log.warning("MooncakeStore at %s: %s (%s); counted, logged once", self.master, what,
-                    detail)
 
     def _call(self, fn: Callable[[], Any], slot: np.ndarray | None = None) -> Any:
         """fn() on an I/O thread, waited for up to timeout_s. Raises _Abandoned when it did not
@@ -503,20 +430,6 @@ class MooncakeStore(Store):
 
     # --- the contract -----------------------------------------------------------------------
 
-    def bind(self, layout: Any, row_nbytes: int) -> None:
-        """The layout of the rows (see `Store.bind`): sets the keys' prefix. No master call.
-
-        Raises:
-          ValueError: bound already to another layout; a row that is not a positive number of
-            bytes.
-        """
-        if self.fingerprint is None and (isinstance(row_nbytes, bool) or not isinstance(
-                row_nbytes, (int, np.integer)) or row_nbytes <= 0):
-            raise ValueError(f"row_nbytes must be a positive int, got {row_nbytes!r}")
-        super().bind(layout, row_nbytes)
-        assert self.fingerprint is not None
-        self.key_prefix = f"{self.key_prefix_base}:{self.fingerprint.hex()}:"
-
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, the store holds now (0 while the master is
         unavailable)."""
@@ -549,67 +462,6 @@ class MooncakeStore(Store):
         self._succeeded()
         return n
 
-    def put(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:
-        """Queues `rows[i]` under `keys[i]`. The future (result None) is done once every row
-        has been copied into a staging buffer.
-
-        Raises:
-          ValueError: a key that is not 16 bytes, rows of another count or size, or rows that
-            are not C-contiguous buffers.
-          RuntimeError: not bound, or closed.
-        """
-        self._check_open()
-        self._check_bound()
-        keys = check_keys(keys)
-        views = self._row_views(keys, rows, writable=False)
-        batches = self._batches(len(keys))
-        rows_read = Countdown(len(batches))
-        with self._lock:
-            for start, stop in batches:
-                sent: Future = Future()
-                self._pending.add(sent)
-                self._pool.submit(self._write, keys[start:stop], views[start:stop], sent,
-                                  rows_read.done_one)
-        return rows_read.future
-
-    def get(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:
-        """Reads `keys[i]` into `rows[i]` (writable C-contiguous buffers of `row_nbytes`,
-        filled in place). The future's result: per key, True where the block was found and
-        verified; a row that missed is left untouched.
-
-        Raises:
-          ValueError: a key that is not 16 bytes, rows of another count or size, or rows that
-            are not writable C-contiguous buffers.
-          RuntimeError: not bound, or closed.
-        """
-        self._check_open()
-        self._check_bound()
-        keys = check_keys(keys)
-        views = self._row_views(keys, rows, writable=True)
-        found = [False] * len(keys)
-        batches = self._batches(len(keys))
-        done = Countdown(len(batches), found)
-        for start, stop in batches:
-            self._pool.submit(self._read, start, keys[start:stop], views[start:stop], found,
-                              done.done_one)
-        return done.future
-
-    def flush(self) -> None:
-        """Waits until every write queued so far was acknowledged, or dropped (at most about
-        `timeout_s` per batch when the master stalls). Never raises for faults."""
-        if self._closed:
-            return
-        with self._lock:
-            pending = list(self._pending)
-        wait(pending)
-
-    def stats(self) -> StoreStats:
-        """The statistics since the last call. `evicted` stays 0: the master's evictions are
-        not seen, they show as misses."""
-        with self._lock:
-            out, self._stats = self._stats, StoreStats()
-        return out
-
     def close(self) -> None:
         """Flushes, joins the workers and closes the client (bounded by `timeout_s`); later
         calls raise RuntimeError (close again: nothing)."""
@@ -627,23 +479,8 @@ class MooncakeStore(Store):
 
     # --- helpers on the calling thread ------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("MooncakeStore is closed")
-
     def _name(self, key: bytes) -> str:
         return self.key_prefix + key.hex()
-
-    def _batches(self, n: int) -> list[tuple[int, int]]:
-        """[start, stop) of each batch call: at most max_batch_bytes of payload (one row at
-        least), and as many as the threads when the call is large enough to be worth it."""
-        if n == 0:
-            return []
-        row = (self.row_nbytes or 0) + HEADER_NBYTES
-        per = max(1, self.max_batch_bytes // row)
-        count = max(-(-n // per), min(self.threads, n, -(-(n * row) // _MIN_SPLIT_BYTES)))
-        size = -(-n // count)
-        return [(i, min(n, i + size)) for i in range(0, n, size)]
 
     def _remove(self, client: Any, names: list[str]) -> None:
         """Removes refused values, in the background (force: a lease from our own read must
@@ -828,7 +665,7 @@ class LocalMooncake:
                  log_dir: str | None = None, master_args: Sequence[str] = ()) -> None:
         self.segment_bytes = _segment_bytes(segment_bytes)
         if port is not None:
-            _int_at_least("port", port, 1)
+            int_at_least("port", port, 1)
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"log_dir must be None or a folder's path, got {log_dir!r}")
         if isinstance(master_args, str) or not all(isinstance(a, str) for a in master_args):

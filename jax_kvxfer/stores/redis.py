@@ -20,26 +20,17 @@ misses and dropped writes, never exceptions.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import numpy as np
 
-from .base import (
-    HEADER_NBYTES,
-    CorruptBlock,
-    Countdown,
-    Store,
-    StoreStats,
-    check_keys,
-    check_value,
-    encode_header,
-)
+from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value, encode_header
+from .shared import SharedStore, positive_seconds
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +41,6 @@ DEFAULT_THREADS = 2  # two pipelines in flight: one is prepared or checked while
 DEFAULT_RETRY_S = 1.0
 SCHEMES = ("redis", "rediss", "unix")
 LOOKUP_BATCH = 4096  # keys per EXISTS pipeline
-_MIN_SPLIT_BYTES = MiB  # a call is spread over the threads in batches of at least this much
 # URL options that would override the store's own bounded waits
 _OWNED_OPTIONS = ("socket_timeout", "socket_connect_timeout", "retry_on_timeout",
                   "health_check_interval")
@@ -67,22 +57,6 @@ class _Staging(threading.local):
         if self.buf.nbytes < nbytes:
             self.buf = np.empty(nbytes, np.uint8)
         return self.buf[:nbytes]
-
-
-def _positive_number(name: str, value: Any, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds"
-                         f"{' or None' if allow_none else ''}, got {value!r}")
-    return float(value)
-
-
-def _positive_int(name: str, value: Any, least: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    return int(value)
 
 
 class _Url:
@@ -153,7 +127,7 @@ class _Url:
         return text
 
 
-class RedisStore(Store):
+class RedisStore(SharedStore):
     """A tier on a Redis-protocol server (Redis, Valkey), shared by every process that uses
     the same URL and namespace. Its blocks survive a restart of this process, not of a server
     without persistence.
@@ -218,29 +192,15 @@ class RedisStore(Store):
           ValueError: a bad argument (the message names it, with what was expected).
           ImportError: the `redis` client is not installed (`pip install redis`).
         """
-        if not isinstance(namespace, str) or not namespace or len(namespace) > 256 or any(
-                not c.isprintable() for c in namespace):
-            raise ValueError("namespace must be a non-empty string of at most 256 printable "
-                             f"characters (a model id), got {namespace!r}")
-        super().__init__(namespace)
+        super().__init__(namespace, timeout_s=timeout_s, retry_s=retry_s, threads=threads,
+                         max_batch_bytes=max_batch_bytes, key_prefix=key_prefix,
+                         thread_name="kvx-redis")
         self._url = _Url(url)
         #: the URL with its password replaced by ***
         self.url = self._url.shown
-        self.timeout_s = _positive_number("timeout_s", timeout_s)
-        self.max_batch_bytes = _positive_int("max_batch_bytes", max_batch_bytes)
-        self.ttl_s = _positive_number("ttl_s", ttl_s, allow_none=True)
+        self.ttl_s = positive_seconds("ttl_s", ttl_s, allow_none=True)
         if self.ttl_s is not None and self.ttl_s < 0.001:
             raise ValueError(f"ttl_s must be at least 0.001 (a millisecond), got {ttl_s!r}")
-        self.threads = _positive_int("threads", threads)
-        if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or \
-                not math.isfinite(retry_s) or retry_s < 0:
-            raise ValueError(f"retry_s must be a number of seconds >= 0, got {retry_s!r}")
-        self.retry_s = float(retry_s)
-        if not isinstance(key_prefix, str) or not key_prefix or any(
-                not c.isprintable() or c.isspace() for c in key_prefix):
-            raise ValueError("key_prefix must be a non-empty string of printable characters "
-                             f"without spaces, got {key_prefix!r}")
-        self.key_prefix_base = key_prefix
         if not isinstance(cluster, bool):
             raise ValueError(f"cluster must be True or False, got {cluster!r}")  # noqa: TRY004
         if cluster and self._url.scheme == "unix":
@@ -287,17 +247,7 @@ class RedisStore(Store):
                 redis.connection.parse_url(url)  # the URL's options, checked without a server
             except Exception as e:  # noqa: BLE001 - shown without the password, unchained
                 raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
-        self._lock = threading.Lock()
-        self._stats = StoreStats()
-        self._pending: set[Future] = set()
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvx-redis")
         self._staging = _Staging()
-        self._closed = False
-        self._available: bool | None = None
-        self._down_until = 0.0
-        self._warned: set[str] = set()
-        #: the keys' prefix once bound: `<key_prefix>:<fingerprint hex>:`
-        self.key_prefix = ""
         self._prefix = b""
         self.ping()
 
@@ -308,10 +258,8 @@ class RedisStore(Store):
     # --- availability -----------------------------------------------------------------------
 
     @property
-    def available(self) -> bool | None:
-        """Whether the server answered the last call that reached for it (None: not asked
-        yet). While False, calls answer without the network until `retry_s` has passed."""
-        return self._available
+    def where(self) -> str:
+        return self.url
 
     def _conn(self) -> Any:
         """The client. A cluster's is made on first use, since making one asks a node for the
@@ -339,48 +287,15 @@ class RedisStore(Store):
         return ok
 
     def _usable(self) -> bool:
-        return self._available is not False or time.monotonic() >= self._down_until
+        return not self._down()
 
-    def _failed(self, e: BaseException) -> None:
-        with self._lock:
-            was = self._available
-            self._available = False
-            self._down_until = time.monotonic() + self.retry_s
-        if was is not False:
-            log.warning("RedisStore at %s: server unavailable (%s: %s); lookups and gets miss "
-                        "and puts are dropped, retried every %.1f s", self.url,
-                        type(e).__name__, self._url.redact(e), self.retry_s)
-
-    def _succeeded(self) -> None:
-        if self._available is True:
-            return
-        with self._lock:
-            was, self._available = self._available, True
-        if was is False:
-            log.warning("RedisStore at %s: server available again", self.url)
-
-    def _warn_once(self, what: str, e: BaseException) -> None:
-        if what in self._warned:
-            return
-        self._warned.add(what)
-        log.warning("RedisStore at %s: %s (%s: %s); counted, logged once", self.url, what,
-                    type(e).__name__, self._url.redact(e))
+    def _fault_text(self, e: Any) -> str:
+        return f"{type(e).__name__}: {self._url.redact(e)}"
 
     # --- the contract -----------------------------------------------------------------------
 
     def bind(self, layout: Any, row_nbytes: int) -> None:
-        """The layout of the rows (see `Store.bind`): sets the keys' prefix. No server call.
-
-        Raises:
-          ValueError: bound already to another layout; a row that is not a positive number of
-            bytes.
-        """
-        if self.fingerprint is None and (isinstance(row_nbytes, bool) or not isinstance(
-                row_nbytes, (int, np.integer)) or row_nbytes <= 0):
-            raise ValueError(f"row_nbytes must be a positive int, got {row_nbytes!r}")
         super().bind(layout, row_nbytes)
-        assert self.fingerprint is not None
-        self.key_prefix = f"{self.key_prefix_base}:{self.fingerprint.hex()}:"
         self._prefix = self.key_prefix.encode()
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -413,69 +328,6 @@ class RedisStore(Store):
         self._succeeded()
         return n
 
-    def put(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:
-        """Queues `rows[i]` under `keys[i]` (a key stored already is written again, which
-        renews its `ttl_s`). The future (result None) is done once every row has been copied
-        into a request.
-
-        Raises:
-          ValueError: a key that is not 16 bytes, rows of another count or size, or rows that
-            are not C-contiguous buffers.
-          RuntimeError: not bound, or closed.
-        """
-        self._check_open()
-        self._check_bound()
-        keys = check_keys(keys)
-        views = self._row_views(keys, rows, writable=False)
-        batches = self._batches(len(keys))
-        rows_read = Countdown(len(batches))
-        with self._lock:
-            for start, stop in batches:
-                sent: Future = Future()
-                self._pending.add(sent)
-                self._pool.submit(self._write, keys[start:stop], views[start:stop], sent,
-                                  rows_read.done_one)
-        return rows_read.future
-
-    def get(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:
-        """Reads `keys[i]` into `rows[i]` (writable C-contiguous buffers of `row_nbytes`,
-        filled in place). The future's result: per key, True where the block was found and
-        verified; a row that missed is left untouched.
-
-        Raises:
-          ValueError: a key that is not 16 bytes, rows of another count or size, or rows that
-            are not writable C-contiguous buffers.
-          RuntimeError: not bound, or closed.
-        """
-        self._check_open()
-        self._check_bound()
-        keys = check_keys(keys)
-        views = self._row_views(keys, rows, writable=True)
-        found = [False] * len(keys)
-        batches = self._batches(len(keys))
-        done = Countdown(len(batches), found)
-        for start, stop in batches:
-            self._pool.submit(self._read, start, keys[start:stop], views[start:stop], found,
-                              done.done_one)
-        return done.future
-
-    def flush(self) -> None:
-        """Waits until every write queued so far was acknowledged by the server, or dropped
-        (at most about `timeout_s` per batch when the server stalls). Never raises for
-        faults."""
-        if self._closed:
-            return
-        with self._lock:
-            pending = list(self._pending)
-        wait(pending)
-
-    def stats(self) -> StoreStats:
-        """The statistics since the last call. `evicted` stays 0: the server's expiries and
-        evictions are not seen, they show as misses."""
-        with self._lock:
-            out, self._stats = self._stats, StoreStats()
-        return out
-
     def close(self) -> None:
         """Flushes, joins the workers and closes the connections; later calls raise
         RuntimeError (close again: nothing)."""
@@ -494,23 +346,8 @@ class RedisStore(Store):
 
     # --- helpers on the calling thread ------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("RedisStore is closed")
-
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
-
-    def _batches(self, n: int) -> list[tuple[int, int]]:
-        """[start, stop) of each pipeline: at most max_batch_bytes of payload (one row at
-        least), and as many as the threads when the call is large enough to be worth it."""
-        if n == 0:
-            return []
-        row = (self.row_nbytes or 0) + HEADER_NBYTES
-        per = max(1, self.max_batch_bytes // row)
-        count = max(-(-n // per), min(self.threads, n, -(-(n * row) // _MIN_SPLIT_BYTES)))
-        size = -(-n // count)
-        return [(i, min(n, i + size)) for i in range(0, n, size)]
 
     def _replies(self, pipe: Any) -> list[Any]:
         """The pipeline's replies, errors in place; raises the first connection-level error
