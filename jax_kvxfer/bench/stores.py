@@ -109,8 +109,7 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
     if not sec:
         return []
     if "error" in sec:
-        return ([f"stores: ERROR {sec['error'][:200]}"] + _redis_summary(sec.get("redis", {}))
-                + _mooncake_summary(sec.get("mooncake", {})))
+        return [f"stores: ERROR {sec['error'][:200]}"] + _shared_summaries(sec)
     fs = sec.get("filesystem", {})
     ceil = sec.get("ceiling", {})
     out = [(f"stores: FileStore on {fs.get('fstype')} ({fs.get('device')}, "
@@ -139,51 +138,37 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
             continue
         out.append(f"  restart with {r['blocks']:>7,} blocks: first lookup and get after "
                    f"{r['restart_s'] * 1e3:.0f} ms (indexed {r['indexed']:,})")
-    return out + _redis_summary(sec.get("redis", {})) + _mooncake_summary(sec.get("mooncake", {}))
+    return out + _shared_summaries(sec)
 
 
-def _mooncake_summary(ms: dict[str, Any]) -> list[str]:
-    if not ms:
-        return []
-    if "skipped" in ms:
-        return [f"stores: MooncakeStore skipped: {ms['skipped']}"]
-    if "error" in ms and not ms.get("cases"):
-        return [f"stores: MooncakeStore ERROR {ms['error'][:200]}"]
-    out = [(f"stores: MooncakeStore on {ms.get('server')} ({ms.get('where')}), client "
-            f"{ms.get('client')}; 2 MiB rows, {fmt_size(ms.get('bytes', 0))} per case")]
-    for c in ms.get("cases", []):
-        if "error" in c or "skipped" in c:
-            out.append(f"  {c['name']:26}: {c.get('error') or c['skipped']}"[:230])
-            continue
-        out.append(f"  {c['name']:26}: put+flush {c['put_gbps']:6.2f} GB/s "
-                   f"({c['put_ratio']:4.0%} of raw put {c['raw_put_gbps']:.2f}), get "
-                   f"{c['get_gbps']:6.2f} GB/s ({c['get_ratio']:4.0%} of raw get "
-                   f"{c['raw_get_gbps']:.2f}); verified={c['verified']}")
-    if "error" in ms:
-        out.append(f"  ERROR {ms['error'][:200]}")
-    return out
-
-
-def _redis_summary(rs: dict[str, Any]) -> list[str]:
+def _server_summary(store: str, rs: dict[str, Any], raw_put: str, raw_get: str) -> list[str]:
+    """The lines of a store on a server: each case against the same client's raw put and get
+    (`raw_put`, `raw_get`: their names, e.g. SET and GET)."""
     if not rs:
         return []
     if "skipped" in rs:
-        return [f"stores: RedisStore skipped: {rs['skipped']}"]
+        return [f"stores: {store} skipped: {rs['skipped']}"]
     if "error" in rs and not rs.get("cases"):
-        return [f"stores: RedisStore ERROR {rs['error'][:200]}"]
-    out = [(f"stores: RedisStore on {rs.get('server')} ({rs.get('where')}), client "
+        return [f"stores: {store} ERROR {rs['error'][:200]}"]
+    out = [(f"stores: {store} on {rs.get('server')} ({rs.get('where')}), client "
             f"{rs.get('client')}; 2 MiB rows, {fmt_size(rs.get('bytes', 0))} per case")]
+    put_key = f"raw_{raw_put.lower()}_gbps"
     for c in rs.get("cases", []):
         if "error" in c or "skipped" in c:
             out.append(f"  {c['name']:26}: {c.get('error') or c['skipped']}"[:230])
             continue
         out.append(f"  {c['name']:26}: put+flush {c['put_gbps']:6.2f} GB/s "
-                   f"({c['put_ratio']:4.0%} of raw SET {c['raw_set_gbps']:.2f}), get "
-                   f"{c['get_gbps']:6.2f} GB/s ({c['get_ratio']:4.0%} of raw GET "
+                   f"({c['put_ratio']:4.0%} of raw {raw_put} {c[put_key]:.2f}), get "
+                   f"{c['get_gbps']:6.2f} GB/s ({c['get_ratio']:4.0%} of raw {raw_get} "
                    f"{c['raw_get_gbps']:.2f}); verified={c['verified']}")
     if "error" in rs:
         out.append(f"  ERROR {rs['error'][:200]}")
     return out
+
+
+def _shared_summaries(sec: dict[str, Any]) -> list[str]:
+    return (_server_summary("RedisStore", sec.get("redis", {}), "SET", "GET")
+            + _server_summary("MooncakeStore", sec.get("mooncake", {}), "put", "get"))
 
 
 class _Server:
