@@ -55,7 +55,7 @@ PRESETS = {
     # A 2-core CPU finishes this in well under a minute, through every transfer path.
     "cpu": {"vocab": 1024, "layers": 4, "d_model": 256, "heads": 8, "kv_heads": 2,
             "head_dim": 32, "d_ff": 512, "rope_theta": 10000.0, "dtype": "float32",
-            "conversations": 24, "turns": 4, "batch": 4, "prefill_rows": 2,
+            "conversations": 24, "turns": 4, "batch": 4, "prefill_rows": 2, "prefill_budget": 32,
             "system_tokens": 24, "user_tokens": 16, "gen_tokens": 12, "tokens_per_block": 8,
             "chunk": 8, "primary_blocks": 80, "secondary_blocks": 96, "arrival_rate": 200.0,
             "think_s": 0.05, "low_priority_every": 4},
@@ -65,6 +65,7 @@ PRESETS = {
     "h200": {"vocab": 128256, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8,
              "head_dim": 128, "d_ff": 14336, "rope_theta": 500000.0, "dtype": "bfloat16",
              "conversations": 48, "turns": 5, "batch": 16, "prefill_rows": 4,
+             "prefill_budget": 2048,  # one packed segment [8, 256] a step
              "system_tokens": 1024, "user_tokens": 1024, "gen_tokens": 32,
              "tokens_per_block": 16, "chunk": 256, "primary_blocks": 3840,
              "secondary_blocks": 16384, "arrival_rate": 4.0, "think_s": 1.0,
@@ -215,7 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
              ("gen-tokens", 1, "mean tokens of a reply (log-normal)"),
              ("tokens-per-block", 1, "tokens per KV block"),
              ("chunk", 1, "prompt tokens a request computes per model step"),
-             ("prefill-rows", 1, "requests that compute prompt chunks in one step"),
+             ("prefill-budget", 0, ("prompt tokens one step computes, packed across requests "
+                                    "(chunked prefill): one segment [budget / chunk, chunk], "
+                                    "each row one chunk-aligned piece of one request's prompt; "
+                                    "a multiple of --chunk, or 0: a segment [1, chunk] for "
+                                    "each of up to --prefill-rows requests")),
+             ("prefill-rows", 1, "with --prefill-budget 0: requests computing chunks in a step"),
              ("primary-blocks", 1, "device pool blocks of the offloading run"),
              ("secondary-blocks", 0, "pinned-host pool blocks of the offloading run")]
     for name, minimum, text in sizes:
@@ -848,6 +854,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg["pools_from_workload"] = sizing
         print(sizing_line(sizing, cfg, kv_block_nbytes(model, cfg["tokens_per_block"])),
               file=sys.stderr)
+    budget = cfg["prefill_budget"]
+    if budget % cfg["chunk"]:
+        given = "" if args.prefill_budget is not None else f" (--preset {args.preset}'s)"
+        parser.error(f"--prefill-budget {budget}{given} must be a multiple of --chunk "
+                     f"{cfg['chunk']} (or 0: a segment [1, chunk] per request)")
+    if budget and args.prefill_rows is not None:
+        parser.error(f"--prefill-rows needs --prefill-budget 0 (the budget, {budget} tokens, "
+                     f"packs {budget // cfg['chunk']} rows of --chunk {cfg['chunk']} into one "
+                     "segment)")
     need = serving.max_request_blocks(convs, cfg["tokens_per_block"])
     if cfg["primary_blocks"] < need:
         parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: one request of "
@@ -993,6 +1008,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
             if args.devices > 1 else None)
     params = None  # made after the replica runs (their processes take the GPU's memory first)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
+              "prefill_budget": cfg["prefill_budget"],
               "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
               "priorities": priorities,
               "stop_token": None if real is None else real[1].eos_id,
@@ -1069,6 +1085,7 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
     n = cfg["replicas"]
     server = {"max_blocks": serving.max_request_blocks(convs, cfg["tokens_per_block"]),
               "batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
+              "prefill_budget": cfg["prefill_budget"],
               "tokens_per_block": cfg["tokens_per_block"], "primary_blocks": primary,
               "secondary_blocks": secondary, "dma": common["dma"],
               "stop_token": common["stop_token"]}

@@ -151,43 +151,64 @@ class Rows(NamedTuple):
     logit_index: Any
 
 
-def budget_chunks(remaining: list[int], *, rows: int, row_tokens: int) -> list[int]:
+def budget_chunks(remaining: list[int], *, rows: int, row_tokens: int,
+                  starts: list[int] | None = None) -> list[int]:
     """Token-budgeted chunked prefill: how many prompt tokens each request (in order, with
     `remaining` tokens still to compute) computes in a step whose prefill segment holds `rows`
     rows of `row_tokens` tokens. Each takes what is left of the budget in whole rows, up to its
     remaining tokens (its last row partly filled only where its prompt ends); 0 once the
-    budget is spent."""
+    budget is spent.
+
+    With `starts` (each request's next prompt position), rows are aligned to absolute
+    positions, as `pack_prefill(aligned=True)` lays them out: a row holds positions
+    `[k * row_tokens, (k + 1) * row_tokens)` of one request, so a request whose next position
+    is not a multiple of `row_tokens` fills its first row from there to the next multiple."""
     out, free = [], rows
-    for n in remaining:
-        take = min(n, free * row_tokens)
+    for i, n in enumerate(remaining):
+        lead = 0 if starts is None else starts[i] % row_tokens
+        take = max(0, min(n, free * row_tokens - lead))
         out.append(take)
-        free -= -(-take // row_tokens)
+        if take:
+            free -= -(-(lead + take) // row_tokens)
     return out
 
 
 def pack_prefill(chunks: list[tuple[list[int], int, Any]], *, rows: int, row_tokens: int,
-                 max_blocks: int) -> tuple[Rows, list[int]]:
+                 max_blocks: int, aligned: bool = False) -> tuple[Rows, list[int]]:
     """One prefill segment `[rows, row_tokens]` of several requests' chunks (tokens, first
     position, block table), each split over consecutive rows (as `budget_chunks` sized them),
     the rest padding; and for each chunk the row whose logits are its last token's. The
     segment has one shape in every step, and each of its rows attends over its own table, so
-    a token's K/V and logits do not depend on which row or beside which requests it ran."""
+    a token's K/V and logits do not depend on which row or beside which requests it ran.
+
+    `aligned`: rows cut at absolute multiples of `row_tokens`, the token at position p in
+    column `p % row_tokens` (a chunk that starts mid-row leaves that row's first columns
+    padding), so that where each prompt token sits in a row, and which tokens share its row,
+    depend on the prompt alone, not on where a cache hit ended or what else the step holds
+    (the serving loop's layout: `budget_chunks(starts=...)` sizes it)."""
     tok = np.zeros((rows, row_tokens), np.int32)
     pos = np.full((rows, row_tokens), -1, np.int32)
     tables = np.zeros((rows, max_blocks), np.int32)
     last = np.zeros(rows, np.int32)
     at, last_rows = 0, []
     for toks, start, table in chunks:
-        for i in range(0, len(toks), row_tokens):
-            piece = toks[i:i + row_tokens]
-            tok[at, :len(piece)] = piece
-            pos[at, :len(piece)] = np.arange(start + i, start + i + len(piece))
+        if not len(toks):
+            raise ValueError("a chunk of no tokens")
+        lead = start % row_tokens if aligned else 0
+        i = 0
+        while i < len(toks):
+            if at == rows:
+                raise ValueError(f"the chunks take more than the segment's {rows} rows of "
+                                 f"{row_tokens} tokens")
+            col = (lead + i) % row_tokens
+            piece = toks[i:i + row_tokens - col]
+            tok[at, col:col + len(piece)] = piece
+            pos[at, col:col + len(piece)] = np.arange(start + i, start + i + len(piece))
             tables[at, :len(table)] = table
-            last[at] = len(piece) - 1
+            last[at] = col + len(piece) - 1
             at += 1
+            i += len(piece)
         last_rows.append(at - 1)
-    if at > rows:
-        raise ValueError(f"{at} rows of {row_tokens} tokens do not fit a segment of {rows}")
     return Rows(tok, pos, tables, last), last_rows
 
 
@@ -200,10 +221,11 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     """One step over several segments: writes their tokens' K/V into `kv_pool`; returns one
     logits row per sequence of each segment.
 
-    The serving loop gives each prefilling request a segment `[1, C]` and all decodes one
-    `[D, 1]`, so that a decode does not pay for a chunk of compute, nor a step for prefill rows
-    it does not fill. Each kind of segment has one shape in every step and weights of its own
-    (`_unshared`), so a token's K/V are bit for bit the same whichever step computed it.
+    The serving loop gives all decodes one segment `[D, 1]` and its prefill chunks either one
+    token-budgeted segment `[rows, C]` packed across requests (`pack_prefill`, aligned) or, with
+    no budget, one segment `[1, C]` per prefilling request. Each kind of segment has one shape
+    in every step and weights of its own (`_unshared`), so a token's K/V are bit for bit the
+    same whichever step computed it.
 
     Args:
       params: from `init_params`.

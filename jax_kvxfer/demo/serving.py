@@ -2,11 +2,18 @@
 
 Conversations (workloads.py) arrive at their start times; each turn is a request whose prompt
 is the conversation so far. Up to `batch` requests run at once. Every step is one jitted model
-step of segments of fixed shapes: each of up to `prefill_rows` requests still in prefill
-contributes its next chunk of prompt tokens as a segment of its own (`[1, chunk]`), and every
-request in decode its last token (`[batch, 1]`), so prefill chunks and decodes share the step,
-a step costs what it computes (one segment more per prefilling request), and a token's K/V do
-not depend on which others were batched with it. A request is admitted when a row is free and
+step of segments of fixed shapes: every request in decode contributes its last token (`[batch,
+1]`), and the requests still in prefill their next prompt tokens, so prefill chunks and decodes
+share the step. With a `prefill_budget` (tokens a step computes for prefill, as vLLM's chunked
+prefill), the prefilling requests, in admission order, fill one segment `[budget / chunk,
+chunk]` (model.pack_prefill): each row one chunk of one request's prompt, aligned to absolute
+positions (row k of a prompt holds its positions [k * chunk, (k + 1) * chunk)), so that how a
+prompt is cut into rows depends on the prompt alone, not on its cache hits or the other
+requests; one matrix product a weight for all of them, the segment whole in every step that
+prefills. Without a budget, each of up to `prefill_rows` prefilling requests contributes its
+next chunk as a segment of its own (`[1, chunk]`), so a step costs one segment more per
+prefilling request. Either way a token's K/V do not depend on which others were batched with
+it (model.forward, tests/demo/test_model.py). A request is admitted when a row is free and
 the primary pool can hold all it will ever need beside the running requests (so no running
 request runs out of blocks). At each step boundary the block manager's transfers are synced
 without blocking: the step waits on the GPU for the onboards it reads, offloads go on beside.
@@ -40,7 +47,7 @@ from ..cache import BlockManager, BlockManagerStats, PoolExhaustedError
 from ..manager import KVCacheTransferManager, TransferStats
 from ..pool import KVCacheBlock
 from ..stores import Store, StoreStats
-from .model import ModelConfig, Rows, create_pool, make_step
+from .model import ModelConfig, Rows, budget_chunks, create_pool, make_step, pack_prefill
 from .workloads import Conversation
 
 LOW_PRIORITY = 20  # below the default secondary_offload_min_priority (30): dropped, not offloaded
@@ -100,8 +107,10 @@ class RunResult:
     # waited for transfers (CUDA events); otherwise the copies run in line with the steps and
     # the wall time issuing and syncing them counts whole.
     exposed_transfer_seconds: float = 0.0
-    # The steps whose prefill segment was full (every row a whole chunk): their matrix
-    # products' operations and wall time, for the rate prefill reaches.
+    # The steps whose prefill segment was full (without a budget: every row a whole chunk;
+    # with one: every row of the packed segment holding tokens, padding in partly filled rows
+    # counted as time, not work): their matrix products' operations and wall time, for the
+    # rate prefill reaches.
     full_prefill_flops: int = 0
     full_prefill_seconds: float = 0.0
     # The stores' statistics over the run, summed over them (None: the run had no store), and
@@ -205,14 +214,17 @@ def blocks_to_never_evict(conversations: Sequence[Conversation], batch: int,
 
 def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation], *,
         batch: int, chunk: int, tokens_per_block: int, primary_blocks: int,
-        secondary_blocks: int, prefill_rows: int = 1, priorities: Sequence[int] | None = None,
+        secondary_blocks: int, prefill_rows: int = 1, prefill_budget: int = 0,
+        priorities: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
         stop_token: int | None = None, fixed_step_s: float | None = None,
         stores: Sequence[Store] = (), admission: str | None = None) -> RunResult:
     """Serves the conversations once on fresh pools; `dma`: the transfer manager's. Up to
-    `batch` requests run at once; a step prefills `chunk` tokens of up to `prefill_rows` of
-    them and decodes the others. A turn's reply ends after its `output_len` tokens, or once it
+    `batch` requests run at once; a step decodes those whose prompt is computed and prefills
+    the others: up to `prefill_budget` prompt tokens packed across them in rows of `chunk`
+    (a multiple of `chunk`), or, with a budget of 0, `chunk` tokens of up to `prefill_rows` of
+    them, a segment each. A turn's reply ends after its `output_len` tokens, or once it
     generates `stop_token` (kept).
     `fixed_step_s`: the clock advances by this much per step instead of the wall time, so
     that the schedule is the same on every machine and in every run (tests).
@@ -227,7 +239,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     server = Server(model, params, max_blocks=max_request_blocks(conversations, tokens_per_block),
                     batch=batch, chunk=chunk, tokens_per_block=tokens_per_block,
                     primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
-                    prefill_rows=prefill_rows, mesh=mesh, dma=dma, stop_token=stop_token,
+                    prefill_rows=prefill_rows, prefill_budget=prefill_budget, mesh=mesh,
+                    dma=dma, stop_token=stop_token,
                     stores=stores, admission=admission)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
     try:
@@ -264,13 +277,20 @@ class Server:
 
     def __init__(self, model: ModelConfig, params: dict, *, max_blocks: int, batch: int,
                  chunk: int, tokens_per_block: int, primary_blocks: int,
-                 secondary_blocks: int, prefill_rows: int = 1,
+                 secondary_blocks: int, prefill_rows: int = 1, prefill_budget: int = 0,
                  mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
                  stop_token: int | None = None, stores: Sequence[Store] = (),
                  store_on_release: bool = False, admission: str | None = None) -> None:
         """`max_blocks`: the most primary blocks one request needs (block tables' width);
-        `store_on_release`: the block manager writes a finished turn's blocks to the stores at
-        once (replicas sharing a store), not only once they are evicted to the host."""
+        `prefill_budget`: prompt tokens a step computes, packed across requests in one segment
+        `[prefill_budget / chunk, chunk]` (a multiple of `chunk`; 0: a segment `[1, chunk]`
+        for each of up to `prefill_rows` requests); `store_on_release`: the block manager
+        writes a finished turn's blocks to the stores at once (replicas sharing a store), not
+        only once they are evicted to the host."""
+        if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or \
+                prefill_budget < 0 or prefill_budget % chunk:
+            raise ValueError(f"prefill_budget must be 0 or a positive multiple of chunk "
+                             f"({chunk}), got {prefill_budget!r}")
         if max_blocks > primary_blocks:
             raise PoolExhaustedError(f"a request may need {max_blocks} primary blocks, but the "
                                      f"pool has {primary_blocks}")
@@ -284,6 +304,8 @@ class Server:
         self.model, self.batch, self.chunk = model, batch, chunk
         self.primary_blocks, self.secondary_blocks = primary_blocks, secondary_blocks
         self.prefill_rows = min(prefill_rows, batch)
+        self.prefill_budget = prefill_budget
+        self.budget_rows = prefill_budget // chunk  # rows of the packed segment (0: none)
         self.stop_token, self.stores = stop_token, tuple(stores)
         self.bm: BlockManager | None = None  # made once the transfers are compiled
         step = make_step(model, pool)
@@ -306,9 +328,19 @@ class Server:
             return Rows(tok, pos, tables, last)
 
         def forward(prefills: list, decodes: list, *, segments: int) -> tuple[list, np.ndarray]:
-            """One step of `segments` prefill segments (one request's chunk each, the first
-            `len(prefills)` of them real) and the decode segment: the logits of each prefill's
-            last token and of each decode."""
+            """One step of `segments` prefill segments and the decode segment: the logits of
+            each prefill's last token and of each decode. With a budget, at most one prefill
+            segment, packing every prefill (aligned rows); without, one request's chunk each,
+            the first `len(prefills)` of them real."""
+            if self.budget_rows:
+                packed, last_rows = pack_prefill(
+                    [(toks, start, self.bm.block_table(sid)) for sid, toks, start in prefills],
+                    rows=self.budget_rows, row_tokens=chunk, max_blocks=max_blocks,
+                    aligned=True)
+                logits, pool.primary = step(params, pool.primary,
+                                            (packed,) * segments + (segment(decodes, batch, 1),))
+                out = [np.asarray(x) for x in logits]
+                return [out[0][r] for r in last_rows], out[-1]
             rows = [segment(prefills[i:i + 1], 1, chunk) for i in range(segments)]
             logits, pool.primary = step(params, pool.primary,
                                         (*rows, segment(decodes, batch, 1)))
@@ -316,7 +348,9 @@ class Server:
             return [x[0] for x in out[:len(prefills)]], out[-1]
 
         self._forward = forward
-        for k in range(self.prefill_rows + 1):  # compiles every kind of step (no writes)
+        # compiles every kind of step (no writes): with a budget, with and without the packed
+        # segment; without, with 0 to prefill_rows segments
+        for k in range(2 if self.budget_rows else self.prefill_rows + 1):
             forward([], [], segments=k)
         t1 = time.perf_counter()
         _warm_up_transfers(transfers, pool, min(primary_blocks, batch * max_blocks))
@@ -435,22 +469,35 @@ class Server:
             self._step = None
             return False
         bm, chunk = self.bm, self.chunk
-        prefilling = [r for r in self.running if r.next < len(r.prompt)][:self.prefill_rows]
+        pending = [r for r in self.running if r.next < len(r.prompt)]
+        if self.budget_rows:  # the budget's rows to the prefilling requests in admission order
+            take = budget_chunks([len(r.prompt) - r.next for r in pending],
+                                 rows=self.budget_rows, row_tokens=chunk,
+                                 starts=[r.next for r in pending])
+        else:  # a chunk to each of the first prefill_rows
+            take = [chunk] * min(len(pending), self.prefill_rows)
+        prefilling = [r for r, n in zip(pending, take) if n]
+        prefills = [((r.conv, r.turn), r.prompt[r.next:r.next + n], r.next)
+                    for r, n in zip(pending, take) if n]
         decoding = [r for r in self.running if r.next >= len(r.prompt)]
-        prefills = [((r.conv, r.turn), r.prompt[r.next:r.next + chunk], r.next)
-                    for r in prefilling]
         # decode: the last token, appended to the sequence after the last step
         decodes = [((r.conv, r.turn), r.out[-1:], bm.num_tokens((r.conv, r.turn)) - 1)
                    for r in decoding]
         bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
-        prefill_logits, decode_logits = self._forward(prefills, decodes, segments=len(prefills))
+        segments = min(len(prefills), 1) if self.budget_rows else len(prefills)
+        prefill_logits, decode_logits = self._forward(prefills, decodes, segments=segments)
         self.full_step_flops = 0
-        if len(prefills) == self.prefill_rows and all(len(toks) == chunk
-                                                      for _, toks, _ in prefills):
+        if self.budget_rows:  # full: every row of the packed segment holds tokens
+            full = prefills and sum(_aligned_rows(start, len(toks), chunk)
+                                    for _, toks, start in prefills) == self.budget_rows
+        else:  # full: prefill_rows segments, each a whole chunk
+            full = len(prefills) == self.prefill_rows and all(len(toks) == chunk
+                                                              for _, toks, _ in prefills)
+        if full:
             model = self.model
             self.full_step_flops = (
                 sum(model.token_flops(p + 1) for _, toks, start in prefills
-                    for p in range(start, start + chunk))
+                    for p in range(start, start + len(toks)))
                 + sum(model.token_flops(p + 1) for _, _, p in decodes))
         self._step = (prefilling, prefills, decoding, prefill_logits, decode_logits)
         return True
@@ -526,6 +573,12 @@ class Server:
             full_prefill_flops=full_flops, full_prefill_seconds=full_seconds,
             store_stats=store_stats, store_close_seconds=self.close_seconds if self.stores
             else 0.0, offloads_declined=bm.admission.declined, admission=bm.admission.name)
+
+
+def _aligned_rows(start: int, n: int, row_tokens: int) -> int:
+    """Rows of `row_tokens` that positions [start, start + n) take, cut at absolute multiples
+    of `row_tokens` (pack_prefill's aligned layout)."""
+    return -(-(start % row_tokens + n) // row_tokens)
 
 
 @dataclasses.dataclass
