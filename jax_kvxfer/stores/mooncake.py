@@ -55,7 +55,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value, encode_header
+from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
 from .shared import SharedStore, int_at_least
 
 log = logging.getLogger(__name__)
@@ -502,15 +502,8 @@ class MooncakeStore(SharedStore):
             client = self._usable()
             if client is None:
                 return
-            value = HEADER_NBYTES + (self.row_nbytes or 0)
-            slot = self._slots.take(len(keys) * value)
-            for i, (key, view) in enumerate(zip(keys, views)):
-                off = i * value
-                payload = slot[off + HEADER_NBYTES:off + value]
-                np.copyto(payload, view)
-                # the checksum of the copy: what is sent is what the header describes
-                slot[off:off + HEADER_NBYTES] = np.frombuffer(
-                    encode_header(self.fingerprint, key, payload), np.uint8)
+            slot = self._slots.take(len(keys) * (HEADER_NBYTES + (self.row_nbytes or 0)))
+            value = self._pack(slot, keys, views)
             release()
             released = True
             names = [self._name(k) for k in keys]
@@ -546,15 +539,7 @@ class MooncakeStore(SharedStore):
                 release()
             if slot is not None:
                 self._slots.give(slot)
-            seconds = time.perf_counter() - t0
-            with self._lock:
-                s = self._stats
-                s.write_seconds += seconds
-                s.written += written
-                s.written_bytes += written * (self.row_nbytes or 0)
-                s.dropped_writes += len(keys) - written
-                self._pending.discard(sent)
-            sent.set_result(None)
+            self._count_write(sent, len(keys), written, t0)
 
     def _read(self, start: int, keys: list[bytes], views: list[np.ndarray], found: list[bool],
               release: Any) -> None:
@@ -623,14 +608,7 @@ class MooncakeStore(SharedStore):
         finally:
             if slot is not None:
                 self._slots.give(slot)
-            seconds = time.perf_counter() - t0
-            with self._lock:
-                s = self._stats
-                s.read_seconds += seconds
-                s.hits += hits
-                s.read_bytes += hits * (self.row_nbytes or 0)
-                s.corrupt += corrupt
-                s.misses += len(keys) - hits - corrupt
+            self._count_read(len(keys), hits, corrupt, t0)
             release()
 
 

@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import numpy as np
 
-from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value, encode_header
+from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
 from .shared import SharedStore, positive_seconds
 
 log = logging.getLogger(__name__)
@@ -368,20 +368,13 @@ class RedisStore(SharedStore):
         try:
             if not self._usable():
                 return
-            row = self.row_nbytes or 0
-            value = HEADER_NBYTES + row
-            buf = self._staging.get(len(keys) * value)
+            buf = self._staging.get(len(keys) * (HEADER_NBYTES + (self.row_nbytes or 0)))
+            value = self._pack(buf, keys, views)
             mv = memoryview(buf)
             pipe = self._conn().pipeline(transaction=False)
             px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
-            for i, (key, view) in enumerate(zip(keys, views)):
-                off = i * value
-                payload = buf[off + HEADER_NBYTES:off + value]
-                np.copyto(payload, view)
-                # the checksum of the copy: what is sent is what the header describes
-                buf[off:off + HEADER_NBYTES] = np.frombuffer(
-                    encode_header(self.fingerprint, key, payload), np.uint8)
-                pipe.set(self._name(key), mv[off:off + value], px=px)
+            for i, key in enumerate(keys):
+                pipe.set(self._name(key), mv[i * value:(i + 1) * value], px=px)
             release()
             released = True
             replies = self._replies(pipe)
@@ -400,15 +393,7 @@ class RedisStore(SharedStore):
         finally:
             if not released:
                 release()
-            seconds = time.perf_counter() - t0
-            with self._lock:
-                s = self._stats
-                s.write_seconds += seconds
-                s.written += written
-                s.written_bytes += written * (self.row_nbytes or 0)
-                s.dropped_writes += len(keys) - written
-                self._pending.discard(sent)
-            sent.set_result(None)
+            self._count_write(sent, len(keys), written, t0)
 
     def _read(self, start: int, keys: list[bytes], views: list[np.ndarray], found: list[bool],
               release: Any) -> None:
@@ -457,12 +442,5 @@ class RedisStore(SharedStore):
         except BaseException as e:  # noqa: BLE001 - a failed read is a miss, never raised
             self._warn_once("a read failed", e)
         finally:
-            seconds = time.perf_counter() - t0
-            with self._lock:
-                s = self._stats
-                s.read_seconds += seconds
-                s.hits += hits
-                s.read_bytes += hits * (self.row_nbytes or 0)
-                s.corrupt += corrupt
-                s.misses += len(keys) - hits - corrupt
+            self._count_read(len(keys), hits, corrupt, t0)
             release()

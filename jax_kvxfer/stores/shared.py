@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import HEADER_NBYTES, Countdown, Store, StoreStats, check_keys
+from .base import HEADER_NBYTES, Countdown, Store, StoreStats, check_keys, encode_header
 
 _MIN_SPLIT_BYTES = 1 << 20  # a call is spread over the threads in batches of at least this much
 
@@ -229,7 +229,47 @@ class SharedStore(Store):
         size = -(-n // count)
         return [(i, min(n, i + size)) for i in range(0, n, size)]
 
-    # --- on the worker threads (the subclass's) ---------------------------------------------
+    # --- on the worker threads ---------------------------------------------------------------
+
+    def _pack(self, buf: np.ndarray, keys: list[bytes], views: list[np.ndarray]) -> int:
+        """Writes each row's value (header, then the row) one after another into `buf` (uint8,
+        room for them all); returns a value's length. The header's checksum is of the copy:
+        what is sent is what the header describes."""
+        value = HEADER_NBYTES + (self.row_nbytes or 0)
+        for i, (key, view) in enumerate(zip(keys, views)):
+            off = i * value
+            payload = buf[off + HEADER_NBYTES:off + value]
+            np.copyto(payload, view)
+            buf[off:off + HEADER_NBYTES] = np.frombuffer(
+                encode_header(self.fingerprint, key, payload), np.uint8)
+        return value
+
+    def _count_write(self, sent: Future, batch: int, written: int, t0: float) -> None:
+        """A write batch of `batch` blocks is over (`written` of them acknowledged, the rest
+        dropped; started at `t0`): counted, and `sent` completed."""
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            s = self._stats
+            s.write_seconds += seconds
+            s.written += written
+            s.written_bytes += written * (self.row_nbytes or 0)
+            s.dropped_writes += batch - written
+            self._pending.discard(sent)
+        sent.set_result(None)
+
+    def _count_read(self, batch: int, hits: int, corrupt: int, t0: float) -> None:
+        """A read batch of `batch` blocks is over: `hits` verified, `corrupt` refused, the rest
+        missed (started at `t0`)."""
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            s = self._stats
+            s.read_seconds += seconds
+            s.hits += hits
+            s.read_bytes += hits * (self.row_nbytes or 0)
+            s.corrupt += corrupt
+            s.misses += batch - hits - corrupt
+
+    # --- the subclass's, on the worker threads -------------------------------------------------
 
     def _write(self, keys: list[bytes], views: list[np.ndarray], sent: Future,
                release: Any) -> None:
