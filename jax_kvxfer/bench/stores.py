@@ -542,30 +542,37 @@ class StoresMixin:
             reps = max(1, min(cfg.repeats, 5))
             self.log(f"== stores: MooncakeStore on {ms['server']} ({ms['where']}), "
                      f"{fmt_size(cfg.stores_bytes)} per case, {reps} runs ==")
-            for n_threads in sorted({1, threads}):
-                name = f"2M, {n_threads} thread{'s' if n_threads > 1 else ''}"
-                rec: dict[str, Any] = {"name": name, "row_bytes": 2 * MiB, "threads": n_threads}
-                ms["cases"].append(rec)
-                if self.past_deadline():
-                    rec["skipped"] = "past the deadline"
-                    continue
-                try:
-                    rec.update(self._mooncake_case(client_module, master.address, 2 * MiB,
-                                                   cfg.stores_bytes, n_threads, reps))
-                    self.log(f"  {name}: put+flush {rec['put_gbps']:.2f} GB/s "
-                             f"({rec['put_ratio']:.0%} of raw put {rec['raw_put_gbps']:.2f}), "
-                             f"get {rec['get_gbps']:.2f} GB/s ({rec['get_ratio']:.0%} of raw "
-                             f"get {rec['raw_get_gbps']:.2f}), verified={rec['verified']}")
-                except Exception as e:  # noqa: BLE001
-                    rec["error"] = err_text(e)
-                    self.log(f"  {name}: ERROR {rec['error'][:300]}")
-                self.save()
+            self._server_cases(ms, threads, ("put", "get"), lambda n: self._mooncake_case(
+                client_module, master.address, 2 * MiB, cfg.stores_bytes, n, reps))
         except Exception as e:  # noqa: BLE001
             ms["error"] = err_text(e)
             self.log(traceback.format_exc())
         finally:
             if master is not None:
                 master.stop()
+
+    def _server_cases(self, sec: dict[str, Any], threads: int, raw: tuple[str, str],
+                      case: Any) -> None:
+        """The 2 MiB cases of a store on a server, with 1 and `threads` threads: `case(n)`
+        measures one against the raw client (`raw`: the names of its put and get)."""
+        put_key = f"raw_{raw[0].lower()}_gbps"
+        for n_threads in sorted({1, threads}):
+            name = f"2M, {n_threads} thread{'s' if n_threads > 1 else ''}"
+            rec: dict[str, Any] = {"name": name, "row_bytes": 2 * MiB, "threads": n_threads}
+            sec["cases"].append(rec)
+            if self.past_deadline():
+                rec["skipped"] = "past the deadline"
+                continue
+            try:
+                rec.update(case(n_threads))
+                self.log(f"  {name}: put+flush {rec['put_gbps']:.2f} GB/s "
+                         f"({rec['put_ratio']:.0%} of raw {raw[0]} {rec[put_key]:.2f}), "
+                         f"get {rec['get_gbps']:.2f} GB/s ({rec['get_ratio']:.0%} of raw "
+                         f"{raw[1]} {rec['raw_get_gbps']:.2f}), verified={rec['verified']}")
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = err_text(e)
+                self.log(f"  {name}: ERROR {rec['error'][:300]}")
+            self.save()
 
     def _mooncake_case(self, client_module: Any, address: str, row: int, total: int,
                        threads: int, reps: int) -> dict[str, Any]:
@@ -700,24 +707,8 @@ class StoresMixin:
             reps = max(1, min(cfg.repeats, 5))  # quick ops, a noisy machine: up to five
             self.log(f"== stores: RedisStore on {rs['server']} ({rs['where']}), "
                      f"{rs['client']}, {fmt_size(cfg.stores_bytes)} per case, {reps} runs ==")
-            for n_threads in sorted({1, threads}):
-                name = f"2M, {n_threads} thread{'s' if n_threads > 1 else ''}"
-                rec: dict[str, Any] = {"name": name, "row_bytes": 2 * MiB, "threads": n_threads}
-                rs["cases"].append(rec)
-                if self.past_deadline():
-                    rec["skipped"] = "past the deadline"
-                    continue
-                try:
-                    rec.update(self._redis_case(redis, url, 2 * MiB, cfg.stores_bytes,
-                                                n_threads, reps))
-                    self.log(f"  {name}: put+flush {rec['put_gbps']:.2f} GB/s "
-                             f"({rec['put_ratio']:.0%} of raw SET {rec['raw_set_gbps']:.2f}), "
-                             f"get {rec['get_gbps']:.2f} GB/s ({rec['get_ratio']:.0%} of raw "
-                             f"GET {rec['raw_get_gbps']:.2f}), verified={rec['verified']}")
-                except Exception as e:  # noqa: BLE001
-                    rec["error"] = err_text(e)
-                    self.log(f"  {name}: ERROR {rec['error'][:300]}")
-                self.save()
+            self._server_cases(rs, threads, ("SET", "GET"), lambda n: self._redis_case(
+                redis, url, 2 * MiB, cfg.stores_bytes, n, reps))
         except Exception as e:  # noqa: BLE001
             rs["error"] = err_text(e)
             self.log(traceback.format_exc())
