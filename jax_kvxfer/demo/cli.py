@@ -735,6 +735,14 @@ def table(title: str, runs: dict, verdict: dict) -> str:
             f"({100 * s['exposed_transfer_s'] / max(s['seconds'], 1e-12):.1f}%)"
             if moved_any(s) else "-")),
     ]
+    if all(s.get("step_ms") for s in runs.values()):  # where a step's time goes (STEP_PHASES)
+        def phases(*names: str):
+            return lambda s: " / ".join(f"{s['step_ms'][n]:.2f}" for n in names) + " ms"
+        rows += [
+            ("mean step", phases("step")),
+            ("  block manager / transfers", phases("block manager", "transfers")),
+            ("  model dispatch / wait", phases("model dispatch", "model wait")),
+        ]
     if any(s["admission"] != "always" for s in runs.values()):
         rows.append(("offloads declined (admission)", lambda s: (
             f"{s['offloads_declined']:,} ({s['admission']})" if s["secondary_blocks"] else "-")))

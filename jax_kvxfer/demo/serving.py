@@ -54,6 +54,12 @@ LOW_PRIORITY = 20  # below the default secondary_offload_min_priority (30): drop
 # How long (wall time) a request waits for the prefix another replica writes to a shared store
 # (Request.expect_tokens) before it computes what is missing.
 PREFIX_WAIT_S = 5.0
+# Where a step's host wall time goes (RunResult.step_seconds): the block manager's calls
+# (admission, allocation, prefix matching, appending and releasing; the transfers it queues),
+# the step boundary's sync_transfers (the queued copies checked and dispatched, the lanes'
+# joins), building and dispatching the model step, and waiting for its logits (the device's
+# time not hidden behind the host's, and whatever the step waits for on the device).
+STEP_PHASES = ("block manager", "transfers", "model dispatch", "model wait")
 # XLA compiles in this process so far, [count, seconds] (jax.monitoring's backend-compile
 # event): a run's clock must start after every shape it needs is compiled, which the serving
 # loop checks by the compiles it sees while it runs.
@@ -127,6 +133,9 @@ class RunResult:
     run_compile_seconds: float = 0.0
     offloads_declined: int = 0
     admission: str = "always"
+    # Where the steps' wall time went, in seconds over the run (STEP_PHASES, and "step": the
+    # steps' wall time in all, so that what is not in a phase is the serving loop's own).
+    step_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def metrics(self) -> dict[str, object]:
         """TTFT, TPOT, throughput and cache figures, as the demo reports them."""
@@ -155,6 +164,8 @@ class RunResult:
             "compile_seconds_during_run": self.run_compile_seconds,
             "full_prefill_tflop_per_s": (self.full_prefill_flops / self.full_prefill_seconds / 1e12
                                          if self.full_prefill_seconds else None),
+            "step_ms": {k: 1e3 * v / self.steps for k, v in self.step_seconds.items()}
+            if self.steps else {},
             "store": None if self.store_stats is None else {
                 **dataclasses.asdict(self.store_stats), "close_seconds": self.store_close_seconds},
         }
@@ -249,7 +260,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     finally:
         server.close()
     res = server.result(loop.results, steps=loop.steps, seconds=loop.clock,
-                        full_flops=loop.full_flops, full_seconds=loop.full_seconds)
+                        full_flops=loop.full_flops, full_seconds=loop.full_seconds,
+                        step_seconds=loop.step_seconds)
     return dataclasses.replace(res, run_compiles=loop.compiles,
                                run_compile_seconds=loop.compile_seconds)
 
@@ -308,6 +320,7 @@ class Server:
         self.budget_rows = prefill_budget // chunk  # rows of the packed segment (0: none)
         self.stop_token, self.stores = stop_token, tuple(stores)
         self.bm: BlockManager | None = None  # made once the transfers are compiled
+        self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # host wall time, summed
         step = make_step(model, pool)
         t0 = time.perf_counter()
 
@@ -339,13 +352,21 @@ class Server:
                     aligned=True)
                 logits, pool.primary = step(params, pool.primary,
                                             (packed,) * segments + (segment(decodes, batch, 1),))
-                out = [np.asarray(x) for x in logits]
+                out = wait(logits)
                 return [out[0][r] for r in last_rows], out[-1]
             rows = [segment(prefills[i:i + 1], 1, chunk) for i in range(segments)]
             logits, pool.primary = step(params, pool.primary,
                                         (*rows, segment(decodes, batch, 1)))
-            out = [np.asarray(x) for x in logits]
+            out = wait(logits)
             return [x[0] for x in out[:len(prefills)]], out[-1]
+
+        def wait(logits) -> list[np.ndarray]:
+            """The step's logits on the host: the time until they are is the device's (and
+            what it waits for), the time before it the host's, building and dispatching."""
+            t = time.perf_counter()
+            out = [np.asarray(x) for x in logits]
+            self.step_seconds["model wait"] += time.perf_counter() - t
+            return out
 
         self._forward = forward
         # compiles every kind of step (no writes): with a budget, with and without the packed
@@ -368,6 +389,7 @@ class Server:
         self._step: tuple | None = None  # the last step's rows and logits, for collect
         self.full_step_flops = 0  # the last step's, when its prefill segment was full
         self._closed = False
+        self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # (the compiles' waits not counted)
         self.transfer_stats: TransferStats | None = None
         self.close_seconds = 0.0
 
@@ -464,6 +486,7 @@ class Server:
     def step(self) -> bool:
         """Admits what it can, then runs one model step over the running requests; False
         (and nothing run) when none runs."""
+        t0 = time.perf_counter()
         self._admit()
         if not self.running:
             self._step = None
@@ -483,9 +506,16 @@ class Server:
         # decode: the last token, appended to the sequence after the last step
         decodes = [((r.conv, r.turn), r.out[-1:], bm.num_tokens((r.conv, r.turn)) - 1)
                    for r in decoding]
+        t1 = time.perf_counter()
         bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
+        t2 = time.perf_counter()
         segments = min(len(prefills), 1) if self.budget_rows else len(prefills)
+        waited = self.step_seconds["model wait"]
         prefill_logits, decode_logits = self._forward(prefills, decodes, segments=segments)
+        phases = self.step_seconds
+        phases["block manager"] += t1 - t0
+        phases["transfers"] += t2 - t1
+        phases["model dispatch"] += (time.perf_counter() - t2) - (phases["model wait"] - waited)
         self.full_step_flops = 0
         if self.budget_rows:  # full: every row of the packed segment holds tokens
             full = prefills and sum(_aligned_rows(start, len(toks), chunk)
@@ -509,6 +539,7 @@ class Server:
         with stores, starts the prefetch of the next waiting request (`prefetch`)."""
         if self._step is None:
             return []
+        t0 = time.perf_counter()
         if prefetch and self.stores:  # after the step, whose transfers are done
             self._prefetch_next()
         prefilling, prefills, decoding, prefill_logits, decode_logits = self._step
@@ -536,6 +567,7 @@ class Server:
             results.append(TurnResult(r.arrival_s, r.first_token_s, clock, len(r.prompt),
                                       r.gpu_hits, r.host_hits, r.store_hits, r.out,
                                       np.stack(r.logits), key=(r.conv, r.turn)))
+        self.step_seconds["block manager"] += time.perf_counter() - t0
         return results
 
     def close(self) -> None:
@@ -552,9 +584,10 @@ class Server:
             self.close_seconds = time.perf_counter() - t_close
 
     def result(self, turns: dict[tuple[int, int], TurnResult], *, steps: int, seconds: float,
-               full_flops: int = 0, full_seconds: float = 0.0) -> RunResult:
-        """The run's result once closed: `turns` and the driver's figures, with this
-        server's statistics."""
+               full_flops: int = 0, full_seconds: float = 0.0,
+               step_seconds: float = 0.0) -> RunResult:
+        """The run's result once closed: `turns` and the driver's figures (`step_seconds`:
+        the steps' wall time in all), with this server's statistics."""
         self.close()
         bm = self.bm
         store_stats = None
@@ -572,7 +605,8 @@ class Server:
                                       else bm.stats.transfer_seconds),
             full_prefill_flops=full_flops, full_prefill_seconds=full_seconds,
             store_stats=store_stats, store_close_seconds=self.close_seconds if self.stores
-            else 0.0, offloads_declined=bm.admission.declined, admission=bm.admission.name)
+            else 0.0, offloads_declined=bm.admission.declined, admission=bm.admission.name,
+            step_seconds={**self.step_seconds, "step": step_seconds})
 
 
 def _aligned_rows(start: int, n: int, row_tokens: int) -> int:
@@ -592,6 +626,7 @@ class _Loop:
     full_seconds: float
     compiles: int = 0  # XLA compiles while the loop ran, and their seconds
     compile_seconds: float = 0.0
+    step_seconds: float = 0.0  # the steps' wall time, from a step's start to its tokens
 
 
 def _serve(server: Server, conversations: Sequence[Conversation], *, priorities: list[int],
@@ -605,7 +640,7 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
     total = sum(len(c.turns) for c in conversations)
     results: dict[tuple[int, int], TurnResult] = {}
     clock, steps = 0.0, 0
-    full_flops, full_seconds = 0, 0.0
+    full_flops, full_seconds, step_seconds = 0, 0.0, 0.0
     agreed = _agreed_across_processes() if fixed_step_s is None else (lambda seconds: seconds)
 
     def submit_arrived() -> None:
@@ -626,6 +661,7 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
             continue
         steps += 1
         # the step's tokens exist from here; what follows counts towards the next step
+        step_seconds += time.perf_counter() - mark
         elapsed = fixed_step_s if fixed_step_s is not None else time.perf_counter() - mark
         if server.full_step_flops:
             full_seconds += elapsed
@@ -643,7 +679,7 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
             if progress:
                 progress(len(results), total)
     return _Loop(results, steps, clock, full_flops, full_seconds,
-                 _compiles[0] - compiled[0], _compiles[1] - compiled[1])
+                 _compiles[0] - compiled[0], _compiles[1] - compiled[1], step_seconds)
 
 
 def _agreed_across_processes() -> Callable[[float], float]:

@@ -72,6 +72,11 @@ def test_demo_is_exact_and_exercises_every_path(tiny_json, capsys):
     prompts = {r: runs[r]["computed_prefill_tokens"] + runs[r]["gpu_hit_tokens"]
                + runs[r]["host_hit_tokens"] for r in runs}
     assert len(set(prompts.values())) == 1, prompts  # the same prompts, however served
+    for name, run in runs.items():  # where the steps' time went: phases within the step
+        step = run["step_ms"]
+        assert set(step) == {"step", *serving.STEP_PHASES}, name
+        assert all(v >= 0 for v in step.values()) and step["step"] > 0, (name, step)
+        assert sum(step[p] for p in serving.STEP_PHASES) <= step["step"], (name, step)
 
 
 def test_a_trace_replays_exactly(capsys):
@@ -114,6 +119,7 @@ def test_table_output(capsys):
     out = capsys.readouterr().out
     for text in ("TTFT p50 / p90", "TPOT p50", "output tokens/s", "prefill tokens computed",
                  "tokens from GPU / host hits", "onboarded / offloaded", "exposed transfer time",
+                 "mean step", "  block manager / transfers", "  model dispatch / wait",
                  "exactness offload vs never_evict: PASS", "exactness drop vs never_evict: PASS"):
         assert text in out
 
