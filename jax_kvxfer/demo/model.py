@@ -428,12 +428,14 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
 
     Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
-    `fused_attention`: None picks it for bfloat16 and float16 models on a GPU;
+    `fused_attention`: None picks it for bfloat16 and float16 models on a GPU whose head
+    dimension cuDNN takes (a multiple of 8, at most 256);
     `attention_tile`, `full_width`: `forward`'s. Pools of one model and one split share one jitted function,
     and so its compiled steps.
     """
     if fused_attention is None:
         fused_attention = (config.dtype in ("bfloat16", "float16")
+                           and config.head_dim % 8 == 0 and config.head_dim <= 256
                            and jax.default_backend() == "gpu")
     return _jitted_step(config, None if pool is None or pool.mesh is None
                         else pool.sharding("device"), fused_attention,

@@ -247,7 +247,8 @@ def test_a_packed_prefill_segment_is_exact_whatever_row_or_company(dtype):
     bit alone at row 0, after another request's rows, and split at other row boundaries."""
     from jax_kvxfer.demo.model import budget_chunks, pack_prefill
 
-    config = dataclasses.replace(CONFIG, dtype=dtype)
+    # head_dim 16: on a GPU, bfloat16 prefill takes cuDNN's fused attention (a multiple of 8)
+    config = dataclasses.replace(CONFIG, dtype=dtype, d_model=64, head_dim=16)
     rng = np.random.default_rng(5)
     params = init_params(config, seed=2)
     rows, row_tokens, width = 4, 4, 6
@@ -282,3 +283,20 @@ def test_a_packed_prefill_segment_is_exact_whatever_row_or_company(dtype):
     for logits, kv in results[1:]:
         np.testing.assert_array_equal(logits, results[0][0])
         np.testing.assert_array_equal(kv, results[0][1])
+
+
+@pytest.mark.parametrize("head_dim, fused", [(12, False), (16, True), (264, False)])
+def test_fused_attention_is_picked_only_for_head_dims_cudnn_takes(head_dim, fused, monkeypatch):
+    """On a GPU, a bfloat16 model takes cuDNN's fused attention only where cuDNN takes its head
+    dimension (a multiple of 8, at most 256); others attend unfused, as on the CPU, instead of
+    failing at the first step."""
+    from jax_kvxfer.demo import model as model_module
+
+    picked = []
+    monkeypatch.setattr(model_module.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(model_module, "_jitted_step",
+                        lambda config, sharding, fused_attention, *rest: picked.append(
+                            fused_attention))
+    make_step(dataclasses.replace(CONFIG, dtype="bfloat16", head_dim=head_dim))
+    make_step(dataclasses.replace(CONFIG, dtype="float32", head_dim=head_dim))
+    assert picked == [fused, False]

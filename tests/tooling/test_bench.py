@@ -27,6 +27,14 @@ def _load(out_dir: str) -> dict:
         return json.load(f)
 
 
+def _paths(doc: dict) -> set[str]:
+    """The ops section's paths: TensorRT-LLM's loop too where the run had cupy (on a GPU,
+    unless its notes say cupy was unavailable)."""
+    with_cupy = doc["meta"]["backend"] == "gpu" and not any(
+        note.startswith("cupy unavailable") for note in doc["meta"]["notes"])
+    return {"ceiling", "ours", "ours_dma", "naive"} | ({"trtllm"} if with_cupy else set())
+
+
 def _check_ops(sec: dict, sizes: set[int], paths: set[str]) -> None:
     cases = sec["cases"]
     assert not [c for c in cases if "error" in c or "skipped" in c]
@@ -49,7 +57,7 @@ def test_quick_run_on_cpu(tmp_path, capsys):
         assert doc["meta"].get(key) is not None, key
     for name in config.SECTIONS:
         assert "error" not in doc[name] and "skipped" not in doc[name], doc[name]
-    _check_ops(doc["ops"], {4096, 16384}, {"ceiling", "ours", "ours_dma", "naive"})
+    _check_ops(doc["ops"], {4096, 16384}, _paths(doc))
     assert {c["n"] for c in doc["ops"]["cases"] if c["path"] == "ours"} == {"T", "T-1", "T/2", "1"}
     for geometry in ("64 x 128K", "64 x 64K"):
         m = doc["manager"][geometry]
@@ -84,7 +92,7 @@ def test_only_and_sizes_options(tmp_path, capsys):
                        "--blocks", "4", "--repeats", "1", "--no-plot"]) == 0
     doc = _load(out)
     assert set(config.SECTIONS) & set(doc) == {"ops"}
-    _check_ops(doc["ops"], {8192}, {"ceiling", "ours", "ours_dma", "naive"})
+    _check_ops(doc["ops"], {8192}, _paths(doc))
     assert not glob.glob(os.path.join(out, "*.png"))
     with pytest.raises(SystemExit):
         bench.main(["--only", "overlap"])
