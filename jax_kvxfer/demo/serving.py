@@ -313,6 +313,7 @@ class Server:
             params = jax.device_put(params, jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec()))
         transfers = KVCacheTransferManager([pool], dma=dma)
+        self._pool = pool
         self.model, self.batch, self.chunk = model, batch, chunk
         self.primary_blocks, self.secondary_blocks = primary_blocks, secondary_blocks
         self.prefill_rows = min(prefill_rows, batch)
@@ -582,6 +583,12 @@ class Server:
             t_close = time.perf_counter()
             self.bm.close()  # the stores' writes durable, the block manager's threads stopped
             self.close_seconds = time.perf_counter() - t_close
+            # The pools' memory back now, not once the garbage collector finds this server
+            # (its step closure holds it in a cycle): a process serving runs one after another
+            # (a load sweep, --events-overhead) would otherwise hold a host pool per run.
+            for array in (self._pool.primary, self._pool.secondary):
+                if isinstance(array, jax.Array):
+                    array.delete()
 
     def result(self, turns: dict[tuple[int, int], TurnResult], *, steps: int, seconds: float,
                full_flops: int = 0, full_seconds: float = 0.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -677,3 +678,28 @@ def test_a_restarted_run_that_differs_exits_1(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "exactness offload+disk vs never_evict: PASS" in out
     assert "exactness offload+disk (restarted) vs never_evict: FAIL" in out
+
+
+def test_a_finished_run_gives_its_pools_memory_back():
+    """Runs served one after another in one process (a load sweep, --events-overhead) hold
+    no pool of an earlier run: the pools' arrays are deleted once a run closes, not when the
+    garbage collector finds its server (off here, so that it cannot)."""
+    convs = workloads.chat_workload(conversations=3, turns=2, system_tokens=6, user_tokens=6,
+                                    assistant_tokens=3, think_s=0.01, arrival_rate=100.0,
+                                    vocab_size=TINY_MODEL.vocab_size, seed=3)
+    params = init_params(TINY_MODEL, 0)
+    block_bytes = _weights_and_block_bytes(TINY_MODEL, 4)[1]
+    primary = serving.blocks_to_never_evict(convs, 2, 4)
+    live = []
+    gc.disable()
+    try:
+        for _ in range(3):
+            res = serving.run(TINY_MODEL, params, convs, batch=2, chunk=4, tokens_per_block=4,
+                              primary_blocks=primary, secondary_blocks=64, fixed_step_s=0.01)
+            assert res.turns
+            live.append(sum(a.nbytes for a in jax.live_arrays()))
+    finally:
+        gc.enable()
+    # after the first run (which also leaves the transfers' small cached index arrays),
+    # less than one host pool more per run
+    assert live[2] - live[1] < 64 * block_bytes and live[1] - live[0] < 64 * block_bytes, live
