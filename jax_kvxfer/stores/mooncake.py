@@ -43,7 +43,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,7 +55,7 @@ from typing import Any, Self
 import numpy as np
 
 from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
-from .shared import SharedStore, int_at_least
+from .shared import SharedStore, free_port, int_at_least, spawn_server
 
 log = logging.getLogger(__name__)
 
@@ -615,24 +614,6 @@ class MooncakeStore(SharedStore):
 # --- a local master ---------------------------------------------------------------------------
 
 
-# Runs each server: SIGKILL when its parent dies (Linux's PR_SET_PDEATHSIG, kept across exec),
-# so that a test or demo killed outright leaves no master behind; then the binary itself.
-_DIE_WITH_PARENT = """
-import ctypes, os, sys
-try:
-    ctypes.CDLL(None).prctl(1, 9)
-except Exception:
-    pass
-os.execv(sys.argv[1], sys.argv[1:])
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LocalMooncake:
     """A `mooncake_master` on 127.0.0.1 and a holder (the wheel's `mooncake_client`, lending
     `segment_bytes` of memory to the pool, so that blocks outlive the processes that wrote
@@ -668,11 +649,8 @@ class LocalMooncake:
         if not self._registered:  # stopped at exit, and (Linux) when this process dies
             atexit.register(self.stop)
             self._registered = True
-        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as out:
-            env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "WARNING"))
-            return subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, exe, *args],
-                                    stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "WARNING"))
+        return spawn_server(exe, args, os.path.join(self.log_dir, f"{name}.log"), env)
 
     def capacity(self) -> int | None:
         """The bytes mounted into the master's pool now (None: the master does not answer)."""

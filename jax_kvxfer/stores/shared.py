@@ -10,12 +10,18 @@
 
 A subclass makes its client, answers `lookup`, sends a batch of writes (`_write`) and of reads
 (`_read`) on the worker threads, and closes.
+
+The local servers that `start_local_valkey` (redis.py) and `start_local_master` (mooncake.py)
+start on 127.0.0.1 take a free port (`free_port`) and run through `spawn_server`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -282,3 +288,36 @@ class SharedStore(Store):
         """Reads one batch into `views`, sets `found[start + i]` for each verified block,
         records the outcome in the stats, then calls `release()`."""
         raise NotImplementedError
+
+
+# --- local servers ----------------------------------------------------------------------------
+
+
+# Runs each server: SIGKILL when its parent dies (Linux's PR_SET_PDEATHSIG, kept across exec),
+# so that a test or demo killed outright leaves no server behind; then the binary itself.
+_DIE_WITH_PARENT = """
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9)
+except Exception:
+    pass
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_server(exe: str, args: Sequence[str], log_path: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts the binary `exe` with `args` in a session of its own (a Ctrl-C at the terminal
+    is its starter's to handle), its output appended to `log_path`, killed when the thread
+    that started it ends (Linux; the process's pid is the binary's own, for signals)."""
+    with open(log_path, "ab") as out:
+        return subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, exe, *args],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)

