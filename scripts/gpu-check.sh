@@ -108,7 +108,7 @@ fi
 demo_cache=${JAX_COMPILATION_CACHE_DIR:-/tmp/kvxfer-jax-cache}
 if has demo; then
   t=$(date +%s)
-  JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 > "$OUT/demo.txt" 2> "$OUT/demo.log"
+  JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --plot "$OUT/demo-h200.png" > "$OUT/demo.txt" 2> "$OUT/demo.log"
   summary+=("demo: exit $? ($(( $(date +%s) - t )) s)")
   tail -25 "$OUT/demo.txt"
 fi
