@@ -116,9 +116,12 @@ class BlockManager:
           enable_offload: False never offloads (TensorRT-LLM's `onboard_blocks=false`).
           enable_partial_reuse: False ignores partially matched blocks.
           admission: which evicted blocks of an offloaded priority are offloaded
-            (jax_kvxfer.cache.admission): "always" (None), "second-sighting[:k]" (only
-            blocks whose key was seen k times, 2 by default, in a decaying window; a
-            sighting is a released sequence holding the block), or a policy object.
+            (jax_kvxfer.cache.admission): "reuse[:rate]" (None: every block while the blocks
+            onboarded from the host pool or read from the stores are at least rate, 0.05, of
+            those offloaded, and for the first 4,096 offloads; else one in 16), "always",
+            "second-sighting[:k]" (only blocks whose key was seen k times, 2 by default, in a
+            decaying window; a sighting is a released sequence holding the block), or a
+            policy object.
           stores: the tiers below the host pool, in order (`jax_kvxfer.stores`): every block
             offloaded to the host is written to them in the background, and a prefix found
             only there is read into host rows and onboarded. They need a host pool, on one
@@ -148,6 +151,7 @@ class BlockManager:
         self.enable_partial_reuse = bool(enable_partial_reuse)
         self.admission = admission_policy(admission)
         self._sightings = self.admission if self.admission.counts_sightings else None
+        self._reuse = self.admission if self.admission.counts_reuse else None
         self.transfer_manager = transfer_manager or KVCacheTransferManager(pools, metrics=report)
         self._free = {True: collections.deque(range(self.num_primary_blocks)),
                       False: collections.deque(range(self.num_secondary_blocks))}
@@ -261,6 +265,8 @@ class BlockManager:
                 s.partial_copies += 1
             else:
                 s.partial_onboards += 1
+                if self._reuse is not None:
+                    self._reuse.reused(src.key)
             blocks.append(dst)
         while len(blocks) < num_blocks:
             blocks.append(self._new_block())
@@ -592,6 +598,8 @@ class BlockManager:
         dst = self._primary_slot()
         # Its secondary slot is freed once the onboard reading it is issued.
         self._queue.onboard(block, dst, 0, free_secondary_slot=block.slot)
+        if self._reuse is not None:  # a host hit, or a block an offload wrote to a store
+            self._reuse.reused(block.key)
         block.slot, block.is_primary = dst, True
         if self._events is not None:  # the block moves: gone from the host, on the GPU
             self._event_removed(block, kv_events.MEDIUM_CPU)

@@ -254,9 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"--primary-blocks / --secondary-blocks are given): the GPU pool holds F "
                         f"of the working set (the blocks the workload stores), the host pool all "
                         f"of it; {GPU_FRACTION:g} by default")
-    p.add_argument("--admission", type=_admission, default="always",
-                   metavar="always|second-sighting[:k]",
-                   help="which evicted blocks the offload runs offload: always, or "
+    p.add_argument("--admission", type=_admission, default="reuse",
+                   metavar="reuse[:rate]|always|second-sighting[:k]",
+                   help="which evicted blocks the offload runs offload: reuse[:rate] (the "
+                        "default): all while the blocks onboarded are at least rate (0.05) of "
+                        "those offloaded (and for the first 4,096), else 1 in 16; always; "
                         "second-sighting[:k]: only blocks whose content was seen k times (2 by "
                         "default) in a decaying window (blocks below priority 30 never are)")
     p.add_argument("--trace", default=None, metavar="PATH",
@@ -743,7 +745,7 @@ def table(title: str, runs: dict, verdict: dict) -> str:
             ("  block manager / transfers", phases("block manager", "transfers")),
             ("  model dispatch / wait", phases("model dispatch", "model wait")),
         ]
-    if any(s["admission"] != "always" for s in runs.values()):
+    if any(s["offloads_declined"] for s in runs.values()):
         rows.append(("offloads declined (admission)", lambda s: (
             f"{s['offloads_declined']:,} ({s['admission']})" if s["secondary_blocks"] else "-")))
     if any(s["full_prefill_tflop_per_s"] is not None for s in runs.values()):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_block_manager import T, make, serve  # tests/cache, on the path under pytest
 
-from jax_kvxfer.cache import AlwaysAdmit, FrequencyGate, admission_policy
+from jax_kvxfer.cache import AlwaysAdmit, FrequencyGate, ReuseGate, admission_policy
 
 ROOT = b"\x00" * 16
 
@@ -61,13 +61,15 @@ def test_gate_counts_and_decisions_match_the_brute_force_count(k, window):
 
 
 def test_policy_names_and_bad_specs():
-    assert isinstance(admission_policy(None), AlwaysAdmit)
+    assert isinstance(admission_policy(None), ReuseGate) and admission_policy(None).rate == 0.05
+    assert admission_policy("reuse:0.2").rate == 0.2
     assert isinstance(admission_policy("always"), AlwaysAdmit)
     gate = admission_policy("second-sighting")
     assert isinstance(gate, FrequencyGate) and gate.k == 2
     gate = admission_policy("second-sighting:3,128")
     assert (gate.k, gate.window) == (3, 128)
-    for bad in ("sometimes", "second-sighting:0", "second-sighting:x", "always:2"):
+    for bad in ("sometimes", "second-sighting:0", "second-sighting:x", "always:2", "reuse:0",
+                "reuse:1.5", "reuse:x"):
         with pytest.raises(ValueError):
             admission_policy(bad)
     with pytest.raises(TypeError):
@@ -140,3 +142,65 @@ def test_a_block_seen_once_is_dropped_then_offloaded_after_its_second_sighting()
         serve(bm, fake, "d", other[1])
         assert bm.stats.offloaded_blocks - before >= 2, policy  # the document's full blocks
         assert serve(bm, fake, "e", doc) == 3 * T - 1, policy  # onboarded, not recomputed
+
+
+def brute_reuse_gate(events, rate, window, warmup, explore):
+    """ReuseGate's decisions, recomputed from the whole history at each eviction. After n
+    offloads, n // window halvings have happened, one right after every window-th offload;
+    an offload numbered m (from 1) has been halved (n // window) - (m - 1) // window times,
+    an onboard that came after d offloads (n // window) - d // window times."""
+    decisions, onboards_after, n, passed = [], [], 0, 0
+    for kind in events:
+        if kind == "reuse":
+            onboards_after.append(n)
+            continue
+        halvings = n // window
+        off = sum(0.5 ** (halvings - (m - 1) // window) for m in range(1, n + 1))
+        on = sum(0.5 ** (halvings - d // window) for d in onboards_after)
+        ok = n < warmup or (off > 0 and on / off >= rate)
+        if not ok:
+            passed += 1
+            ok = passed % explore == 0
+        decisions.append(ok)
+        n += ok
+    return decisions
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reuse_gate_against_a_brute_force_model(seed):
+    """Random evictions and onboards of phases of high and low reuse: every decision of the
+    gate equals the brute-force model's, which recomputes the decayed rate from the history."""
+    rng = np.random.default_rng(seed)
+    rate, window, warmup, explore = 0.1, 32, 40, 5
+    events = []
+    for phase in range(6):
+        p_reuse = (0.5, 0.005, 0.3)[phase % 3]
+        events += ["reuse" if rng.random() < p_reuse else "evict"
+                   for _ in range(int(rng.integers(200, 400)))]
+    gate = ReuseGate(rate, window=window, warmup=warmup, explore=explore)
+    got = []
+    for kind in events:
+        if kind == "evict":
+            got.append(gate.admit(b"k"))
+        else:
+            gate.reused(b"k")
+    assert got == brute_reuse_gate(events, rate, window, warmup, explore)
+    assert gate.admitted == sum(got) and gate.declined == len(got) - sum(got)
+    closed = got.index(False)  # it closed, and opened again (explore admits in a row)
+    assert any(all(got[i:i + explore]) for i in range(closed, len(got) - explore))
+
+
+def test_reuse_gate_stays_open_while_offloads_come_back_and_closes_when_not():
+    gate = ReuseGate(0.05, window=1000, warmup=100, explore=10)
+    for i in range(2000):  # one onboard per 10 offloads: 10 % >= 5 %
+        assert gate.admit(b"k")
+        if i % 10 == 0:
+            gate.reused(b"k")
+    assert gate.is_open and gate.declined == 0
+    decided = [gate.admit(b"k") for _ in range(20000)]  # no reuse: the rate decays below 5 %
+    assert not gate.is_open and gate.reuse_rate < 0.05
+    closed = decided[decided.index(False):]
+    assert abs(sum(closed) - len(closed) / 10) <= 1  # one in `explore` while closed
+    for _ in range(200):  # reuse comes back: it opens again
+        gate.reused(b"k")
+    assert gate.is_open and gate.admit(b"k")
