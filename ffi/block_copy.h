@@ -18,6 +18,15 @@
 #define KVXFER_HOST_DEVICE
 #endif
 
+// In a function returning ffi::Error: evaluates the expression (an ffi::Error) and returns it
+// where it is a failure.
+#define KVXFER_RETURN_IF_ERROR(...)                                     \
+  do {                                                                  \
+    if (auto kvxfer_error = (__VA_ARGS__); kvxfer_error.failure()) {    \
+      return kvxfer_error;                                              \
+    }                                                                   \
+  } while (false)
+
 namespace kvxfer {
 
 namespace ffi = xla::ffi;
@@ -186,6 +195,15 @@ auto BindLaneCopy(Binding&& binding) {
   return BindIndices(std::forward<Binding>(binding))
       .template Ret<ffi::AnyBuffer>()  // new dst pool
       .template Attrs<LaneOptions>();
+}
+
+// The lanes' join: after the binding's one array (any: a pool), the same, aliased, and the
+// lanes to wait for.
+template <typename Binding>
+auto BindJoinLanes(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("lanes");  // bit i: wait for lane i
 }
 
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole

@@ -30,10 +30,7 @@ ffi::Error CopyPairs(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S3
                      char* staging, size_t staging_bytes) {
   PoolGeometry g;
   int64_t num_pairs = 0;
-  if (auto err = CheckPools(dst, src, out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
-      err.failure()) {
-    return err;
-  }
+  KVXFER_RETURN_IF_ERROR(CheckPools(dst, src, out, src_idx, dst_idx, num_tokens, &g, &num_pairs));
   const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
   char* out_data = static_cast<char*>(out.untyped_data());
   if (out_data != dst.untyped_data()) {  // XLA did not alias: start from dst's contents
@@ -41,10 +38,7 @@ ffi::Error CopyPairs(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S3
   }
   const char* src_data = static_cast<const char*>(src.untyped_data());
   const bool stage = src_data == out_data && !hazard_free;
-  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded_count, staging_bytes);
-      err.failure()) {
-    return err;
-  }
+  KVXFER_RETURN_IF_ERROR(CheckWorkspaces(num_pairs, g, stage, superseded_count, staging_bytes));
   const int32_t* si = src_idx.typed_data();
   const int32_t* di = dst_idx.typed_data();
   const int32_t* nt = num_tokens.typed_data();
@@ -135,13 +129,10 @@ ffi::Error CopyLayers(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_i
                       ffi::Buffer<ffi::S32> num_tokens, ffi::RemainingArgs arrays,
                       ffi::RemainingRets outs, const Layered<Options>& options) {
   LayerCopyPlan plan;
-  if (auto err = PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan);
-      err.failure()) {
-    return err;
-  }
-  for (auto& [in, out] : plan.destinations) {
-    if (out.untyped_data() != in.untyped_data()) {  // XLA did not alias: start from in's contents
-      std::memcpy(out.untyped_data(), in.untyped_data(), in.size_bytes());
+  KVXFER_RETURN_IF_ERROR(PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan));
+  for (auto& [out, in, bytes] : plan.destinations) {
+    if (out != in) {  // XLA did not alias: start from in's contents
+      std::memcpy(out, in, bytes);
     }
   }
   for (const Batch& part : plan.parts) {
@@ -190,17 +181,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu, BindForkCopy(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu, BindJoinCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCpu, LaneCopyCpu, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu, BindLaneCopy(KVXFER_POOLS_1));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu,
-                              BindLayerOperands(ffi::Ffi::Bind())
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // [B]: the GPU's duplicate scan
-                                  .RemainingRets()  // the host array or the layers, aliased
-                                  .Attrs<Layered<CopyOptions>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu, BindLayerCopy(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCpu, LayerLaneCopyCpu,
-                              BindLayerOperands(ffi::Ffi::Bind())
-                                  .RemainingRets()  // the host array or the layers, aliased
-                                  .Attrs<Layered<LaneOptions>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu,
-                              KVXFER_POOLS_1.Ret<ffi::AnyBuffer>().Attr<int64_t>("lanes"));
+                              BindLayerLaneCopy(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu, BindJoinLanes(KVXFER_POOLS_1));
 
 void DefineSlotColumns(nb::module_& m);  // slot_columns.cc
 

@@ -12,45 +12,28 @@ ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer 
                         ffi::Buffer<ffi::S32> num_tokens, ffi::AnyBuffer out,
                         ffi::Buffer<ffi::S32> superseded, ffi::Buffer<ffi::U8> staging,
                         const CopyOptions& options) {
-  PoolGeometry g;
-  int64_t num_pairs = 0;
-  if (auto err = CheckPools(dst, src, out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
-      err.failure()) {
-    return err;
-  }
-  const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
-  char* out_data = static_cast<char*>(out.untyped_data());
-  if (cudaError_t err = CopyUnaliased(stream, out_data, dst.untyped_data(),
-                                      dst_blocks * g.block_bytes);
-      err != cudaSuccess) {
-    return CudaError(err, "cudaMemcpyAsync");
-  }
-  Batch b = PoolBatch(out_data, static_cast<char*>(src.untyped_data()), src_idx.typed_data(),
-                      dst_idx.typed_data(), num_tokens.typed_data(), num_pairs, src_blocks,
-                      dst_blocks, g, options.whole_blocks);
+  Batch b;
+  KVXFER_RETURN_IF_ERROR(
+      PoolBatch(dst, src, out, src_idx, dst_idx, num_tokens, options.whole_blocks, &b));
+  KVXFER_RETURN_IF_ERROR(CudaStatus(
+      CopyUnaliased(stream, b.dst.data, dst.untyped_data(), b.dst_blocks * b.g.block_bytes),
+      "cudaMemcpyAsync"));
   if (NothingToCopy(b)) return ffi::Error::Success();
-  const bool stage = src.untyped_data() == out_data && !options.hazard_free;
-  if (auto err = CheckWorkspaces(num_pairs, g, stage, superseded.element_count(),
-                                 staging.element_count());
-      err.failure()) {
-    return err;
-  }
+  const bool stage = b.src.data == b.dst.data && !options.hazard_free;
+  KVXFER_RETURN_IF_ERROR(CheckWorkspaces(b.num_pairs, b.g, stage, superseded.element_count(),
+                                         staging.element_count()));
   if (options.dma) {
-    if (auto err = RefuseCopyEngines(b, "block copy", true); err.failure()) return err;
-    cudaError_t err = EnqueueDmaCopies(stream, {b}, false);
-    return err == cudaSuccess ? ffi::Error::Success()
-                              : CudaError(err, "block copy on the copy engines");
+    KVXFER_RETURN_IF_ERROR(RefuseCopyEngines(b, "block copy", true));
+    return CudaStatus(EnqueueDmaCopies(stream, {b}, false), "block copy on the copy engines");
   }
   // Every pair reads the source as it was before the call. When the source is the pool being
   // written and a block may be both read and written, gather the sources out first.
   if (stage) {
     Batch gather = b;
-    gather.dst = {reinterpret_cast<char*>(staging.typed_data()), g.block_bytes, true};
+    gather.dst = {reinterpret_cast<char*>(staging.typed_data()), b.g.block_bytes, true};
     // one slot per pair: no duplicates
-    if (auto err = CopyBatch(stream, gather, nullptr, true, options.max_ctas); err.failure()) {
-      return err;
-    }
-    b.src = {reinterpret_cast<char*>(staging.typed_data()), g.block_bytes, true};
+    KVXFER_RETURN_IF_ERROR(CopyBatch(stream, gather, nullptr, true, options.max_ctas));
+    b.src = {reinterpret_cast<char*>(staging.typed_data()), b.g.block_bytes, true};
   }
   return CopyBatch(stream, b, superseded.typed_data(), options.unique_dst, options.max_ctas);
 }
@@ -81,33 +64,21 @@ ffi::Error LayerCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
                      ffi::RemainingArgs arrays, ffi::Result<ffi::Buffer<ffi::S32>> superseded,
                      ffi::RemainingRets outs, Layered<CopyOptions> options) {
   LayerCopyPlan plan;
-  if (auto err = PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan);
-      err.failure()) {
-    return err;
-  }
+  KVXFER_RETURN_IF_ERROR(PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan));
   if (superseded->element_count() < src_idx.element_count()) {
     return ffi::Error::InvalidArgument(
         "jax_kvxfer layer copy: the int32 workspace needs an entry per pair");
   }
-  for (auto& [in, out] : plan.destinations) {
-    if (cudaError_t err = CopyUnaliased(stream, out.untyped_data(), in.untyped_data(),
-                                        in.size_bytes());
-        err != cudaSuccess) {
-      return CudaError(err, "cudaMemcpyAsync");
-    }
+  for (auto& [out, in, bytes] : plan.destinations) {
+    KVXFER_RETURN_IF_ERROR(CudaStatus(CopyUnaliased(stream, out, in, bytes), "cudaMemcpyAsync"));
   }
   if (NothingToCopy(plan.parts[0])) return ffi::Error::Success();
   const CopyOptions& o = options.o;
   if (!o.dma) {
     return CopyParts(stream, plan.parts, superseded->typed_data(), o.unique_dst, o.max_ctas);
   }
-  if (auto err = RefuseCopyEngines(plan.parts[0], "layer copy", false); err.failure()) {
-    return err;
-  }
-  if (cudaError_t err = EnqueueDmaCopies(stream, plan.parts, false); err != cudaSuccess) {
-    return CudaError(err, "layer copy on the copy engines");
-  }
-  return ffi::Error::Success();
+  KVXFER_RETURN_IF_ERROR(RefuseCopyEngines(plan.parts[0], "layer copy", false));
+  return CudaStatus(EnqueueDmaCopies(stream, plan.parts, false), "layer copy on the copy engines");
 }
 
 }  // namespace
@@ -124,10 +95,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCuda, Within<BlockCopy<true>>{},
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyNoGraphCuda, BlockCopy<false>, BindCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinNoGraphCuda, Within<BlockCopy<false>>{},
                               BindCopy(KVXFER_POOLS_1));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCuda, LayerCopy,
-                              BindLayerOperands(KVXFER_STREAM)
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // [B]: the duplicate scan
-                                  .RemainingRets()  // the host array or the layers, aliased
-                                  .Attrs<Layered<CopyOptions>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCuda, LayerCopy, BindLayerCopy(KVXFER_STREAM));
 
 }  // namespace kvxfer

@@ -13,7 +13,9 @@
 
 namespace kvxfer {
 
-inline ffi::Error CudaError(cudaError_t err, const char* what) {
+// A CUDA call's result as an ffi::Error: success, or an internal error naming `what`.
+inline ffi::Error CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jax_kvxfer block copy: ") + what + ": " +
                               cudaGetErrorString(err));
 }

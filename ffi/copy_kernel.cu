@@ -121,16 +121,11 @@ void WithVector(int bytes, F&& f) {
   f(uint8_t{});
 }
 
-ffi::Error Launched(const char* what) {
-  cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, what);
-}
-
 // The duplicate scan in a kernel of its own, before the copy: superseded[i] for pair i.
 ffi::Error LaunchScan(cudaStream_t stream, const Batch& b, int32_t* superseded) {
   LaterWriterTokensKernel<<<static_cast<unsigned>(b.num_pairs), kThreads, 0, stream>>>(
       b, superseded);
-  return Launched("duplicate-scan kernel launch");
+  return CudaStatus(cudaGetLastError(), "duplicate-scan kernel launch");
 }
 
 }  // namespace
@@ -147,7 +142,7 @@ ffi::Error LaunchPartsKernel(cudaStream_t stream, const std::vector<Batch>& part
       WithVector(VectorBytes(parts[begin]), [&](auto v) {
         PartsKernel<decltype(v)><<<grid.first, grid.second, 0, stream>>>(p);
       });
-      if (auto err = Launched("copy kernel launch (parts)"); err.failure()) return err;
+      KVXFER_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "copy kernel launch (parts)"));
     }
     begin = end;
   }
@@ -159,7 +154,7 @@ ffi::Error CopyParts(cudaStream_t stream, std::vector<Batch> parts, int32_t* sup
   if (parts.size() == 1) return CopyBatch(stream, parts[0], superseded, unique_dst, max_ctas);
   if (parts[0].num_pairs > 1 && !unique_dst) {
     // The parts share their pairs and tokens per block, so one scan answers for all of them.
-    if (auto err = LaunchScan(stream, parts[0], superseded); err.failure()) return err;
+    KVXFER_RETURN_IF_ERROR(LaunchScan(stream, parts[0], superseded));
     for (Batch& part : parts) part.superseded = superseded;
   }
   return LaunchPartsKernel(stream, parts, max_ctas);
@@ -172,7 +167,7 @@ ffi::Error CopyBatch(cudaStream_t stream, Batch b, int32_t* superseded, bool uni
   const bool scan_in_copy = scan && ScanInCopy(b, units_per_pair, max_ctas);
   if (scan && !scan_in_copy) {
     b.superseded = superseded;
-    if (auto err = LaunchScan(stream, b, superseded); err.failure()) return err;
+    KVXFER_RETURN_IF_ERROR(LaunchScan(stream, b, superseded));
   }
   // max_ctas > 0 caps the grid (CTAs of 1024 threads), which then never scans in the copy.
   const std::pair<unsigned, int> grid = Grid(b.num_pairs * units_per_pair, max_ctas);
@@ -180,7 +175,7 @@ ffi::Error CopyBatch(cudaStream_t stream, Batch b, int32_t* superseded, bool uni
     CopyKernel<decltype(v)><<<grid.first, grid.second, 0, stream>>>(b, units_per_pair,
                                                                      scan_in_copy);
   });
-  return Launched("copy kernel launch");
+  return CudaStatus(cudaGetLastError(), "copy kernel launch");
 }
 
 void ReadSmCounts() {

@@ -49,12 +49,19 @@ struct Batch {
   bool whole_blocks;  // known on the host: every pair copies a whole block
 };
 
-// A batch between two pools of geometry `g`, their blocks one after another. Host code.
-inline Batch PoolBatch(char* dst, char* src, const int32_t* src_idx, const int32_t* dst_idx,
-                       const int32_t* num_tokens, int64_t num_pairs, int64_t src_blocks,
-                       int64_t dst_blocks, const PoolGeometry& g, bool whole_blocks) {
-  return {{dst, g.block_bytes, false}, {src, g.block_bytes, false}, src_idx, dst_idx,
-          num_tokens, nullptr, num_pairs, src_blocks, dst_blocks, g, whole_blocks};
+// Checks a block copy's pools and indices (CheckPools) and fills `b` with the batch from src's
+// blocks to out's (dst's result), each pool's blocks one after another. Host code.
+inline ffi::Error PoolBatch(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::AnyBuffer out,
+                            ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
+                            ffi::Buffer<ffi::S32> num_tokens, bool whole_blocks, Batch* b) {
+  PoolGeometry g;
+  int64_t num_pairs = 0;
+  KVXFER_RETURN_IF_ERROR(CheckPools(dst, src, out, src_idx, dst_idx, num_tokens, &g, &num_pairs));
+  *b = {{static_cast<char*>(out.untyped_data()), g.block_bytes, false},
+        {static_cast<char*>(src.untyped_data()), g.block_bytes, false}, src_idx.typed_data(),
+        dst_idx.typed_data(), num_tokens.typed_data(), nullptr, num_pairs, src.dimensions()[0],
+        dst.dimensions()[0], g, whole_blocks};
+  return ffi::Error::Success();
 }
 
 // Out-of-range pairs (negative padding or a bad traced index) are skipped, never touched.

@@ -31,7 +31,7 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
         "ring), where the handler reads them");
   }
   DeviceStreams* lanes = nullptr;
-  if (auto err = StreamsFor(stream, &lanes); err.failure()) return err;
+  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &lanes));
   ScopedDevice on_device(lanes->device);
   std::lock_guard<std::mutex> lock(lanes->mu);
   // XLA's stream waits for stream_wait_lane (where a snapshot reads what that lane writes).
@@ -40,7 +40,7 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
   for (auto& [out, in, bytes] : unaliased) {
     if (err == cudaSuccess) err = CopyUnaliased(stream, out, in, bytes);
   }
-  if (err != cudaSuccess) return CudaError(err, "lane copy: before the copy");
+  KVXFER_RETURN_IF_ERROR(CudaStatus(err, "lane copy: before the copy"));
   const Batch first = parts[0];
   if (NothingToCopy(first)) return ffi::Error::Success();
   const cudaStream_t lane_stream = lanes->lane[options.lane];
@@ -55,7 +55,7 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
       (void)cudaGetLastError();
       err = lanes->Await(stream, (1 << kLanes) - 1);
       if (err == cudaSuccess) err = EnqueueDmaCopies(stream, parts, false);
-      return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy (in line)");
+      return CudaStatus(err, "lane copy (in line)");
     }
     char* rows = static_cast<char*>(snapshot);
     std::vector<Batch> gathers = parts;
@@ -90,28 +90,22 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
     if (err == cudaSuccess) err = freed;
   }
   if (err == cudaSuccess) err = cudaEventRecord(lanes->done[options.lane], lane_stream);
-  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "lane copy");
+  return CudaStatus(err, "lane copy");
 }
 
 ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
                     ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
                     ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
                     LaneOptions options) {
-  PoolGeometry g;
-  int64_t num_pairs = 0;
-  if (auto err = CheckPools(dst, src, *out, src_idx, dst_idx, num_tokens, &g, &num_pairs);
-      err.failure()) {
-    return err;
-  }
-  const int64_t dst_blocks = dst.dimensions()[0], src_blocks = src.dimensions()[0];
-  char* out_data = static_cast<char*>(out->untyped_data());
+  Batch b;
+  KVXFER_RETURN_IF_ERROR(
+      PoolBatch(dst, src, *out, src_idx, dst_idx, num_tokens, options.whole_blocks, &b));
   // Within one pool: start from dst's contents, and copy within the result.
   const bool within = src.untyped_data() == dst.untyped_data();
-  const Batch b = PoolBatch(out_data, within ? out_data : static_cast<char*>(src.untyped_data()),
-                            src_idx.typed_data(), dst_idx.typed_data(), num_tokens.typed_data(),
-                            num_pairs, src_blocks, dst_blocks, g, options.whole_blocks);
-  return EnqueueOnLane(stream, options, {{out_data, dst.untyped_data(), dst_blocks * g.block_bytes}},
-                       {b}, {0}, g.block_bytes, within);
+  if (within) b.src.data = b.dst.data;
+  return EnqueueOnLane(stream, options,
+                       {{b.dst.data, dst.untyped_data(), b.dst_blocks * b.g.block_bytes}}, {b},
+                       {0}, b.g.block_bytes, within);
 }
 
 // The layered copy (layer_copy.h) on a lane: per layer and slab a part; an offload's snapshot
@@ -121,21 +115,9 @@ ffi::Error LayerLaneCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
                          ffi::RemainingArgs arrays, ffi::RemainingRets outs,
                          Layered<LaneOptions> options) {
   LayerCopyPlan plan;
-  if (auto err = PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan);
-      err.failure()) {
-    return err;
-  }
-  std::vector<std::tuple<void*, const void*, size_t>> unaliased;
-  for (auto& [in, out] : plan.destinations) {
-    unaliased.emplace_back(out.untyped_data(), in.untyped_data(), in.size_bytes());
-  }
-  // The parts' offsets in a host row, and a row's bytes: where the parts write the rows.
-  const Side& rows = options.offload ? plan.parts[0].dst : plan.parts[0].src;
-  std::vector<int64_t> offsets;
-  for (const Batch& part : plan.parts) {
-    offsets.push_back((options.offload ? part.dst.data : part.src.data) - rows.data);
-  }
-  return EnqueueOnLane(stream, options.o, unaliased, plan.parts, offsets, rows.stride, false);
+  KVXFER_RETURN_IF_ERROR(PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan));
+  return EnqueueOnLane(stream, options.o, plan.destinations, plan.parts, plan.row_offsets,
+                       plan.row_bytes, false);
 }
 
 // XLA's stream waits for everything enqueued so far on the lanes of its device that `lanes`
@@ -143,7 +125,7 @@ ffi::Error LayerLaneCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
 ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
                      int64_t lane_mask) {
   DeviceStreams* lanes = nullptr;
-  if (auto err = StreamsFor(stream, &lanes); err.failure()) return err;
+  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &lanes));
   ScopedDevice on_device(lanes->device);
   std::lock_guard<std::mutex> lock(lanes->mu);
   const auto timing = lanes->BeginExposed(stream);
@@ -152,7 +134,7 @@ ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi:
   if (err == cudaSuccess) {
     err = CopyUnaliased(stream, out->untyped_data(), array.untyped_data(), array.size_bytes());
   }
-  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "join the transfer lanes");
+  return CudaStatus(err, "join the transfer lanes");
 }
 
 ffi::Error Fork(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
@@ -162,23 +144,17 @@ ffi::Error Fork(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
                 ffi::Result<ffi::Buffer<ffi::U8>> staging, ffi::Result<ffi::AnyBuffer> ticket,
                 CopyOptions options) {
   DeviceStreams* s = nullptr;
-  if (auto err = StreamsFor(stream, &s); err.failure()) return err;
+  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &s));
   ScopedDevice on_device(s->device);
   std::lock_guard<std::mutex> lock(s->mu);
   // Were the result not the destination's own buffer, the copy would first fill all of it,
   // which the join (reading it) must not overlap: then the copy stays on XLA's stream.
   const cudaStream_t side = out->untyped_data() == dst.untyped_data() ? s->lane[kForkLane] : stream;
   // The fork's lane starts where XLA's stream is (after whatever produced the operands).
-  if (cudaError_t err = s->Follow(side, stream); err != cudaSuccess) {
-    return CudaError(err, "fork onto the side stream");
-  }
-  if (auto copy = CopyOnStream(side, dst, src, src_idx, dst_idx, num_tokens, *out, *superseded,
-                               *staging, options);
-      copy.failure()) {
-    return copy;
-  }
-  cudaError_t err = s->MarkFork(ticket->untyped_data(), side);
-  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "mark the fork's copy");
+  KVXFER_RETURN_IF_ERROR(CudaStatus(s->Follow(side, stream), "fork onto the side stream"));
+  KVXFER_RETURN_IF_ERROR(CopyOnStream(side, dst, src, src_idx, dst_idx, num_tokens, *out,
+                                      *superseded, *staging, options));
+  return CudaStatus(s->MarkFork(ticket->untyped_data(), side), "mark the fork's copy");
 }
 
 ffi::Error Join(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
@@ -191,7 +167,7 @@ ffi::Error Join(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
                                  *superseded, *staging, options.copy);
   if (!options.wait) return copy;  // ordered by its operands only
   DeviceStreams* s = nullptr;
-  if (auto err = StreamsFor(stream, &s); err.failure()) return err;
+  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &s));
   cudaEvent_t join = nullptr;
   {
     std::lock_guard<std::mutex> lock(s->mu);
@@ -206,21 +182,15 @@ ffi::Error Join(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
   cudaError_t err = cudaStreamWaitEvent(stream, join, 0);
   (void)cudaEventDestroy(join);
   if (copy.failure()) return copy;
-  return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, "join the side stream");
+  return CudaStatus(err, "join the side stream");
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCuda, LaneCopy, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCuda, Within<LaneCopy>{}, BindLaneCopy(KVXFER_POOLS_1));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCuda, LayerLaneCopy,
-                              BindLayerOperands(KVXFER_STREAM)
-                                  .RemainingRets()  // the host array or the layers, aliased
-                                  .Attrs<Layered<LaneOptions>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes,
-                              KVXFER_POOLS_1                   // any array: a pool
-                                  .Ret<ffi::AnyBuffer>()       // the same, aliased
-                                  .Attr<int64_t>("lanes"));  // bit i: wait for lane i
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCuda, LayerLaneCopy, BindLayerLaneCopy(KVXFER_STREAM));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes, BindJoinLanes(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCuda, Fork, BindForkCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCuda, Join, BindJoinCopy(KVXFER_POOLS_2));
 

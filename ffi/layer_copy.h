@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -23,15 +24,31 @@ namespace kvxfer {
 
 struct LayerCopyPlan {
   std::vector<Batch> parts;  // one per layer and slab, each writing bytes of its own
-  // (operand, result) of each destination array: where XLA did not alias them, the result
-  // starts as a copy of the operand
-  std::vector<std::pair<ffi::AnyBuffer, ffi::AnyBuffer>> destinations;
+  std::vector<int64_t> row_offsets;  // where each part lies in a host row
+  int64_t row_bytes = 0;             // of a host row
+  // (result, operand, bytes) of each destination array: where XLA did not alias them, the
+  // result starts as a copy of the operand
+  std::vector<std::tuple<void*, const void*, size_t>> destinations;
 };
 
-// A layered call's operands: the indices, then the host array and the layers.
+// The layered calls' bindings after the platform context (if any): the indices, then the host
+// array and the layers; a layered copy's workspace for the GPU's duplicate scan; the host array
+// (offload) or the layers (onboard), aliased; the options.
 template <typename Binding>
-auto BindLayerOperands(Binding&& binding) {
-  return BindIndices(std::forward<Binding>(binding)).RemainingArgs();  // host, layers
+auto BindLayerCopy(Binding&& binding) {
+  return BindIndices(std::forward<Binding>(binding))
+      .RemainingArgs()                        // the host array, then the layers
+      .template Ret<ffi::Buffer<ffi::S32>>()  // [B]: the GPU's duplicate scan
+      .RemainingRets()                        // the host array or the layers, aliased
+      .template Attrs<Layered<CopyOptions>>();
+}
+
+template <typename Binding>
+auto BindLayerLaneCopy(Binding&& binding) {
+  return BindIndices(std::forward<Binding>(binding))
+      .RemainingArgs()  // the host array, then the layers
+      .RemainingRets()  // the host array or the layers, aliased
+      .template Attrs<Layered<LaneOptions>>();
 }
 
 // Checks the operands against the views and plans the parts; never dereferences a data
@@ -88,17 +105,18 @@ ffi::Error PlanLayerCopy(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> ds
     if (!out.has_value() || (*out)->size_bytes() != in.size_bytes()) {
       return bad("a result does not match its operand");
     }
-    plan->destinations.emplace_back(in, **out);
+    plan->destinations.emplace_back((*out)->untyped_data(), in.untyped_data(), in.size_bytes());
   }
+  plan->row_bytes = row_bytes;
   const int64_t device_blocks = o.views[1];
-  char* host_data = static_cast<char*>(o.offload ? plan->destinations[0].second.untyped_data()
+  char* host_data = static_cast<char*>(o.offload ? std::get<0>(plan->destinations[0])
                                                  : host->untyped_data());
   int64_t offset = 0;  // of layer l's part in a host row
   for (size_t l = 0; l < num_layers; ++l) {
     const int64_t* v = o.views.begin() + kFields * l;
     const PoolGeometry g{v[2], v[3], v[4], v[2] * v[3] * v[4]};
     char* layer_data = static_cast<char*>(o.offload ? layers[l].untyped_data()
-                                                    : plan->destinations[l].second.untyped_data());
+                                                    : std::get<0>(plan->destinations[l]));
     for (int64_t c = 0; c < v[0]; ++c) {
       const Side device{layer_data + c * device_blocks * g.block_bytes, g.block_bytes, false};
       const Side row{host_data + offset + c * g.block_bytes, row_bytes, false};
@@ -107,6 +125,7 @@ ffi::Error PlanLayerCopy(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> ds
               o.offload ? device_blocks : host_blocks, o.offload ? host_blocks : device_blocks,
               g, o.o.whole_blocks};
       plan->parts.push_back(b);
+      plan->row_offsets.push_back(offset + c * g.block_bytes);
     }
     offset += v[0] * g.block_bytes;
   }

@@ -38,7 +38,7 @@ cudaError_t Create(int device, DeviceStreams* s) {
 ffi::Error StreamsFor(cudaStream_t stream, DeviceStreams** streams) {
   int device = 0;
   if (cudaError_t err = cudaStreamGetDevice(stream, &device); err != cudaSuccess) {
-    return CudaError(err, "cudaStreamGetDevice");
+    return CudaStatus(err, "cudaStreamGetDevice");
   }
   std::lock_guard<std::mutex> lock(registry_mu);
   DeviceStreams*& entry = (*by_device)[device];
@@ -46,7 +46,7 @@ ffi::Error StreamsFor(cudaStream_t stream, DeviceStreams** streams) {
     ScopedDevice on_device(device);
     auto* made = new DeviceStreams;
     if (cudaError_t err = Create(device, made); err != cudaSuccess) {
-      return CudaError(err, "creating the transfer lanes");  // leaks `made`
+      return CudaStatus(err, "creating the transfer lanes");  // leaks `made`
     }
     entry = made;
   }
