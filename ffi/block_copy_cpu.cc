@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "block_copy.h"
+#include "dma_plan.h"
 #include "layer_copy.h"
 #include "nanobind/nanobind.h"
 #include "targets.h"

@@ -1,4 +1,4 @@
-// The copy engines (cudaMemcpyBatchAsync / cudaMemcpy2DAsync, no SMs) over copy_units.cuh's plan,
+// The copy engines (cudaMemcpyBatchAsync / cudaMemcpy2DAsync, no SMs) over dma_plan.h's plan,
 // with the indices read on the host as the handler enqueues: they must hold their final values
 // at dispatch (the plan ring), and no CUDA graph may record these calls (it would replay them).
 #include <algorithm>
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "block_copy_cuda.h"
+#include "dma_plan.h"
 
 namespace kvxfer {
 

@@ -1,5 +1,5 @@
-// The per-thread work of the batched copy kernel, and the copy engines' plan: which bytes each
-// thread of each work unit copies. Shared by the CUDA handler (block_copy_cuda.cu), where the
+// The per-thread work of the batched copy kernel: which bytes each thread of each work unit
+// copies. Shared by the CUDA handler (block_copy_cuda.cu), where the
 // device functions run on the GPU, and by a host emulation (tests/native/copy_units_emulation.cc)
 // that runs every unit and thread of a launch one after another and checks the bytes against
 // a reference, so the index arithmetic is tested on machines without a GPU. Nothing here may
@@ -257,50 +257,6 @@ inline size_t LaunchEnd(const std::vector<Batch>& parts, size_t begin) {
   size_t end = begin + 1;
   while (end < parts.size() && end - begin < kMaxParts && VectorBytes(parts[end]) == bytes) ++end;
   return end;
-}
-
-// One copy of the copy engines' plan: `height` rows of `width` bytes, `pitch` bytes apart
-// (height 1: a contiguous range, possibly several adjacent blocks).
-struct DmaCopy {
-  char* dst;
-  const char* src;
-  size_t width;
-  size_t pitch;
-  size_t height;
-};
-
-// The copy engines' plan for a batch whose indices the handler reads on the host: out-of-range
-// pairs skipped as by the kernel, whole blocks adjacent in both contiguous pools merged into one
-// copy, a partial block one strided copy, in pair order. Returns whether two valid pairs write
-// one block: the copies must then run in this order, so that the later pair wins. Host code.
-inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
-  const PoolGeometry& g = b.g;
-  std::vector<DmaCopy>& copies = *out;
-  std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
-  bool duplicates = false, last_whole = false;
-  const bool contiguous = b.dst.stride == g.block_bytes && b.src.stride == g.block_bytes;
-  int64_t last_s = -2, last_d = -2;
-  for (int64_t i = 0; i < b.num_pairs; ++i) {
-    const int64_t s = b.src_idx[i], d = b.dst_idx[i];
-    if (!IndicesInRange(b, s, d)) continue;
-    duplicates = duplicates || written[d];
-    written[d] = true;
-    const int64_t n = PairTokens(b, i);
-    const bool whole = n == g.tokens;
-    const int64_t from = b.src.by_pair ? i : s;  // a staged source holds pair i's block at i
-    if (whole && last_whole && from == last_s + 1 && d == last_d + 1 && contiguous) {
-      copies.back().width += static_cast<size_t>(g.block_bytes);
-    } else {
-      copies.push_back({b.dst.data + d * b.dst.stride, b.src.data + from * b.src.stride,
-                        static_cast<size_t>(whole ? g.block_bytes : n * g.row_bytes),
-                        static_cast<size_t>(g.tokens * g.row_bytes),
-                        static_cast<size_t>(whole ? 1 : g.outer)});
-    }
-    last_s = from;
-    last_d = d;
-    last_whole = whole;
-  }
-  return duplicates;
 }
 
 }  // namespace kvxfer

@@ -2,9 +2,9 @@
 // without a GPU: runs CopyUnit for every work unit and thread of a launch, one after another,
 // and checks the result against a reference that applies the pairs in order. The duplicate
 // scan's answers (LaterWriterTokensKernel on the GPU) come from an in-order reference here.
-// Also runs the copy engines' plan (PlanDmaCopies) with memcpy: in plan order when it reports
-// two pairs writing one block, in reverse order otherwise (it promises that any order gives the
-// same result).
+// Also runs the copy engines' plan (PlanDmaCopies, ffi/dma_plan.h) with memcpy: in plan order
+// when it reports two pairs writing one block, in reverse order otherwise (it promises that any
+// order gives the same result).
 //
 // Each random case (geometry, vector width, batch with padding, out-of-range and repeated
 // indices, token counts from -1 to T+1, GPUs of different sizes) runs units in forward and in
@@ -33,6 +33,7 @@ struct uint4 {
 };
 
 #include "copy_units.cuh"
+#include "dma_plan.h"
 
 namespace {
 

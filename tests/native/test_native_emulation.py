@@ -1,8 +1,8 @@
-"""The copy kernel's index arithmetic and the copy engines' plan (ffi/copy_units.cuh) run on the
-host: every work unit and thread of a launch, one after another, and the plan's copies with
-memcpy, against a reference that applies the pairs in order, on random geometries and batches
-(tests/native/copy_units_emulation.cc). It needs only a C++ compiler, so it runs where no GPU
-does; with AddressSanitizer when the compiler has it."""
+"""The copy kernel's index arithmetic (ffi/copy_units.cuh) and the copy engines' plan
+(ffi/dma_plan.h) run on the host: every work unit and thread of a launch, one after another, and
+the plan's copies with memcpy, against a reference that applies the pairs in order, on random
+geometries and batches (tests/native/copy_units_emulation.cc). It needs only a C++ compiler, so
+it runs where no GPU does; with AddressSanitizer when the compiler has it."""
 
 from __future__ import annotations
 
