@@ -273,4 +273,5 @@ def _combined(results: list[RunResult], loop: dict, compile_seconds: float) -> R
         exposed_transfer_seconds=sum(r.exposed_transfer_seconds for r in results),
         full_prefill_flops=loop["full_flops"], full_prefill_seconds=loop["full_seconds"],
         store_stats=_sum(stores, StoreStats) if stores else None,
-        store_close_seconds=max((r.store_close_seconds for r in results), default=0.0))
+        store_close_seconds=max((r.store_close_seconds for r in results), default=0.0),
+        offloads_declined=sum(r.offloads_declined for r in results), admission=first.admission)
