@@ -40,7 +40,6 @@ import logging
 import os
 import queue
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -55,7 +54,7 @@ from typing import Any, Self
 import numpy as np
 
 from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
-from .shared import SharedStore, free_port, int_at_least, spawn_server
+from .shared import SharedStore, free_port, int_at_least, spawn_server, stop_server
 
 log = logging.getLogger(__name__)
 
@@ -723,16 +722,7 @@ class LocalMooncake:
     def stop(self) -> None:
         """Ends the holder and the master (SIGTERM, then SIGKILL after 5 s)."""
         for proc in (self.holder, self.master):
-            if proc is None or proc.poll() is not None:
-                continue
-            with contextlib.suppress(OSError):
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self._own_dir = False

@@ -28,7 +28,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -41,7 +40,14 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 import numpy as np
 
 from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
-from .shared import SharedStore, free_port, int_at_least, positive_seconds, spawn_server
+from .shared import (
+    SharedStore,
+    free_port,
+    int_at_least,
+    positive_seconds,
+    spawn_server,
+    stop_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -656,16 +662,7 @@ class LocalValkey:
     def stop(self) -> None:
         """Ends the server (SIGTERM, after SIGCONT should it be stopped; SIGKILL after 5 s) and
         removes its folder where it made one. Again: nothing."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(OSError):
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(self.proc)
         if self._own_folder:
             shutil.rmtree(self.folder, ignore_errors=True)
         if self._registered:

@@ -17,8 +17,10 @@ start on 127.0.0.1 take a free port (`free_port`) and run through `spawn_server`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
 import socket
 import subprocess
 import sys
@@ -310,6 +312,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_server(proc: subprocess.Popen | None) -> None:
+    """Ends a process `spawn_server` started, if it still runs: SIGCONT first (a stopped one
+    could not act on SIGTERM), SIGTERM, then SIGKILL after 5 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def spawn_server(exe: str, args: Sequence[str], log_path: str,
