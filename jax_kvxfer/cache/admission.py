@@ -128,8 +128,7 @@ class ReuseGate:
         self.rate, self.window, self.warmup, self.explore = float(rate), window, warmup, explore
         self.name = "reuse" if rate == 0.05 else f"reuse:{rate:g}"
         self._offloaded = self._onboarded = 0.0  # decaying counts
-        self._since_halving = 0
-        self._total = 0  # offloads in all, for the warm-up
+        self._total = 0  # offloads in all: the warm-up, and a halving every `window`
         self._passed_by = 0  # blocks the closed gate met, for exploring
         self.admitted = self.declined = 0
 
@@ -159,9 +158,7 @@ class ReuseGate:
         self.admitted += 1
         self._total += 1
         self._offloaded += 1
-        self._since_halving += 1
-        if self._since_halving >= self.window:
-            self._since_halving = 0
+        if self._total % self.window == 0:
             self._offloaded /= 2
             self._onboarded /= 2
         return True
