@@ -154,8 +154,8 @@ d = json.load(open(sys.argv[1]))
 r, runs = d["replicas"], d["runs"]
 ms = lambda x: "-" if x is None else f"{1e3 * x:.0f} ms"
 s, a, o = runs["replicas+store"], runs["replicas"], runs["offload"]
-hits = ", ".join(f"replica {x['replica']} {x['store_hit_tokens']} store-hit tokens"
-                 for x in s["replicas"])
+hits = ", ".join(f"replica {x['replica']} {x['store_hit_tokens']} store-hit tokens, block manager "
+                 f"{x['step_ms']['block manager']:.1f} ms a tick" for x in s["replicas"])
 ratio = r.get("moved_ttft_p50_over_host_hit_ttft_p50")
 print(f"moved turns TTFT p50 {ms(s['ttft_p50_moved_turns_s'])} vs offload host-hit turns "
       f"{ms(o['ttft_p50_host_hit_turns_s'])} ({'-' if ratio is None else f'{ratio:.2f}'}x, "

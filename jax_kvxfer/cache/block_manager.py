@@ -386,6 +386,24 @@ class BlockManager:
                                                   priority=DEFAULT_PRIORITY, wait=False)
         return len(blocks) * self.tokens_per_block
 
+    def prefetch_pending(self, token_ids: Sequence[int]) -> bool:
+        """Whether a `prefetch` of this prompt's prefix is still reading, without waiting for
+        it (`match_prefix` and `add_sequence` wait).
+
+        Raises:
+          TypeError, ValueError: bad token ids.
+        """
+        tokens = check_token_ids("token_ids", token_ids)
+        if not self._prefetching:
+            return False
+        t, key = self.tokens_per_block, ROOT_KEY
+        for start in range(0, len(tokens) - t, t):  # the last token is never matched
+            key = block_key(key, tokens[start:start + t])
+            prefetch = self._prefetching.get(key)
+            if prefetch is not None and not prefetch.future.done():
+                return True
+        return False
+
     def flush(self) -> None:
         """Issues the queued transfers and waits until every block written through to the
         stores so far is durable there (no-op without stores)."""

@@ -636,7 +636,9 @@ def _replica_summary(i: int, res: serving.RunResult, moved: set) -> dict:
             "store_hit_blocks": res.block_stats.store_hit_blocks,
             "moved_turns_store_hit_tokens": sum(r.store_hit_tokens for k, r in res.turns.items()
                                                 if k in moved),
-            "store": m["store"], "ttft_p50_s": _ttft_p50(res), **_turn_figures(res, moved)}
+            "store": m["store"], "ttft_p50_s": _ttft_p50(res), **_turn_figures(res, moved),
+            # where its host time goes, per router tick (the tick itself is the router's)
+            "step_ms": {k: v for k, v in m["step_ms"].items() if k != "step"}}
 
 
 def _summary(res: serving.RunResult, moved: set = frozenset()) -> dict:

@@ -6,7 +6,8 @@ another replica than the turn before it, so its prompt's newest part (the previo
 message and reply) was computed elsewhere. With a shared store (`store`), every replica writes
 a finished turn's blocks to it at once (BlockManager(store_on_release=True)), and a turn whose
 previous turn ran elsewhere waits (up to serving.PREFIX_WAIT_S of wall time) until the store
-holds that prefix, then reads it like a host hit; without a store, each replica recomputes it.
+holds that prefix, then until its read into host rows (BlockManager.prefetch) has landed, and
+onboards it like a host hit; without a store, each replica recomputes it.
 
 The router keeps one clock for all: in each tick, every replica admits what has arrived for
 it and runs one model step (the replicas' steps run at once, on one GPU or several); the tick

@@ -387,6 +387,8 @@ class Server:
         self._priority: dict[tuple[int, int], int] = {}
         # prefetched[key]: the prompt positions [lo, hi) its prefetch read from a store
         self._prefetched: dict[tuple[int, int], tuple[int, int]] = {}
+        # the requests that found their expected prefix and wait for its prefetch to end
+        self._reading: set[tuple[int, int]] = set()
         self._step: tuple | None = None  # the last step's rows and logits, for collect
         self.full_step_flops = 0  # the last step's, when its prefill segment was full
         self._closed = False
@@ -407,13 +409,36 @@ class Server:
 
     def _waits_for_prefix(self, req: Request) -> bool:
         """Whether `req` still waits for its expected prefix: fewer of its tokens are found
-        than expected, until its deadline (then it computes what is missing)."""
+        than expected, until its deadline (then it computes what is missing); once found, a
+        part that only a store holds is prefetched, and `req` waits until that read is done.
+        The read then overlaps the steps of the running requests, instead of holding up the
+        step that admits `req` (the replicas on the H200 spent their store reads there)."""
+        bm = self.bm
+        if req.key in self._reading:  # its prefix found, the store's part still read
+            if bm.prefetch_pending(req.prompt):
+                return True
+            self._reading.discard(req.key)
+            return False
         if req.expect_tokens <= 0:
             return False
-        if self.bm.match_prefix(req.prompt).num_tokens >= req.expect_tokens or \
-                time.monotonic() >= req.wait_until:
-            req.expect_tokens = 0
+        match = bm.match_prefix(req.prompt)
+        if match.num_tokens < req.expect_tokens and time.monotonic() < req.wait_until:
+            return True
+        req.expect_tokens = 0
+        if req.key not in self._prefetched and self._start_prefetch(req, match):
+            self._reading.add(req.key)
+            return True
+        return False
+
+    def _start_prefetch(self, req: Request, match) -> bool:
+        """Starts reading from the stores the part of `req`'s prefix that only they hold, if
+        it is within a quarter of the host pool: blocks read ahead hold their host rows until
+        `req` is admitted. Whether a read started."""
+        bm = self.bm
+        if not (0 < match.store_blocks <= bm.num_secondary_blocks // 4):
             return False
+        lo = (match.primary_blocks + match.secondary_blocks) * bm.tokens_per_block
+        self._prefetched[req.key] = (lo, lo + bm.prefetch(req.prompt))
         return True
 
     def _admit(self) -> None:
@@ -464,11 +489,7 @@ class Server:
         if not self.waiting or self._prefetched:
             return
         req = self.waiting[0]
-        bm, t_block = self.bm, self.bm.tokens_per_block
-        match = bm.match_prefix(req.prompt)
-        lo = (match.primary_blocks + match.secondary_blocks) * t_block
-        if 0 < match.store_blocks <= bm.num_secondary_blocks // 4:
-            self._prefetched[req.key] = (lo, lo + bm.prefetch(req.prompt))
+        self._start_prefetch(req, self.bm.match_prefix(req.prompt))
 
     def _prefetched_host_tokens(self, prompt: list[int], span: tuple[int, int], match) -> int:
         """Of the full host blocks `match` found, the tokens within `span`, which this

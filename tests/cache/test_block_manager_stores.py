@@ -8,7 +8,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import zlib
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
@@ -204,5 +207,62 @@ def test_a_partly_filled_block_comes_back_from_the_disk(tmp_path):
     assert bm.match_prefix(history + [1, 2]).partial_from_store
     reused = serve(bm, pool, "turn 2", history + list(map(int, rng.integers(0, 50, 5))))
     assert reused == len(history)  # serve() checked every reused position's value
+    bm.close()
+    store.close()
+
+
+
+class HeldFileStore(FileStore):
+    """A real FileStore whose reads start only once `release` is set: a slow tier, held
+    for as long as a test needs."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+
+    def get(self, keys, rows) -> Future:
+        out = Future()
+
+        def read():
+            self.release.wait(30)
+            try:
+                out.set_result(super(HeldFileStore, self).get(keys, rows).result())
+            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+                out.set_exception(e)
+
+        threading.Thread(target=read, daemon=True).start()
+        return out
+
+
+def test_a_prefetch_is_pending_until_its_read_lands(tmp_path):
+    """A prompt's blocks only the disk holds; prefetch starts reading them while the disk's
+    reads are held. prefetch_pending says so without waiting, stays True while the read is
+    held, turns False once it lands, and add_sequence then reuses every full block exactly."""
+    rng = np.random.default_rng(12)
+    store = HeldFileStore(tmp_path, namespace="test-model")
+    pool = make_pool(4, 3)  # host rows for the whole prefix
+    bm = BlockManager(pool, stores=[store])
+    prompt = list(map(int, rng.integers(0, 50, MAX_LEN)))
+    serve(bm, pool, "first", prompt)
+    for i in range(3):  # push the prompt's blocks to the host, then out to the disk
+        serve(bm, pool, i, list(map(int, rng.integers(50, 99, MAX_LEN))))
+    bm.flush()
+    full = (MAX_LEN - 1) // T  # the last token is always computed
+    assert bm.match_prefix(prompt).store_blocks == full
+    assert not bm.prefetch_pending(prompt)  # nothing started
+    assert bm.prefetch(prompt) == full * T
+    for _ in range(5):
+        assert bm.prefetch_pending(prompt), "pending while its read is held"
+        time.sleep(0.05)
+    assert not bm.prefetch_pending(prompt[T:])  # another prompt (its blocks' keys differ)
+    store.release.set()
+    t = time.monotonic()
+    while bm.prefetch_pending(prompt):
+        assert time.monotonic() - t < 30, "the read never landed"
+        time.sleep(0.01)
+    assert serve(bm, pool, "again", prompt) == full * T  # checks every reused position
+    assert bm.store_stats()["DISK"].hits == full
+    with pytest.raises(TypeError, match="token_ids"):
+        bm.prefetch_pending("abc")
     bm.close()
     store.close()
