@@ -158,6 +158,14 @@ def test_another_namespace_does_not_see_the_blocks(tmp_path):
         store.close()
 
 
+def serve_then_push_to_disk(bm: BlockManager, pool: kvx.KVCacheBlockPool, rng, prompt) -> None:
+    """Serves `prompt`, then three other prompts that push its blocks to the host and out to
+    the disk, and makes the disk's writes durable: then only the disk holds them."""
+    serve(bm, pool, "first", prompt)
+    for i in range(3):
+        serve(bm, pool, i, list(map(int, rng.integers(50, 99, MAX_LEN))))
+    bm.flush()
+
 def test_stores_need_a_host_pool(tmp_path):
     with pytest.raises(ValueError, match="0 secondary blocks"):
         BlockManager(make_pool(4, 0), stores=[FileStore(tmp_path, namespace="m")])
@@ -174,10 +182,7 @@ def test_a_prefetch_is_finished_even_when_a_block_before_it_was_evicted(tmp_path
     pool = make_pool(4, 2)
     bm = BlockManager(pool, stores=[store])
     prompt = list(map(int, rng.integers(0, 50, MAX_LEN)))
-    serve(bm, pool, "first", prompt)
-    for i in range(3):  # push the prompt's blocks to the host, then out to the disk
-        serve(bm, pool, i, list(map(int, rng.integers(50, 99, MAX_LEN))))
-    bm.flush()
+    serve_then_push_to_disk(bm, pool, rng, prompt)
     serve(bm, pool, "head", prompt[:T + 1])  # block 0 back on the GPU, the rest on disk only
     assert bm.prefetch(prompt) > 0
     for i in range(3):  # evicts block 0 again (the prefetch holds its host rows)
@@ -243,10 +248,7 @@ def test_a_prefetch_is_pending_until_its_read_lands(tmp_path):
     pool = make_pool(4, 3)  # host rows for the whole prefix
     bm = BlockManager(pool, stores=[store])
     prompt = list(map(int, rng.integers(0, 50, MAX_LEN)))
-    serve(bm, pool, "first", prompt)
-    for i in range(3):  # push the prompt's blocks to the host, then out to the disk
-        serve(bm, pool, i, list(map(int, rng.integers(50, 99, MAX_LEN))))
-    bm.flush()
+    serve_then_push_to_disk(bm, pool, rng, prompt)
     full = (MAX_LEN - 1) // T  # the last token is always computed
     assert bm.match_prefix(prompt).store_blocks == full
     assert not bm.prefetch_pending(prompt)  # nothing started
