@@ -33,7 +33,6 @@ or a master started; it links Debian's `libibverbs1` (and `libnuma1`, `libcurl4`
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ipaddress
 import logging
@@ -54,7 +53,7 @@ from typing import Any, Self
 import numpy as np
 
 from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
-from .shared import SharedStore, free_port, int_at_least, spawn_server, stop_server
+from .shared import LocalServer, SharedStore, free_port, int_at_least, spawn_server, stop_server
 
 log = logging.getLogger(__name__)
 
@@ -613,7 +612,7 @@ class MooncakeStore(SharedStore):
 # --- a local master ---------------------------------------------------------------------------
 
 
-class LocalMooncake:
+class LocalMooncake(LocalServer):
     """A `mooncake_master` on 127.0.0.1 and a holder (the wheel's `mooncake_client`, lending
     `segment_bytes` of memory to the pool, so that blocks outlive the processes that wrote
     them), started by `start_local_master()`. `.address` is the master's `host:port`;
@@ -639,15 +638,12 @@ class LocalMooncake:
         self.master_args = list(master_args)
         self.master: subprocess.Popen | None = None
         self.holder: subprocess.Popen | None = None
-        self._registered = False
 
     def __repr__(self) -> str:
         return f"LocalMooncake(address={self.address!r}, segment_bytes={self.segment_bytes})"
 
     def _spawn(self, exe: str, args: list[str], name: str) -> subprocess.Popen:
-        if not self._registered:  # stopped at exit, and (Linux) when this process dies
-            atexit.register(self.stop)
-            self._registered = True
+        self._stop_at_exit()  # (spawn_server's processes also die with this one, on Linux)
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "WARNING"))
         return spawn_server(exe, args, os.path.join(self.log_dir, f"{name}.log"), env)
 
@@ -726,15 +722,7 @@ class LocalMooncake:
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self._own_dir = False
-        if self._registered:
-            atexit.unregister(self.stop)
-            self._registered = False
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self._stopped()
 
 
 def start_local_master(segment_bytes: int = DEFAULT_HOLDER_BYTES, *, port: int | None = None,

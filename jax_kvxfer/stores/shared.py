@@ -17,6 +17,7 @@ start on 127.0.0.1 take a free port (`free_port`) and run through `spawn_server`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -313,6 +314,33 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
+
+class LocalServer:
+    """What LocalValkey and LocalMooncake share: once started, this process's exit stops the
+    server, and so does leaving a `with` block; `stop()` is the subclass's."""
+
+    _stops_at_exit = False
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _stop_at_exit(self) -> None:
+        """Before a server process is spawned: this process's exit will stop it."""
+        if not self._stops_at_exit:
+            atexit.register(self.stop)
+            self._stops_at_exit = True
+
+    def _stopped(self) -> None:
+        """At the end of `stop()`: nothing left for the exit to stop."""
+        if self._stops_at_exit:
+            atexit.unregister(self.stop)
+            self._stops_at_exit = False
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 def stop_server(proc: subprocess.Popen | None) -> None:
     """Ends a process `spawn_server` started, if it still runs: SIGCONT first (a stopped one
