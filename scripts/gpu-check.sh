@@ -24,8 +24,8 @@
 #   real-workloads: the demo's real workloads on the h200 preset, each printing its closing line
 #   (offload vs drop and never_evict, exact): real-chats (the chats, about 4 minutes),
 #   real-docqa (long documents asked questions, about 5), real-lowreuse (the low-reuse
-#   workload twice, for the run-to-run spread, about 5), real-sweep (a 4-rate load sweep of 20
-#   chats x 3 turns with pools sized from the workload, its plot in $OUT/sweep.png, about 8).
+#   workload twice, for the run-to-run spread, about 6), real-sweep (a 4-rate load sweep of 14
+#   chats x 3 turns with pools sized from the workload, its plot in $OUT/sweep.png, about 5).
 #   Together they take longer than one 10-minute command: run them as separate steps.
 #   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them.
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
@@ -214,7 +214,7 @@ if has real-lowreuse; then
   real real-lowreuse-1 --workload lowreuse
   real real-lowreuse-2 --workload lowreuse
 fi
-has real-sweep && real real-sweep --conversations 20 --turns 3 --gpu-fraction 0.25 \
+has real-sweep && real real-sweep --conversations 14 --turns 3 --gpu-fraction 0.25 \
   --arrival-rate 0.25,0.5,1,2 --plot "$OUT/sweep.png"
 if has sanitize && [ -x scripts/sanitize.sh ]; then
   t=$(date +%s)
