@@ -17,9 +17,17 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from store_checks import (
+    check_killed_mid_run_then_restarted,
+    check_namespaces_are_isolated,
+    get_rows,
+    new_keys,
+    random_rows,
+    wait_for,
+)
 from valkey_servers import TlsProxy, Valkey, start_cluster, valkey_executable, wait_cluster_ok
 
-from jax_kvxfer.stores import RedisStore, StoreStats
+from jax_kvxfer.stores import RedisStore
 from jax_kvxfer.stores.base import HEADER_NBYTES, encode_header
 
 LAYOUT = ("redis-test", 1)
@@ -58,33 +66,11 @@ def new_valkey(tmp_path) -> Iterator:
         server.stop()
 
 
-def new_keys(rng: np.random.Generator, n: int) -> list[bytes]:
-    return [rng.bytes(16) for _ in range(n)]
-
-
-def random_rows(rng: np.random.Generator, n: int, row_nbytes: int) -> np.ndarray:
-    return rng.integers(0, 256, (n, row_nbytes), dtype=np.uint8)
-
-
 def make(url: str, row_nbytes: int, namespace: str = "model-a", layout=LAYOUT,
          **kw) -> RedisStore:
     store = RedisStore(url, namespace=namespace, **kw)
     store.bind(layout, row_nbytes)
     return store
-
-
-def get_rows(store: RedisStore, keys: list[bytes], fill: int = 7) -> tuple[list[bool], np.ndarray]:
-    out = np.full((len(keys), store.row_nbytes), fill, np.uint8)
-    return store.get(keys, list(out)).result(timeout=30), out
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 @pytest.mark.parametrize("row_nbytes,max_batch_bytes", [(4096, 16 << 20), (5000, 12000),
@@ -201,29 +187,7 @@ def test_another_process_reads_what_one_wrote(valkey):
 
 
 def test_namespaces_and_layouts_are_isolated(valkey, rng):
-    """The same keys under two namespaces (and two layouts) hold different rows; each store
-    sees only its own, and a third sees nothing."""
-    keys = new_keys(rng, 8)
-    a = make(valkey.url, 1000, namespace="iso-a")
-    b = make(valkey.url, 1000, namespace="iso-b")
-    a2 = make(valkey.url, 1000, namespace="iso-a", layout=("other-layout", 2))
-    rows = {s: random_rows(rng, 8, 1000) for s in ("a", "b")}
-    a.put(keys, list(rows["a"])).result(timeout=30)
-    b.put(keys[:5], list(rows["b"][:5])).result(timeout=30)
-    a.flush()
-    b.flush()
-    assert (a.lookup(keys), b.lookup(keys), a2.lookup(keys)) == (8, 5, 0)
-    for store, name, n in ((a, "a", 8), (b, "b", 5)):
-        found, out = get_rows(store, keys)
-        assert found == [True] * n + [False] * (8 - n)
-        assert np.array_equal(out[:n], rows[name][:n])
-    found, _ = get_rows(a2, keys)
-    assert not any(found)
-    c = make(valkey.url, 1000, namespace="iso-c")
-    assert c.lookup(keys) == 0
-    assert a2.stats().corrupt == 0  # not found at all: other keys, not refused values
-    for s in (a, b, a2, c):
-        s.close()
+    check_namespaces_are_isolated(lambda row, **kw: make(valkey.url, row, **kw), rng)
 
 
 def test_foreign_values_under_our_keys_are_counted_misses_and_deleted(valkey, rng):
@@ -271,63 +235,16 @@ def test_foreign_values_under_our_keys_are_counted_misses_and_deleted(valkey, rn
 
 
 def test_server_killed_mid_run_then_restarted(new_valkey, rng):
-    """SIGKILL while a thread keeps putting and getting: no call raises, misses and dropped
-    writes are counted, `available` goes False; a restarted server (empty: no persistence)
-    serves hits again for blocks written after the restart."""
+    """SIGKILL mid-run, then a restarted server (empty: no persistence): see the check.
+    While it is down, `ping` says so."""
     server = new_valkey()
     store = make(server.url, 50000, namespace="killed", timeout_s=0.5, retry_s=0.2)
-    keys = new_keys(rng, 16)
-    rows = random_rows(rng, 16, 50000)
-    errors: list[BaseException] = []
-    stop = threading.Event()
-    totals = StoreStats()
-    lookups: list[int] = []
 
-    def loop() -> None:
-        out = np.zeros_like(rows)
-        while not stop.is_set():
-            try:
-                store.put(keys, list(rows)).result(timeout=30)
-                store.flush()
-                lookups.append(store.lookup(keys))
-                store.get(keys, list(out)).result(timeout=30)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-                return
+    def down() -> None:
+        assert store.ping() is False
 
-    t = threading.Thread(target=loop)
-    t.start()
-    assert wait_for(lambda: len(lookups) >= 3)
-    server.kill()
-    assert wait_for(lambda: store.available is False)
-    n_before = len(lookups)
-    assert wait_for(lambda: len(lookups) >= n_before + 5)  # calls go on, answered at once
-    stop.set()
-    t.join(30)
-    assert not errors, errors
-    totals.add(store.stats())
-    assert totals.dropped_writes > 0 and totals.misses > 0 and totals.hits > 0
-    assert lookups[-1] == 0
-    assert store.ping() is False
-    found, _ = get_rows(store, keys)
-    assert not any(found)
-
-    server.start()  # same port, empty
-    new = new_keys(rng, 4)
-    new_rows = random_rows(rng, 4, 50000)
-
-    def written_and_found() -> bool:
-        store.put(new, list(new_rows)).result(timeout=30)
-        store.flush()
-        return store.lookup(new) == 4
-
-    assert wait_for(written_and_found, 10)
-    assert store.available is True
-    found, out = get_rows(store, new)
-    assert all(found) and np.array_equal(out, new_rows)
-    found, _ = get_rows(store, keys)
-    assert not any(found)  # the old blocks died with the server
-    store.close()
+    check_killed_mid_run_then_restarted(store, server.kill, server.start, rng,
+                                        while_down=down)
 
 
 def test_frozen_server_is_a_miss_after_timeout_s(new_valkey, rng):
