@@ -168,8 +168,16 @@ def test_the_table_is_aligned_at_any_width_and_ends_with_the_closing_line():
     assert rows["exposed transfer time"][0].startswith("0.250 s")
     assert "prefill rate (full-prefill steps)" not in rows  # no FLOP/s where none is known
     assert lines[-1] == ("offload vs drop: TTFT p50 1000.00× lower, output tokens/s 1000.00× "
-                         "higher; vs never_evict: TTFT p50 2.00× higher, output tokens/s 2.00× "
-                         "lower; not exact (first differing turn (3, 1))")
+                         "higher, the same prefill computed; vs never_evict: TTFT p50 2.00× "
+                         "higher, output tokens/s 2.00× lower, the same prefill computed; "
+                         "not exact (first differing turn (3, 1))")
+    runs["drop"]["computed_prefill_tokens"] *= 3
+    runs["never_evict"]["computed_prefill_tokens"] //= 2
+    c = demo.closing(runs, compared)
+    assert (c["vs_drop"]["computed_prefill_ratio"], c["vs_never_evict"]["computed_prefill_ratio"]) \
+        == (3, 0.5)
+    assert ("prefill computed 3.00× less; vs never_evict" in c["line"]
+            and "prefill computed 2.00× more; not exact" in c["line"])
 
 
 def test_docqa_and_admission_on_the_cpu_preset_sizes(capsys):
