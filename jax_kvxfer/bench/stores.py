@@ -53,6 +53,7 @@ import numpy as np
 
 from ..stores import FileStore, RedisStore, aligned_rows
 from ..stores.base import HEADER_NBYTES, encode_header
+from ..stores.redis import connection_class
 from .config import KiB, MiB, fmt_size
 from .helpers import err_text, median
 
@@ -136,7 +137,8 @@ class _RawRedis:
     def __init__(self, url: str) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url, socket_timeout=60)
+        self.client = redis.Redis.from_url(url, socket_timeout=60,
+                                           connection_class=connection_class(url))
 
     def batch(self, op: str, names: list[str], values: np.ndarray) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -438,7 +440,7 @@ class StoresMixin:
         except ImportError:
             HIREDIS_AVAILABLE = False
         rs["client"] = (f"redis-py {redis.__version__} "
-                        f"({'hiredis' if HIREDIS_AVAILABLE else 'Python'} parser)")
+                        f"({'hiredis' if HIREDIS_AVAILABLE else 'Python'} parser, Python packer)")
         return (lambda: _RawRedis(url),
                 lambda n: RedisStore(url, namespace=f"bench-{n}", threads=n), DEFAULT_THREADS)
 

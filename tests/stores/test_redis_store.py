@@ -29,6 +29,7 @@ from valkey_servers import TlsProxy, Valkey, start_cluster, valkey_executable, w
 
 from jax_kvxfer.stores import RedisStore
 from jax_kvxfer.stores.base import HEADER_NBYTES, encode_header
+from jax_kvxfer.stores.redis import connection_class
 
 LAYOUT = ("redis-test", 1)
 
@@ -449,6 +450,26 @@ def test_password_never_shown(new_valkey, rng, caplog):
     for t in texts:
         assert PASSWORD not in t, t
         assert PASSWORD[:-1] not in t, t
+
+
+@pytest.mark.parametrize("url, base", [("redis://127.0.0.1:6379/0", "Connection"),
+                                       ("rediss://127.0.0.1:6379", "SSLConnection"),
+                                       ("unix:///tmp/valkey.sock", "UnixDomainSocketConnection")])
+def test_connections_pack_commands_in_python(url, base):
+    """Each URL's connection class, packing with redis-py's Python packer (which sends a large
+    value as it is) even where hiredis, whose packer copies every value, is installed; the
+    reply parser stays redis-py's choice (hiredis's where installed)."""
+    import redis
+
+    cls = connection_class(url)
+    assert issubclass(cls, getattr(redis.connection, base))
+    conn = cls(**{k: v for k, v in redis.connection.parse_url(url).items()
+                  if k != "connection_class"})
+    assert type(conn._command_packer) is redis.connection.PythonRespSerializer
+    big = np.arange(1 << 16, dtype=np.uint8)
+    packed = conn.pack_command("SET", b"k", big.data)
+    assert any(p is not None and len(p) == big.nbytes for p in packed)  # sent as it is
+    assert b"".join(bytes(p) for p in packed).endswith(big.tobytes() + b"\r\n")
 
 
 def test_tls_and_unix_socket_urls(new_valkey, rng, tmp_path):
