@@ -654,7 +654,7 @@ class _Loop:
     full_seconds: float
     compiles: int = 0  # XLA compiles while the loop ran, and their seconds
     compile_seconds: float = 0.0
-    step_seconds: float = 0.0  # the steps' wall time, from a step's start to its tokens
+    step_seconds: float = 0.0  # the steps' wall time: each from its start to its collect
 
 
 def _serve(server: Server, conversations: Sequence[Conversation], *, priorities: list[int],
@@ -683,7 +683,9 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
     while pending or server.busy:
         submit_arrived()
         if not server.step():  # idle until the next arrival
-            elapsed = 0.0 if fixed_step_s is not None else time.perf_counter() - mark
+            now = time.perf_counter()
+            step_seconds += now - mark  # the last step's collect, whose phase is counted too
+            elapsed = 0.0 if fixed_step_s is not None else now - mark
             clock = agreed(max(clock + elapsed, pending[0][0]))
             mark = time.perf_counter()
             continue
@@ -706,6 +708,7 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
                 heapq.heappush(pending, (clock + turns[t + 1].think_s, c, t + 1))
             if progress:
                 progress(len(results), total)
+    step_seconds += time.perf_counter() - mark  # the last collect
     return _Loop(results, steps, clock, full_flops, full_seconds,
                  _compiles[0] - compiled[0], _compiles[1] - compiled[1], step_seconds)
 
