@@ -654,7 +654,7 @@ class _Loop:
     full_seconds: float
     compiles: int = 0  # XLA compiles while the loop ran, and their seconds
     compile_seconds: float = 0.0
-    step_seconds: float = 0.0  # the steps' wall time: each from its start to its collect
+    step_seconds: float = 0.0  # the steps' wall time: each from its start to its collect's end
 
 
 def _serve(server: Server, conversations: Sequence[Conversation], *, priorities: list[int],
