@@ -2,8 +2,9 @@
 same).
 
 From the bottom up: core (the top-level modules: ops, pools, the transfer manager) <- stores
-(the tiers below the host) <- cache (the block manager) <- the package's API (its `__init__`)
-<- the demo and the bench, which use that API and do not import each other <- `__main__`.
+(the tiers below the host) <- connector (the host pool and stores for an engine's own pages)
+<- cache (the block manager) <- the package's API (its `__init__`) <- the integrations with
+engines, the demo and the bench, which use that API and do not import each other <- `__main__`.
 A module imports only from its own layer and the layers below it; no module imports another
 module's private name (`_name`), nor a private module (`_module`) of another folder.
 
@@ -29,7 +30,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "jax_kvxfer"
 # A module may import from a layer of lower rank, or from its own.
-RANKS = {"core": 0, "stores": 1, "cache": 2, "api": 3, "demo": 4, "bench": 4, "main": 5}
+RANKS = {"core": 0, "stores": 1, "connector": 2, "cache": 3, "api": 4, "integrations": 5,
+         "demo": 5, "bench": 5, "main": 6}
 # The compiled extensions, which the build puts beside the package's modules.
 NATIVE = set(re.findall(r"nanobind_add_module\(\s*(\w+)",
                         (PACKAGE.parent / "CMakeLists.txt").read_text(encoding="utf-8")))
@@ -245,7 +247,8 @@ def test_the_python_and_native_tables_agree():
 
 @pytest.mark.parametrize("module, expected", [
     ("manager", "core"), ("_native", "core"), ("events", "core"), ("metrics", "core"),
-    ("cache.block_manager", "cache"),
+    ("cache.block_manager", "cache"), ("connector.worker", "connector"),
+    ("integrations.easydel", "integrations"),
     ("cache.__init__", "cache"), ("demo.cli", "demo"), ("bench.sweep", "bench"),
     ("__init__", "api"), ("__main__", "main")])
 def test_layer_of(module, expected):
@@ -260,8 +263,12 @@ def test_the_check_sees_a_wrong_import(tmp_path):
     manager = copy / "manager.py"
     manager.write_text(manager.read_text() + "\nfrom .cache import BlockManager\n"
                        "from .ops import _checked_view\n")
+    worker = copy / "connector" / "worker.py"
+    worker.write_text(worker.read_text() + "\nfrom ..cache.block_manager import BlockManager\n")
     found = violations(copy)
     assert any("manager.py" in f and "cache.__init__, of layer cache" in f for f in found), found
+    assert any("connector/worker.py" in f and "connector imports cache.block_manager" in f
+               for f in found), found
     assert any("private name(s) ['_checked_view'] of ops" in f for f in found), found
 
 

@@ -1,7 +1,7 @@
 """The cache policy over the core's pools and transfer manager: a prefix index of chained block
 hashes, least-recently-used eviction by priority, offload on eviction and onboard on a hit."""
 
-from .admission import AlwaysAdmit, FrequencyGate, ReuseGate, admission_policy
+from ..connector.admission import AlwaysAdmit, FrequencyGate, ReuseGate, admission_policy
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
 
 __all__ = ["AlwaysAdmit", "BlockManager", "BlockManagerStats", "FrequencyGate", "PoolExhaustedError",

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from ..connector.lru import DEFAULT_PRIORITY
 from ..pool import KVCacheBlock, KVCacheBlockPool
 
 ROOT_KEY = bytes(16)
 """The parent key of a sequence's first block."""
 
-MIN_PRIORITY, MAX_PRIORITY = 0, 100
-DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
-DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY = 30  # TensorRT-LLM's secondary_offload_min_priority
 
 
 class PoolExhaustedError(RuntimeError):
@@ -83,47 +80,6 @@ class CachedBlock:
     tokens: tuple[int, ...] = ()
     priority: int = DEFAULT_PRIORITY
     ref_count: int = 0  # sequences using it, plus pins held until transfers are issued
-
-
-class EvictionQueue:
-    """Reusable blocks of one memory: lowest priority first, least recently used first.
-
-    TensorRT-LLM: the priority-bucketed LRU free-block queues of its eviction policy.
-    """
-
-    def __init__(self) -> None:
-        self._by_priority: dict[int, OrderedDict[int, CachedBlock]] = {}
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __contains__(self, block: CachedBlock) -> bool:
-        bucket = self._by_priority.get(block.priority)
-        return bucket is not None and block.block_id in bucket
-
-    def push(self, block: CachedBlock) -> None:
-        """Adds `block` as the most recently used of its priority."""
-        self._by_priority.setdefault(block.priority, OrderedDict())[block.block_id] = block
-        self._count += 1
-
-    def remove(self, block: CachedBlock) -> None:
-        bucket = self._by_priority[block.priority]
-        del bucket[block.block_id]
-        if not bucket:
-            del self._by_priority[block.priority]
-        self._count -= 1
-
-    def peek(self) -> CachedBlock | None:
-        """The next victim, or None when empty."""
-        if not self._by_priority:
-            return None
-        return next(iter(self._by_priority[min(self._by_priority)].values()))
-
-    def __iter__(self) -> Iterator[CachedBlock]:
-        """Blocks in eviction order."""
-        for priority in sorted(self._by_priority):
-            yield from self._by_priority[priority].values()
 
 
 class BlockIndex:
@@ -201,14 +157,6 @@ def checked_pools(pools: KVCacheBlockPool | Sequence[KVCacheBlockPool]) -> list[
                 raise ValueError(f"pools[{i}].{field} is {getattr(p, field)}, but "
                                  f"pools[0].{field} is {getattr(pools[0], field)}")
     return pools
-
-
-def check_priority(priority: object) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not (
-            MIN_PRIORITY <= priority <= MAX_PRIORITY):
-        raise ValueError(f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, "
-                         f"got {priority!r}")
-    return int(priority)
 
 
 class TransferQueue:

@@ -12,14 +12,14 @@ import time
 from collections.abc import Hashable, Sequence
 
 from .. import events as kv_events
+from ..connector.admission import AdmissionPolicy, admission_policy
+from ..connector.lru import DEFAULT_PRIORITY, DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY, check_priority
+from ..connector.tiers import StoreTiers
 from ..manager import KVCacheTransferManager
 from ..metrics import BlockManagerReport, check_metrics_choice
 from ..pool import KVCacheBlockPool
 from ..stores.base import Store, StoreStats
-from .admission import AdmissionPolicy, admission_policy
 from .block_cache import (
-    DEFAULT_PRIORITY,
-    DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
     ROOT_KEY,
     BlockIndex,
     BlockManagerStats,
@@ -29,11 +29,9 @@ from .block_cache import (
     PrefixMatch,
     TransferQueue,
     block_key,
-    check_priority,
     check_token_ids,
     checked_pools,
 )
-from .tiers import StoreTiers
 
 
 @dataclasses.dataclass(eq=False)

@@ -27,6 +27,18 @@ from ..pool import KVCacheBlockPool
 from ..stores.base import Store, StoreStats
 
 
+def longest_stored(stores: Sequence[Store], keys: Sequence[bytes]) -> tuple[int, int]:
+    """(which store, how many of `keys` from the first it holds): the store holding the longest
+    prefix (the first such); (0, 0) when none holds the first key."""
+    best, best_n = 0, 0
+    if keys:
+        for i, store in enumerate(stores):
+            n = store.lookup(keys)
+            if n > best_n:
+                best, best_n = i, n
+    return best, best_n
+
+
 class StoreTiers:
     """The stores of one block manager, in order, over the host rows of its pools."""
 
@@ -125,15 +137,8 @@ class StoreTiers:
     # -- reads --------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[int, int]:
-        """(which store, how many of `keys` from the first it holds): the store holding the
-        longest prefix (the first such); (0, 0) when none holds the first key."""
-        best, best_n = 0, 0
-        if keys:
-            for i, store in enumerate(self.stores):
-                n = store.lookup(keys)
-                if n > best_n:
-                    best, best_n = i, n
-        return best, best_n
+        """(which store, how many of `keys` from the first it holds): see `longest_stored`."""
+        return longest_stored(self.stores, keys)
 
     def read(self, store_index: int, keys: Sequence[bytes],
              slots: Sequence[int]) -> concurrent.futures.Future:

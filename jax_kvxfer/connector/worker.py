@@ -1,0 +1,234 @@
+"""`OffloadingWorker`: the worker side of the connector. It moves the blocks the scheduler side
+placed: GPU pages of the engine's own arrays to host rows and back, host rows to the stores
+and back, on the transfer manager's lanes, beside the engine's step.
+
+vLLM v1: the offloading connector's worker (`submit` a transfer with a job id,
+`get_finished`, `wait`). Jobs take effect in the order submitted: a load whose blocks a store
+must first read waits for that read, and jobs submitted after it wait behind it; the engine's
+arrays, read through `kv_caches`, are ordered after every load issued.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..manager import KVCacheTransferManager
+from ..pool import KVCacheBlockPool
+from ..stores.base import Store
+from .specs import HostSpec, JobId, LoadSpec, StoreSpec, store_key
+from .tiers import StoreTiers
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    job_id: JobId
+    is_load: bool
+    host_slots: np.ndarray
+    gpu_pages: np.ndarray
+    reads: list[tuple[int, concurrent.futures.Future]]  # (blocks expected, future of intact)
+    store_keys: list[bytes] | None = None  # a store job's keys, to write through to the stores
+    fence: Any = None  # set once issued
+    success: bool = True
+
+
+class OffloadingWorker:
+    """Moves blocks between an engine's KV-cache arrays (GPU pages), a pinned host pool and the
+    stores, as the `OffloadingManager`'s specs say."""
+
+    def __init__(self, kv_caches: Any, *, num_host_blocks: int, token_axis: int,
+                 block_axis: int = 0, stores: Store | Sequence[Store] = (),
+                 dma: bool | str = "auto") -> None:
+        """Args:
+          kv_caches: the engine's arrays, one per layer (or per layer and K/V), as
+            `KVCacheBlockPool.from_layers` takes them (one device, or split by heads); their
+            blocks are the engine's pages.
+          num_host_blocks: rows of the pinned host pool (the manager's number).
+          token_axis, block_axis: where the arrays keep a page's tokens and their pages.
+          stores: the tiers below the host pool, bound here to the host rows' layout; give
+            the manager the same (`stores=worker.stores`).
+          dma: as for `KVCacheTransferManager`.
+
+        Raises:
+          TypeError, ValueError: arrays or arguments that do not fit, named.
+          MemoryError: the host pool does not fit the pinned-host limit.
+        """
+        stores = [stores] if isinstance(stores, Store) else list(stores)
+        self.pool = KVCacheBlockPool.from_layers(kv_caches, token_axis=token_axis,
+                                                 block_axis=block_axis,
+                                                 num_secondary_blocks=num_host_blocks)
+        self.transfer_manager = KVCacheTransferManager([self.pool], dma=dma)
+        self._tiers = StoreTiers(stores, [self.pool], self.transfer_manager) if stores else None
+        self.stores: tuple[Store, ...] = self._tiers.stores if self._tiers else ()
+        self._pending: collections.deque[_Job] = collections.deque()  # not issued yet
+        self._issued: list[_Job] = []  # issued, not reported yet
+        self._ids: set[JobId] = set()
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_primary_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.pool.num_secondary_blocks
+
+    # -- the engine's arrays -------------------------------------------------------------------
+
+    @property
+    def kv_caches(self) -> list:
+        """The engine's arrays, ordered after every load issued (a load still waiting for a
+        store read is not: `wait` for it, or see it in `get_finished`, before reading its
+        pages). Assign the step's new arrays back (donated or not)."""
+        self._issue_ready()
+        return self.pool.primary
+
+    @kv_caches.setter
+    def kv_caches(self, arrays: Any) -> None:
+        self.pool.primary = arrays
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def submit_store(self, job_id: JobId, store_spec: StoreSpec, gpu_pages: Any) -> None:
+        """Copies GPU pages `gpu_pages[i]` into the spec's host rows (then, with stores, writes
+        the rows through to them). Returns at once.
+
+        Raises:
+          TypeError, ValueError, IndexError: a spec of another kind, pages that do not match
+            it or are out of range, a job id in use; nothing is submitted.
+        """
+        job = self._checked_job(job_id, store_spec, StoreSpec, gpu_pages, is_load=False)
+        if self._tiers is not None:
+            job.store_keys = [store_key(h) for h in store_spec.block_hashes]
+        self._submit(job)
+
+    def submit_load(self, job_id: JobId, load_spec: LoadSpec, gpu_pages: Any) -> None:
+        """Copies the spec's host rows into GPU pages `gpu_pages[i]`, after reading the rows a
+        store holds (`load_spec.store_reads`). Returns at once; a block that does not arrive
+        intact from its store fails the job, and nothing of it is copied.
+
+        Raises:
+          TypeError, ValueError, IndexError: as for `submit_store`.
+        """
+        job = self._checked_job(job_id, load_spec, LoadSpec, gpu_pages, is_load=True)
+        if load_spec.store_reads and self._tiers is None:
+            raise ValueError("load_spec reads from stores, but this worker has none")
+        for read in load_spec.store_reads:
+            if not 0 <= read.store < len(self.stores) or not (
+                    0 <= read.start < read.stop <= len(load_spec)):
+                raise ValueError(f"load_spec.store_reads: {read} does not fit this worker's "
+                                 f"{len(self.stores)} stores and the spec's {len(load_spec)} "
+                                 "blocks")
+        for read in load_spec.store_reads:
+            keys = [store_key(h) for h in load_spec.block_hashes[read.start:read.stop]]
+            slots = job.host_slots[read.start:read.stop].tolist()
+            job.reads.append((read.stop - read.start, self._tiers.read(read.store, keys, slots)))
+        self._submit(job)
+
+    def get_finished(self) -> list[tuple[JobId, bool]]:
+        """The jobs finished since the last call: (job id, success), in submission order."""
+        self._issue_ready()
+        done, still = [], []
+        for job in self._issued:
+            (done if job.fence is None or job.fence.done() else still).append(job)
+        self._issued = still
+        for job in done:
+            self._ids.discard(job.job_id)
+        return [(job.job_id, job.success) for job in done]
+
+    def wait(self, job_ids: Sequence[JobId]) -> None:
+        """Waits until these jobs are finished (`get_finished` still reports them).
+
+        Raises:
+          KeyError: a job id not submitted, or already reported.
+        """
+        wanted = set(job_ids)
+        unknown = wanted - self._ids
+        if unknown:
+            raise KeyError(f"job_ids: {sorted(map(repr, unknown))} are not running")
+        while any(job.job_id in wanted for job in self._pending):
+            head = self._pending[0]
+            for _, future in head.reads:
+                future.result()
+            self._issue_ready()
+        for job in self._issued:
+            if job.job_id in wanted and job.fence is not None:
+                job.fence.wait()
+
+    def flush(self) -> None:
+        """Issues what can be, and waits until every block written through to the stores is
+        durable there."""
+        self._issue_ready()
+        if self._tiers is not None:
+            self._tiers.flush()
+
+    def close(self) -> None:
+        """Waits for every job, flushes the stores and stops the worker's store threads (the
+        stores stay open: they are the caller's)."""
+        self.wait([job.job_id for job in (*self._pending, *self._issued)])
+        if self._tiers is not None:
+            self._tiers.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _checked_job(self, job_id: JobId, spec: HostSpec, kind: type, gpu_pages: Any, *,
+                     is_load: bool) -> _Job:
+        try:
+            hash(job_id)
+        except TypeError:
+            raise TypeError(f"job_id must be hashable, got {job_id!r}") from None
+        if job_id in self._ids:
+            raise ValueError(f"job_id {job_id!r} is in use: pick a new one per job")
+        if not isinstance(spec, kind):
+            raise TypeError(f"{'load' if is_load else 'store'}_spec must be a {kind.__name__} "
+                            f"(from OffloadingManager), got {type(spec).__name__}")
+        pages = np.asarray(gpu_pages)
+        if pages.dtype == np.bool_ or (pages.size and not np.issubdtype(pages.dtype, np.integer)):
+            raise TypeError(f"gpu_pages must hold integers, got dtype {pages.dtype}")
+        pages = pages.astype(np.int64).reshape(-1) if pages.ndim <= 1 else None
+        if pages is None:
+            raise ValueError(f"gpu_pages must be 1-D, got shape {np.shape(gpu_pages)}")
+        if len(pages) != len(spec):
+            raise ValueError(f"gpu_pages holds {len(pages)} pages for a spec of {len(spec)} "
+                             "blocks: one page per block")
+        for name, values, bound in (("gpu_pages", pages, self.num_pages),
+                                    ("spec.host_slots", spec.host_slots, self.num_host_blocks)):
+            bad = np.flatnonzero((values < 0) | (values >= bound))
+            if len(bad):
+                raise IndexError(f"{name}[{bad[0]}] = {values[bad[0]]} is out of range "
+                                 f"[0, {bound})")
+        if is_load and len(np.unique(pages)) != len(pages):
+            raise ValueError("gpu_pages holds a page twice: a load writes each page once")
+        return _Job(job_id, is_load, spec.host_slots, pages.astype(np.int32), [])
+
+    def _submit(self, job: _Job) -> None:
+        self._ids.add(job.job_id)
+        self._pending.append(job)
+        self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        """Issues pending jobs in order, up to the first whose store reads are still running."""
+        while self._pending:
+            job = self._pending[0]
+            if not all(future.done() for _, future in job.reads):
+                return
+            self._pending.popleft()
+            job.success = all(future.result() == n for n, future in job.reads)
+            if len(job.gpu_pages) and job.success:
+                if self._tiers is not None and not job.is_load:
+                    for slot in job.host_slots.tolist():  # a row a store write still reads
+                        self._tiers.wait_written(slot)
+                if job.is_load:
+                    self.transfer_manager.onboard_indices(job.host_slots, job.gpu_pages)
+                else:
+                    self.transfer_manager.offload_indices(job.gpu_pages, job.host_slots)
+                job.fence = self.transfer_manager.fence()
+                if self._tiers is not None:
+                    self._tiers.touched(job.host_slots.tolist())
+                    if job.store_keys:  # once the copies into the rows have landed
+                        self._tiers.write_through(job.store_keys, job.host_slots.tolist())
+            self._issued.append(job)

@@ -1,0 +1,189 @@
+"""OffloadingWorker with OffloadingManager over an engine's own per-layer arrays and a real disk
+store: every page loaded is compared with a NumPy copy of what the engine held when the block
+was stored, on random schedules; failed store reads, and bad input that submits nothing."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvxfer as kvx
+from jax_kvxfer.connector import LoadSpec, OffloadingManager, OffloadingWorker
+from jax_kvxfer.stores import FileStore
+
+PAGES, PAGE, HEADS, DIM, LAYERS = 12, 4, 2, 8, 2
+
+
+def engine_arrays(rng: np.random.Generator) -> list:
+    """NHD K and V of each layer, as eSurge keeps them on a GPU."""
+    return [jnp.asarray(rng.standard_normal((PAGES, PAGE, HEADS, DIM)), jnp.bfloat16)
+            for _ in range(2 * LAYERS)]
+
+
+def pages_of(arrays, pages) -> list[np.ndarray]:
+    return [kvx.to_numpy(a)[list(pages)] for a in arrays]
+
+
+def content(block_hash: int, array) -> np.ndarray:
+    """One page of K/V that depends on the block's hash only (and on the array's shape)."""
+    page = np.random.default_rng(block_hash).standard_normal(array.shape[1:])
+    return page.astype(array.dtype)
+
+
+def make(tmp_path, num_host_blocks: int, with_store: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    (tmp_path / "kv").mkdir(exist_ok=True)
+    stores = [FileStore(tmp_path / "kv", namespace="test-model")] if with_store else []
+    worker = OffloadingWorker(engine_arrays(rng), num_host_blocks=num_host_blocks,
+                              token_axis=1, stores=stores)
+    manager = OffloadingManager(num_host_blocks, block_size=PAGE, stores=worker.stores)
+    return worker, manager, rng
+
+
+def store(worker, manager, job, hashes, pages) -> list[int]:
+    out = manager.prepare_store(hashes)
+    assert out is not None
+    chosen = [pages[hashes.index(h)] for h in out.block_hashes_to_store]
+    worker.submit_store(job, out.store_spec, chosen)
+    worker.wait([job])
+    assert worker.get_finished() == [(job, True)]
+    manager.complete_store(out.block_hashes_to_store)
+    return out.block_hashes_to_store
+
+
+def load(worker, manager, job, hashes, pages) -> tuple[bool, LoadSpec]:
+    spec = manager.prepare_load(hashes)
+    worker.submit_load(job, spec, pages)
+    worker.wait([job])
+    ((got_job, success),) = worker.get_finished()
+    assert got_job == job
+    manager.complete_load(hashes, success)
+    return success, spec
+
+
+def test_a_block_stored_then_loaded_into_other_pages_is_exact(tmp_path):
+    worker, manager, _ = make(tmp_path, 4, with_store=False)
+    before = pages_of(worker.kv_caches, [3, 5])
+    assert store(worker, manager, "s", [101, 202], [3, 5]) == [101, 202]
+    untouched = pages_of(worker.kv_caches, range(PAGES))
+    worker.kv_caches = [a * 0 for a in worker.kv_caches]  # the engine reuses every page
+    assert manager.lookup([101, 202, 303]) == 2
+    success, spec = load(worker, manager, "l", [101, 202], [7, 8])
+    assert success and spec.store_reads == ()
+    for want, got in zip(before, pages_of(worker.kv_caches, [7, 8])):
+        np.testing.assert_array_equal(got, want)
+    for i, a in enumerate(worker.kv_caches):  # no other page written
+        rest = [p for p in range(PAGES) if p not in (7, 8)]
+        assert not kvx.to_numpy(a)[rest].any(), i
+    assert untouched  # the arrays before the engine zeroed them were read
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_schedules_through_host_and_disk_are_exact(tmp_path, seed):
+    """Blocks stored from random pages, the pages overwritten, blocks evicted from a small host
+    pool to the disk store, loaded back into random pages: each equals what was stored."""
+    worker, manager, rng = make(tmp_path, 3, with_store=True, seed=seed)
+    pick = random.Random(seed)
+    truth: dict[int, list[np.ndarray]] = {}  # hash -> the pages' content when stored
+    from_store = 0
+    for step in range(30):
+        pages = pick.sample(range(PAGES), 2)
+        hashes = [pick.randrange(1000, 1012), pick.randrange(1012, 1024)]
+        # the engine computes a block's K/V, the same for the same hash
+        worker.kv_caches = [a.at[np.array(pages)].set(np.stack([content(h, a) for h in hashes]))
+                            for a in worker.kv_caches]
+        snapshot = pages_of(worker.kv_caches, pages)
+        stored = store(worker, manager, f"s{step}", hashes, pages)
+        for h in stored:
+            truth[h] = [layer[hashes.index(h)] for layer in snapshot]
+        worker.flush()  # durable on disk before the host may evict it
+        worker.kv_caches = [jnp.asarray(rng.standard_normal(a.shape), a.dtype)
+                            for a in worker.kv_caches]
+        wanted = pick.sample(sorted(truth), min(2, len(truth)))
+        n = manager.lookup(wanted)
+        assert n is not None
+        if n:
+            dst = pick.sample(range(PAGES), n)
+            success, spec = load(worker, manager, f"l{step}", wanted[:n], dst)
+            assert success
+            from_store += spec.num_from_store
+            got = pages_of(worker.kv_caches, dst)
+            for i, h in enumerate(wanted[:n]):
+                for layer, want in zip(got, truth[h]):
+                    np.testing.assert_array_equal(layer[i], want)
+    assert from_store > 0  # the schedule did read from the disk
+    worker.close()
+
+
+def test_a_corrupt_store_block_fails_the_load_and_writes_no_page(tmp_path):
+    worker, manager, _ = make(tmp_path, 1, with_store=True)
+    store(worker, manager, "s1", [1], [0])
+    store(worker, manager, "s2", [2], [1])  # evicts block 1 from the single host row
+    worker.flush()
+    assert manager.host_slot(1) is None and manager.lookup([1]) == 1
+    paths = glob.glob(os.path.join(tmp_path, "kv", "*", "*", "*.kvb"))
+    assert len(paths) == 2
+    for path in paths:
+        with open(path, "r+b") as f:  # a bit of the payload, after the 4 KiB header block
+            f.seek(4096)
+            byte = f.read(1)
+            f.seek(4096)
+            f.write(bytes([byte[0] ^ 0x01]))
+    before = pages_of(worker.kv_caches, range(PAGES))
+    success, spec = load(worker, manager, "l", [1], [5])
+    assert not success and spec.num_from_store == 1
+    for want, got in zip(before, pages_of(worker.kv_caches, range(PAGES))):
+        np.testing.assert_array_equal(got, want)
+    assert manager.host_slot(1) is None  # its row given back
+    assert manager.lookup([2]) == 1
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda s, p: (s, p[:1]), ValueError, "holds 1 pages for a spec of 2 blocks"),
+    (lambda s, p: (s, [0, PAGES]), IndexError, rf"gpu_pages\[1\] = {PAGES} is out of range"),
+    (lambda s, p: (s, [-1, 0]), IndexError, r"gpu_pages\[0\] = -1"),
+    (lambda s, p: (s, [[0, 1]]), ValueError, "gpu_pages must be 1-D"),
+    (lambda s, p: (s, [0.0, 1.0]), TypeError, "gpu_pages must hold integers"),
+    (lambda s, p: (object(), p), TypeError, "store_spec must be a StoreSpec"),
+])
+def test_bad_store_submissions_are_named_and_submit_nothing(tmp_path, change, error, match):
+    worker, manager, _ = make(tmp_path, 4, with_store=False)
+    spec = manager.prepare_store([1, 2]).store_spec
+    before = pages_of(worker.kv_caches, range(PAGES))
+    bad_spec, bad_pages = change(spec, [0, 1])
+    with pytest.raises(error, match=match):
+        worker.submit_store("job", bad_spec, bad_pages)
+    assert worker.get_finished() == []
+    worker.submit_store("job", spec, [0, 1])  # the id is still free
+    worker.wait(["job"])
+    assert worker.get_finished() == [("job", True)]
+    for want, got in zip(before, pages_of(worker.kv_caches, range(PAGES))):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_job_ids_and_load_pages_are_checked(tmp_path):
+    worker, manager, _ = make(tmp_path, 4, with_store=False)
+    store(worker, manager, "s", [1, 2], [0, 1])
+    spec = manager.prepare_load([1, 2])
+    with pytest.raises(ValueError, match="gpu_pages holds a page twice"):
+        worker.submit_load("l", spec, [4, 4])
+    with pytest.raises(TypeError, match="load_spec must be a LoadSpec"):
+        worker.submit_load("l", manager.prepare_store([3]).store_spec, [4])
+    worker.submit_load("l", spec, [4, 5])
+    with pytest.raises(ValueError, match="job_id 'l' is in use"):
+        worker.submit_load("l", spec, [6, 7])
+    with pytest.raises(KeyError, match="are not running"):
+        worker.wait(["nope"])
+    worker.wait(["l"])
+    assert worker.get_finished() == [("l", True)]
+
+
+def test_the_manager_needs_the_workers_bound_stores(tmp_path):
+    unbound = FileStore(tmp_path, namespace="m")
+    with pytest.raises(ValueError, match="stores=worker.stores"):
+        OffloadingManager(4, block_size=4, stores=[unbound])
