@@ -15,7 +15,6 @@ ROOT_KEY = bytes(16)
 """The parent key of a sequence's first block."""
 
 
-
 class PoolExhaustedError(RuntimeError):
     """Every primary block is in use by a running sequence: nothing can be evicted."""
 

@@ -13,7 +13,12 @@ from collections.abc import Hashable, Sequence
 
 from .. import events as kv_events
 from ..connector.admission import AdmissionPolicy, admission_policy
-from ..connector.lru import DEFAULT_PRIORITY, DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY, check_priority
+from ..connector.lru import (
+    DEFAULT_PRIORITY,
+    DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
+    EvictionQueue,
+    check_priority,
+)
 from ..connector.tiers import StoreTiers
 from ..manager import KVCacheTransferManager
 from ..metrics import BlockManagerReport, check_metrics_choice
@@ -24,7 +29,6 @@ from .block_cache import (
     BlockIndex,
     BlockManagerStats,
     CachedBlock,
-    EvictionQueue,
     PoolExhaustedError,
     PrefixMatch,
     TransferQueue,
@@ -134,6 +138,8 @@ class BlockManager:
           metrics: report the statistics to the process-wide Prometheus registry
             (jax_kvxfer.metrics); None: when a metrics server has been started.
         """
+        if isinstance(stores, Store):  # one store where a sequence is expected: one tier
+            stores = (stores,)
         if events is not None and not isinstance(events, kv_events.KVEventPublisher):
             raise TypeError("events must be a jax_kvxfer.events.KVEventPublisher or None, got "
                             f"{type(events).__name__}")

@@ -57,6 +57,11 @@ class EvictionQueue:
             return None
         return next(iter(self._by_priority[min(self._by_priority)].values()))
 
+    def count_at_most(self, priority: int) -> int:
+        """Blocks of a priority no higher than `priority`: those a block of that priority may
+        evict."""
+        return sum(len(bucket) for p, bucket in self._by_priority.items() if p <= priority)
+
     def __iter__(self) -> Iterator[Any]:
         """Blocks in eviction order."""
         for priority in sorted(self._by_priority):

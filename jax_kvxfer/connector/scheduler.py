@@ -132,40 +132,46 @@ class OffloadingManager:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def lookup(self, block_hashes: Iterable[BlockHash]) -> int | None:
+    def lookup(self, block_hashes: Iterable[BlockHash], *,
+               priority: int = DEFAULT_PRIORITY) -> int | None:
         """How many blocks, from the first, can be loaded now: ready in the host pool, or in a
-        store with a host row to read them into. None when the first block that is not ready
-        is being stored or read (ask again after `complete_store` / `complete_load`)."""
+        store with a host row to read them into (a free row, or one of a block of no higher
+        priority than `priority` to evict). None when the first block that is not ready is
+        being stored or read (ask again after `complete_store` / `complete_load`)."""
         hashes = self._checked("block_hashes", block_hashes)
+        priority = check_priority(priority)
         self._stats.looked_up += len(hashes)
-        n, pinned_by_load = 0, 0
+        n, pinned = 0, 0
         for h in hashes:
             block = self._blocks.get(h)
             if block is None:
                 break
             if block.state != _READY:
                 return None
-            pinned_by_load += block.protected == 0
+            pinned += block.protected == 0 and block.priority <= priority
             n += 1
         if self.stores and n < len(hashes):
-            rows = len(self._free) + len(self._evictable) - pinned_by_load
-            rest = [h for h in hashes[n:n + rows]]
+            rows = self._room(priority) - pinned
+            rest = hashes[n:n + rows]
             stop = next((i for i, h in enumerate(rest) if h in self._blocks), len(rest))
             _, found = longest_stored(self.stores, [store_key(h) for h in rest[:stop]])
             n += found
         self._stats.found += n
         return n
 
-    def prepare_load(self, block_hashes: Iterable[BlockHash]) -> LoadSpec:
+    def prepare_load(self, block_hashes: Iterable[BlockHash], *,
+                     priority: int = DEFAULT_PRIORITY) -> LoadSpec:
         """Protects the blocks from eviction until `complete_load`, and says where the worker
         reads them: host rows, the rows of blocks only a store holds filled first by a store
-        read (`LoadSpec.store_reads`).
+        read (`LoadSpec.store_reads`; those blocks take `priority`, and may evict blocks of no
+        higher priority).
 
         Raises:
           ValueError: a block that `lookup` would not count as loadable now (not held, still
             being stored or read, or no host row for a store read); nothing changes.
         """
         hashes = self._checked("block_hashes", block_hashes)
+        priority = check_priority(priority)
         if len(set(hashes)) != len(hashes):
             raise ValueError("block_hashes holds a hash twice")
         held = [self._blocks.get(h) for h in hashes]
@@ -175,8 +181,8 @@ class OffloadingManager:
                                  "answers None until then")
         missing = [i for i, block in enumerate(held) if block is None]
         reads = self._plan_store_reads(hashes, missing)
-        rows_free = len(self._free) + len(self._evictable) - sum(
-            b is not None and b.protected == 0 for b in held)
+        rows_free = self._room(priority) - sum(
+            b is not None and b.protected == 0 and b.priority <= priority for b in held)
         if len(missing) > rows_free:
             raise ValueError(f"block_hashes: {len(missing)} blocks to read from the stores but "
                              f"only {rows_free} host rows can be freed")
@@ -184,7 +190,7 @@ class OffloadingManager:
             if block is not None:
                 self._protect(block)
         for i in missing:  # rows for the store reads (the held blocks are protected now)
-            held[i] = self._new_block(hashes[i], self._row(), _READING, DEFAULT_PRIORITY)
+            held[i] = self._new_block(hashes[i], self._row(), _READING, priority)
             held[i].protected = 1
         for h in hashes:
             self.admission_reused(h)
@@ -237,8 +243,8 @@ class OffloadingManager:
     def prepare_store(self, block_hashes: Iterable[BlockHash], *,
                       priority: int = DEFAULT_PRIORITY) -> PrepareStoreOutput | None:
         """Rows for the blocks the host pool does not hold yet (those the admission policy
-        takes), evicting ready, unprotected blocks of the lowest priority, least recently
-        used first. The blocks are protected until `complete_store`.
+        takes), evicting ready, unprotected blocks of no higher priority, the lowest priority
+        and least recently used first. The blocks are protected until `complete_store`.
 
         Returns None, changing nothing, when that many rows cannot be freed.
 
@@ -248,7 +254,7 @@ class OffloadingManager:
         hashes = self._checked("block_hashes", block_hashes)
         priority = check_priority(priority)
         new = list(dict.fromkeys(h for h in hashes if h not in self._blocks))
-        if len(new) > len(self._free) + len(self._evictable):
+        if len(new) > self._room(priority):
             return None
         to_store = [h for h in new if priority >= self.offload_min_priority
                     and self.admission.admit(store_key(h))]
@@ -290,6 +296,27 @@ class OffloadingManager:
             self._event(done, MEDIUM_CPU, removed=False)
             for tier in dict.fromkeys(store.tier for store in self.stores):
                 self._event(done, tier, removed=False)
+
+    def remove(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Drops ready, unprotected blocks from the host pool (their rows are free): a cache
+        that keeps a block in one place only removes it once loaded back. Hashes the host pool
+        does not hold are ignored.
+
+        Raises:
+          ValueError: a block still being stored, read or loaded; nothing changes.
+        """
+        hashes = self._checked("block_hashes", block_hashes)
+        held = [self._blocks.get(h) for h in hashes]
+        for i, block in enumerate(held):
+            if block is not None and (block.state != _READY or block.protected):
+                raise ValueError(f"block_hashes[{i}] is still being "
+                                 f"{'loaded' if block.protected else block.state}")
+        gone = [b for b in dict.fromkeys(held) if b is not None]
+        for block in gone:
+            self._evictable.remove(block)
+            self._forget(block)
+        if gone:
+            self._event([b.block_hash for b in gone], MEDIUM_CPU, removed=True)
 
     # -- events and introspection --------------------------------------------------------------
 
@@ -363,6 +390,11 @@ class OffloadingManager:
         self._next_id += 1
         self._blocks[block_hash] = block
         return block
+
+    def _room(self, priority: int) -> int:
+        """Rows a block of `priority` can have: free ones, and those of ready, unprotected
+        blocks of no higher priority."""
+        return len(self._free) + self._evictable.count_at_most(priority)
 
     def _row(self, evicted: list[BlockHash] | None = None) -> int:
         """A free row, evicting the next victim if needed (callers checked there is one)."""

@@ -46,7 +46,8 @@ class Shadow:
 
     def prepare_store(self, hashes, priority):
         new = list(dict.fromkeys(h for h in hashes if h not in self.state))
-        if len(new) > self.capacity - len(self.state) + len(self.evictable()):
+        lower = [h for h in self.evictable() if self.priority[h] <= priority]
+        if len(new) > self.capacity - len(self.state) + len(lower):
             return None
         new = new if priority >= self.min_priority else []
         evicted = []
@@ -81,6 +82,12 @@ class Shadow:
             self.protected[h] -= 1
             if self.protected[h] == 0:
                 self.push(h)
+
+    def remove(self, hashes):
+        for h in hashes:
+            if h in self.state:
+                for d in (self.state, self.priority, self.protected, self.used):
+                    del d[h]
 
     def touch(self, hashes):
         for h in hashes:
@@ -143,9 +150,15 @@ def test_random_schedules_match_the_shadow(seed):
             hashes = loading.pop(rng.randrange(len(loading)))
             mgr.complete_load(hashes)
             shadow.complete_load(hashes)
-        else:
+        elif op < 0.95:
             mgr.touch(chain)
             shadow.touch(chain)
+        else:  # a cache keeping each block in one place drops what it loaded back
+            evictable = shadow.evictable()
+            gone = rng.sample(evictable, min(2, len(evictable))) + chain[:1]
+            gone = [h for h in dict.fromkeys(gone) if h not in shadow.state or h in evictable]
+            mgr.remove(gone)
+            shadow.remove(gone)
         check_rows(mgr, shadow)
         for event in mgr.take_events():
             assert event.medium == "CPU" and event.block_size == 16
@@ -183,14 +196,29 @@ def test_priorities_and_admission_decide_what_is_stored():
     assert always.get_and_reset_stats().declined == 1
 
 
-def test_low_priority_blocks_are_evicted_first():
+def test_low_priority_blocks_are_evicted_first_and_only_by_no_lower_priority():
     mgr = OffloadingManager(3, block_size=4, offload_min_priority=0)
     for h, priority in ((1, 80), (2, 20), (3, 50)):
         mgr.prepare_store([h], priority=priority)
         mgr.complete_store([h])
     mgr.touch([2])  # recency does not lift a lower priority
-    assert mgr.prepare_store([4]).block_hashes_evicted == [2]
-    assert mgr.prepare_store([5]).block_hashes_evicted == [3]
+    assert mgr.prepare_store([4], priority=50).block_hashes_evicted == [2]
+    assert mgr.prepare_store([5], priority=40) is None  # only higher priorities are left
+    assert mgr.prepare_store([5], priority=50).block_hashes_evicted == [3]
+
+
+def test_remove_frees_rows_and_refuses_blocks_in_use():
+    mgr = OffloadingManager(3, block_size=4)
+    mgr.prepare_store([1, 2, 3])
+    mgr.complete_store([1, 2])
+    mgr.prepare_load([2])
+    for busy in (2, 3):
+        with pytest.raises(ValueError, match=r"block_hashes\[1\] is still being"):
+            mgr.remove([1, busy])
+    assert mgr.num_free_host_blocks == 0
+    mgr.remove([1, 99])
+    assert mgr.num_free_host_blocks == 1 and mgr.lookup([1]) == 0
+    assert mgr.take_events()[-1] == OffloadingEvent([1], 4, "CPU", True)
 
 
 def test_events_follow_vllm():
