@@ -58,12 +58,31 @@ class OffloadingWorker:
           TypeError, ValueError: arrays or arguments that do not fit, named.
           MemoryError: the host pool does not fit the pinned-host limit.
         """
+        pool = KVCacheBlockPool.from_layers(kv_caches, token_axis=token_axis,
+                                            block_axis=block_axis,
+                                            num_secondary_blocks=num_host_blocks)
+        self._setup([pool], KVCacheTransferManager([pool], dma=dma), stores)
+
+    @classmethod
+    def over_pools(cls, pools: Sequence[KVCacheBlockPool], *,
+                   transfer_manager: KVCacheTransferManager | None = None,
+                   stores: Store | Sequence[Store] = ()) -> OffloadingWorker:
+        """A worker over pools made already (`KVCacheBlockPool.create`'s, one or several, a
+        block spanning all): their primary blocks are the pages, their secondary arrays the
+        host rows. `transfer_manager`: the one moving these pools (default: a new one)."""
+        pools = [pools] if isinstance(pools, KVCacheBlockPool) else list(pools)
+        worker = cls.__new__(cls)
+        worker._setup(pools, transfer_manager or KVCacheTransferManager(pools), stores)
+        return worker
+
+    def _setup(self, pools: list[KVCacheBlockPool], transfer_manager: KVCacheTransferManager,
+               stores: Store | Sequence[Store]) -> None:
         stores = [stores] if isinstance(stores, Store) else list(stores)
-        self.pool = KVCacheBlockPool.from_layers(kv_caches, token_axis=token_axis,
-                                                 block_axis=block_axis,
-                                                 num_secondary_blocks=num_host_blocks)
-        self.transfer_manager = KVCacheTransferManager([self.pool], dma=dma)
-        self._tiers = StoreTiers(stores, [self.pool], self.transfer_manager) if stores else None
+        if list(transfer_manager.pools) != pools:
+            raise ValueError("transfer_manager must move exactly these pools, in this order")
+        self.pools = tuple(pools)
+        self.transfer_manager = transfer_manager
+        self._tiers = StoreTiers(stores, pools, transfer_manager) if stores else None
         self.stores: tuple[Store, ...] = self._tiers.stores if self._tiers else ()
         self._pending: collections.deque[_Job] = collections.deque()  # not issued yet
         self._issued: list[_Job] = []  # issued, not reported yet
@@ -71,11 +90,11 @@ class OffloadingWorker:
 
     @property
     def num_pages(self) -> int:
-        return self.pool.num_primary_blocks
+        return self.pools[0].num_primary_blocks
 
     @property
     def num_host_blocks(self) -> int:
-        return self.pool.num_secondary_blocks
+        return self.pools[0].num_secondary_blocks
 
     # -- the engine's arrays -------------------------------------------------------------------
 
@@ -85,11 +104,11 @@ class OffloadingWorker:
         store read is not: `wait` for it, or see it in `get_finished`, before reading its
         pages). Assign the step's new arrays back (donated or not)."""
         self._issue_ready()
-        return self.pool.primary
+        return self.pools[0].primary
 
     @kv_caches.setter
     def kv_caches(self, arrays: Any) -> None:
-        self.pool.primary = arrays
+        self.pools[0].primary = arrays
 
     # -- jobs ----------------------------------------------------------------------------------
 
@@ -110,6 +129,9 @@ class OffloadingWorker:
         """Copies the spec's host rows into GPU pages `gpu_pages[i]`, after reading the rows a
         store holds (`load_spec.store_reads`). Returns at once; a block that does not arrive
         intact from its store fails the job, and nothing of it is copied.
+
+        `gpu_pages=None` runs the store reads only (a prefetch into host rows): once the job
+        succeeded, `complete_load` makes the blocks ready in the host pool, to load later.
 
         Raises:
           TypeError, ValueError, IndexError: as for `submit_store`.
@@ -186,21 +208,19 @@ class OffloadingWorker:
         if not isinstance(spec, kind):
             raise TypeError(f"{'load' if is_load else 'store'}_spec must be a {kind.__name__} "
                             f"(from OffloadingManager), got {type(spec).__name__}")
+        _check_range("spec.host_slots", spec.host_slots, self.num_host_blocks)
+        if gpu_pages is None and is_load:  # a prefetch: store reads only
+            return _Job(job_id, is_load, spec.host_slots, np.zeros(0, np.int32), [])
         pages = np.asarray(gpu_pages)
         if pages.dtype == np.bool_ or (pages.size and not np.issubdtype(pages.dtype, np.integer)):
             raise TypeError(f"gpu_pages must hold integers, got dtype {pages.dtype}")
-        pages = pages.astype(np.int64).reshape(-1) if pages.ndim <= 1 else None
-        if pages is None:
-            raise ValueError(f"gpu_pages must be 1-D, got shape {np.shape(gpu_pages)}")
+        if pages.ndim > 1:
+            raise ValueError(f"gpu_pages must be 1-D, got shape {pages.shape}")
+        pages = pages.astype(np.int64).reshape(-1)
         if len(pages) != len(spec):
             raise ValueError(f"gpu_pages holds {len(pages)} pages for a spec of {len(spec)} "
                              "blocks: one page per block")
-        for name, values, bound in (("gpu_pages", pages, self.num_pages),
-                                    ("spec.host_slots", spec.host_slots, self.num_host_blocks)):
-            bad = np.flatnonzero((values < 0) | (values >= bound))
-            if len(bad):
-                raise IndexError(f"{name}[{bad[0]}] = {values[bad[0]]} is out of range "
-                                 f"[0, {bound})")
+        _check_range("gpu_pages", pages, self.num_pages)
         if is_load and len(np.unique(pages)) != len(pages):
             raise ValueError("gpu_pages holds a page twice: a load writes each page once")
         return _Job(job_id, is_load, spec.host_slots, pages.astype(np.int32), [])
@@ -232,3 +252,9 @@ class OffloadingWorker:
                     if job.store_keys:  # once the copies into the rows have landed
                         self._tiers.write_through(job.store_keys, job.host_slots.tolist())
             self._issued.append(job)
+
+
+def _check_range(name: str, values: np.ndarray, bound: int) -> None:
+    bad = np.flatnonzero((values < 0) | (values >= bound))
+    if len(bad):
+        raise IndexError(f"{name}[{bad[0]}] = {values[bad[0]]} is out of range [0, {bound})")

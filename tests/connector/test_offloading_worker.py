@@ -187,3 +187,46 @@ def test_the_manager_needs_the_workers_bound_stores(tmp_path):
     unbound = FileStore(tmp_path, namespace="m")
     with pytest.raises(ValueError, match="stores=worker.stores"):
         OffloadingManager(4, block_size=4, stores=[unbound])
+
+
+def test_a_prefetch_reads_the_store_into_host_rows_only(tmp_path):
+    worker, manager, _ = make(tmp_path, 1, with_store=True)
+    want = pages_of(worker.kv_caches, [2])
+    store(worker, manager, "s1", [1], [2])
+    store(worker, manager, "s2", [2], [3])  # evicts block 1 to the disk only
+    worker.flush()
+    before = pages_of(worker.kv_caches, range(PAGES))
+    spec = manager.prepare_load([1])
+    assert spec.num_from_store == 1
+    worker.submit_load("p", spec, None)
+    worker.wait(["p"])
+    assert worker.get_finished() == [("p", True)]
+    manager.complete_load([1])
+    for a, b in zip(before, pages_of(worker.kv_caches, range(PAGES))):  # no page written
+        np.testing.assert_array_equal(a, b)
+    success, spec = load(worker, manager, "l", [1], [9])  # now a host hit
+    assert success and spec.num_from_store == 0
+    for a, b in zip(want, pages_of(worker.kv_caches, [9])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_worker_over_pools_made_by_create():
+    pool = kvx.KVCacheBlockPool.create(num_layers=2, num_kv_heads=2, size_per_head=4,
+                                       tokens_per_block=PAGE, dtype=jnp.float32,
+                                       num_primary_blocks=6, num_secondary_blocks=3)
+    rng = np.random.default_rng(5)
+    pool.primary = jnp.asarray(rng.standard_normal(pool.primary.shape), jnp.float32)
+    worker = OffloadingWorker.over_pools([pool])
+    manager = OffloadingManager(3, block_size=PAGE)
+    want = kvx.to_numpy(pool.primary)[[1, 4]]
+    store(worker, manager, "s", [7, 8], [1, 4])
+    success, _ = load(worker, manager, "l", [8, 7], [0, 5])
+    assert success
+    got = kvx.to_numpy(pool.primary)
+    np.testing.assert_array_equal(got[0], want[1])
+    np.testing.assert_array_equal(got[5], want[0])
+    with pytest.raises(ValueError, match="transfer_manager must move exactly these pools"):
+        OffloadingWorker.over_pools([pool], transfer_manager=kvx.KVCacheTransferManager(
+            [kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=4,
+                                         tokens_per_block=PAGE, dtype=jnp.float32,
+                                         num_primary_blocks=6, num_secondary_blocks=3)]))
