@@ -9,6 +9,7 @@ and a PNG of the ops section go to `--out`. A failing case records its error; th
   step     the manager's transfers beside a compute-bound model step (step.py)
   layers   a pool over 32 per-layer arrays, `KVCacheBlockPool.from_layers` (layers.py)
   sharded  pools sharded by KV heads over 1, 2 and all devices (sharded.py)
+  connector the host time of the connector's scheduler-side calls for a step (connector.py)
   stores   the tiers below the host against the same disk's and server's raw speed; only with
            `--only stores` (stores.py)
 """
@@ -21,6 +22,7 @@ from typing import Any
 import jax
 
 from .config import OPT_IN, SECTIONS, fmt_size, parse_args
+from .connector import ConnectorMixin, connector_summary
 from .helpers import BenchCore, count_compiles, device_name
 from .layers import LayersMixin, layers_summary
 from .manager import ManagerMixin, manager_summary
@@ -31,11 +33,12 @@ from .stores import StoresMixin, stores_summary
 
 __all__ = ["Bench", "main"]
 SUMMARIES = {"ops": ops_summary, "manager": manager_summary, "step": step_summary,
-             "layers": layers_summary, "sharded": sharded_summary, "stores": stores_summary}
+             "layers": layers_summary, "sharded": sharded_summary,
+             "connector": connector_summary, "stores": stores_summary}
 
 
-class Bench(OpsMixin, ManagerMixin, StepMixin, LayersMixin, ShardedMixin, StoresMixin,
-            BenchCore):
+class Bench(OpsMixin, ManagerMixin, StepMixin, LayersMixin, ShardedMixin, ConnectorMixin,
+            StoresMixin, BenchCore):
     """The benchmark: `BenchCore`'s state and helpers, and one mixin per section."""
 
     def summary(self) -> list[str]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 DTYPE = jnp.bfloat16
-SECTIONS = ("ops", "manager", "step", "layers", "sharded")
+SECTIONS = ("ops", "manager", "step", "layers", "sharded", "connector")
 OPT_IN = ("stores",)  # runs only when --only names it: it writes to a disk, not the GPU's links
 Config = argparse.Namespace
 

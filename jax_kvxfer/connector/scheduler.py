@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 
 from .. import events as kv_events
 from ..stores.base import Store
-from .admission import AdmissionPolicy, admission_policy
+from .admission import AdmissionPolicy, AlwaysAdmit, admission_policy
 from .lru import (
     DEFAULT_PRIORITY,
     DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
-    EvictionQueue,
     check_priority,
 )
 from .specs import (
@@ -41,18 +41,6 @@ from .specs import (
     store_key,
 )
 from .tiers import longest_stored
-
-_STORING, _READING, _READY = "storing", "reading", "ready"
-
-
-@dataclasses.dataclass(eq=False)
-class _HostBlock:
-    block_id: int  # unique, for the eviction queue
-    block_hash: BlockHash
-    slot: int
-    state: str
-    priority: int
-    protected: int = 0  # prepare_load calls not yet completed
 
 
 @dataclasses.dataclass
@@ -123,10 +111,20 @@ class OffloadingManager:
         self.admission = admission_policy(admission)
         self.offload_min_priority = check_priority(offload_min_priority)
         self._publisher = events
-        self._free = collections.deque(range(num_host_blocks))
-        self._blocks: dict[BlockHash, _HostBlock] = {}
-        self._evictable = EvictionQueue()  # ready, unprotected blocks
-        self._next_id = 0
+        # Every held block's row and priority; its state: storing, reading, or ready (in no
+        # set below but `_ready`). The sets and dicts are worked on with C-level operations
+        # (set algebra, map and filter over builtin methods), not a Python loop per block: a
+        # step touches hundreds of blocks, and the scheduler's time is the engine's.
+        self._slot: dict[BlockHash, int] = {}
+        self._priority: dict[BlockHash, int] = {}
+        self._storing: set[BlockHash] = set()
+        self._reading: set[BlockHash] = set()
+        self._ready: set[BlockHash] = set()
+        self._protected: dict[BlockHash, int] = {}  # prepare_load calls not completed
+        # ready, unprotected blocks by priority, least recently used first: the evictable ones
+        # (plain dicts keep insertion order, and update faster than OrderedDicts)
+        self._lru: dict[int, dict[BlockHash, None]] = {}
+        self._free = list(range(num_host_blocks))
         self._events: list[OffloadingEvent] = []
         self._stats = OffloadingStats()
 
@@ -141,21 +139,13 @@ class OffloadingManager:
         hashes = self._checked("block_hashes", block_hashes)
         priority = check_priority(priority)
         self._stats.looked_up += len(hashes)
-        n, pinned = 0, 0
-        for h in hashes:
-            block = self._blocks.get(h)
-            if block is None:
-                break
-            if block.state != _READY:
-                return None
-            pinned += block.protected == 0 and block.priority <= priority
-            n += 1
+        n = len(list(itertools.takewhile(self._ready.__contains__, hashes)))
+        if n < len(hashes) and hashes[n] in self._slot:
+            return None
         if self.stores and n < len(hashes):
-            rows = self._room(priority) - pinned
-            rest = hashes[n:n + rows]
-            stop = next((i for i, h in enumerate(rest) if h in self._blocks), len(rest))
-            _, found = longest_stored(self.stores, [store_key(h) for h in rest[:stop]])
-            n += found
+            rows = self._room(priority) - self._evictable_among(hashes[:n], priority)
+            rest = list(itertools.takewhile(lambda h: h not in self._slot, hashes[n:n + rows]))
+            n += longest_stored(self.stores, [store_key(h) for h in rest])[1]
         self._stats.found += n
         return n
 
@@ -172,43 +162,49 @@ class OffloadingManager:
         """
         hashes = self._checked("block_hashes", block_hashes)
         priority = check_priority(priority)
-        if len(set(hashes)) != len(hashes):
+        given = set(hashes)
+        if len(given) != len(hashes):
             raise ValueError("block_hashes holds a hash twice")
-        held = [self._blocks.get(h) for h in hashes]
-        for i, block in enumerate(held):
-            if block is not None and block.state != _READY:
-                raise ValueError(f"block_hashes[{i}] is still being {block.state}; lookup() "
-                                 "answers None until then")
-        missing = [i for i, block in enumerate(held) if block is None]
-        reads = self._plan_store_reads(hashes, missing)
-        rows_free = self._room(priority) - sum(
-            b is not None and b.protected == 0 and b.priority <= priority for b in held)
-        if len(missing) > rows_free:
-            raise ValueError(f"block_hashes: {len(missing)} blocks to read from the stores but "
-                             f"only {rows_free} host rows can be freed")
-        for block in held:
-            if block is not None:
-                self._protect(block)
-        for i in missing:  # rows for the store reads (the held blocks are protected now)
-            held[i] = self._new_block(hashes[i], self._row(), _READING, priority)
-            held[i].protected = 1
-        for h in hashes:
-            self.admission_reused(h)
-        self._stats.loaded += len(hashes) - len(missing)
+        busy = given & (self._storing | self._reading)
+        if busy:
+            i = next(i for i, h in enumerate(hashes) if h in busy)
+            raise ValueError(f"block_hashes[{i}] is still being "
+                             f"{'stored' if hashes[i] in self._storing else 'read'}; lookup() "
+                             "answers None until then")
+        missing = set(itertools.filterfalse(self._slot.__contains__, hashes))
+        held = [h for h in hashes if h not in missing] if missing else hashes
+        reads: list[StoreRead] = []
+        if missing:
+            positions = [i for i, h in enumerate(hashes) if h in missing]
+            reads = self._plan_store_reads(hashes, positions)
+            rows = self._room(priority) - self._evictable_among(held, priority)
+            if len(missing) > rows:
+                raise ValueError(f"block_hashes: {len(missing)} blocks to read from the stores "
+                                 f"but only {rows} host rows can be freed")
+        self._protect(held)
+        if missing:  # rows for the store reads (the held blocks are protected now)
+            reading = [hashes[i] for i in positions]
+            self._hold(reading, priority, self._reading)
+            self._protected.update(dict.fromkeys(reading, 1))
+        if self.admission.counts_reuse:
+            for h in hashes:
+                self.admission.reused(store_key(h))
+        self._stats.loaded += len(held)
         self._stats.read_from_store += len(missing)
-        return LoadSpec(tuple(hashes), [b.slot for b in held], tuple(reads))
+        return LoadSpec(tuple(hashes), list(map(self._slot.__getitem__, hashes)), tuple(reads))
 
     def touch(self, block_hashes: Iterable[BlockHash]) -> None:
-        """Marks the blocks as recently used (hashes the host pool does not hold, such as
-        blocks only the GPU caches, count as sightings for the admission policy)."""
-        sightings = self.admission.counts_sightings
-        for h in self._checked("block_hashes", block_hashes):
-            if sightings:
+        """Marks the blocks as recently used, the first most recently (so that a prefix is
+        evicted after the blocks extending it); hashes the host pool does not hold, such as
+        blocks only the GPU caches, count as sightings for the admission policy."""
+        hashes = self._checked("block_hashes", block_hashes)
+        if self.admission.counts_sightings:
+            for h in hashes:
                 self.admission.seen(store_key(h))
-            block = self._blocks.get(h)
-            if block is not None and block.state == _READY and block.protected == 0:
-                self._evictable.remove(block)
-                self._evictable.push(block)
+        for bucket in self._lru.values():
+            again = list(filter(bucket.__contains__, reversed(hashes)))
+            _drain(map(bucket.__delitem__, again))
+            bucket.update(dict.fromkeys(again))
 
     def complete_load(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Ends a `prepare_load`: the blocks may be evicted again. Blocks read from a store
@@ -218,25 +214,36 @@ class OffloadingManager:
           ValueError: a block not being loaded; nothing changes.
         """
         hashes = self._checked("block_hashes", block_hashes)
-        for i, h in enumerate(hashes):
-            block = self._blocks.get(h)
-            if block is None or block.protected == 0:
-                raise ValueError(f"block_hashes[{i}] is not being loaded (prepare_load first)")
-        for h in hashes:
-            block = self._blocks[h]
-            block.protected -= 1
-            if block.state == _READING:
-                if success:
-                    block.state = _READY
-                    self._event([h], MEDIUM_CPU, removed=False)
+        counts = list(map(self._protected.get, hashes))
+        if None in counts:
+            i = counts.index(None)
+            raise ValueError(f"block_hashes[{i}] is not being loaded (prepare_load first)")
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("block_hashes holds a hash twice")
+        if counts.count(1) == len(counts):  # the usual case: each block loaded once
+            released = hashes
+            _drain(map(self._protected.__delitem__, hashes))
+        else:
+            released = []
+            for h, count in zip(hashes, counts):
+                if count == 1:
+                    del self._protected[h]
+                    released.append(h)
                 else:
-                    self._forget(block)
-                    self._stats.failed_loads += 1
-                    continue
-            elif not success:
-                self._stats.failed_loads += 1
-            if block.protected == 0:
-                self._evictable.push(block)
+                    self._protected[h] = count - 1
+        read = [h for h in released if h in self._reading] if self._reading else []
+        if read:
+            self._reading.difference_update(read)
+            if success:
+                self._ready.update(read)
+                self._event(read, MEDIUM_CPU, removed=False)
+            else:
+                self._forget(read)
+                gone = set(read)
+                released = [h for h in released if h not in gone]
+        if not success:
+            self._stats.failed_loads += len(hashes)
+        self._queue(released)
 
     # -- storing -------------------------------------------------------------------------------
 
@@ -253,21 +260,20 @@ class OffloadingManager:
         """
         hashes = self._checked("block_hashes", block_hashes)
         priority = check_priority(priority)
-        new = list(dict.fromkeys(h for h in hashes if h not in self._blocks))
+        new = list(itertools.filterfalse(self._slot.__contains__, dict.fromkeys(hashes)))
         if len(new) > self._room(priority):
             return None
-        to_store = [h for h in new if priority >= self.offload_min_priority
-                    and self.admission.admit(store_key(h))]
+        if priority < self.offload_min_priority:
+            to_store = []
+        elif isinstance(self.admission, AlwaysAdmit):  # the default: no call per block
+            to_store = new
+            self.admission.admitted += len(new)
+        else:
+            to_store = [h for h in new if self.admission.admit(store_key(h))]
         self._stats.declined += len(new) - len(to_store)
-        evicted: list[BlockHash] = []
-        slots = []
-        for h in to_store:
-            slot = self._row(evicted)
-            slots.append(slot)
-            self._new_block(h, slot, _STORING, priority)
-        if evicted:
-            self._event(evicted, MEDIUM_CPU, removed=True)
-        return PrepareStoreOutput(to_store, StoreSpec(tuple(to_store), slots), evicted)
+        evicted = self._hold(to_store, priority, self._storing)
+        return PrepareStoreOutput(to_store, StoreSpec(
+            tuple(to_store), list(map(self._slot.__getitem__, to_store))), evicted)
 
     def complete_store(self, block_hashes: Iterable[BlockHash], success: bool = True) -> None:
         """Ends a `prepare_store`: the blocks become loadable, or, with `success=False`, give
@@ -277,20 +283,17 @@ class OffloadingManager:
           ValueError: a block the host pool does not hold (never prepared); nothing changes.
         """
         hashes = self._checked("block_hashes", block_hashes)
-        for i, h in enumerate(hashes):
-            if h not in self._blocks:
-                raise ValueError(f"block_hashes[{i}] was not prepared for storing")
-        done = []
-        for h in hashes:
-            block = self._blocks[h]
-            if block.state != _STORING:
-                continue
-            if success:
-                block.state = _READY
-                self._evictable.push(block)
-                done.append(h)
-            else:
-                self._forget(block)
+        unknown = set(itertools.filterfalse(self._slot.__contains__, hashes))
+        if unknown:
+            i = next(i for i, h in enumerate(hashes) if h in unknown)
+            raise ValueError(f"block_hashes[{i}] was not prepared for storing")
+        done = list(filter(self._storing.__contains__, dict.fromkeys(hashes)))
+        self._storing.difference_update(done)
+        if not success:
+            self._forget(done)
+            return
+        self._ready.update(done)
+        self._queue(done)
         if done:
             self._stats.stored += len(done)
             self._event(done, MEDIUM_CPU, removed=False)
@@ -306,17 +309,18 @@ class OffloadingManager:
           ValueError: a block still being stored, read or loaded; nothing changes.
         """
         hashes = self._checked("block_hashes", block_hashes)
-        held = [self._blocks.get(h) for h in hashes]
-        for i, block in enumerate(held):
-            if block is not None and (block.state != _READY or block.protected):
-                raise ValueError(f"block_hashes[{i}] is still being "
-                                 f"{'loaded' if block.protected else block.state}")
-        gone = [b for b in dict.fromkeys(held) if b is not None]
-        for block in gone:
-            self._evictable.remove(block)
-            self._forget(block)
-        if gone:
-            self._event([b.block_hash for b in gone], MEDIUM_CPU, removed=True)
+        held = list(filter(self._slot.__contains__, dict.fromkeys(hashes)))
+        busy = set(itertools.filterfalse(self._ready.__contains__, held)).union(
+            filter(self._protected.__contains__, held))
+        if busy:
+            i = next(i for i, h in enumerate(hashes) if h in busy)
+            what = ("loaded" if hashes[i] in self._protected
+                    else "stored" if hashes[i] in self._storing else "read")
+            raise ValueError(f"block_hashes[{i}] is still being {what}")
+        self._unqueue(held)
+        self._forget(held)
+        if held:
+            self._event(held, MEDIUM_CPU, removed=True)
 
     # -- events and introspection --------------------------------------------------------------
 
@@ -341,13 +345,7 @@ class OffloadingManager:
 
     def host_slot(self, block_hash: BlockHash) -> int | None:
         """The host row of a block the host pool holds (in any state), else None."""
-        block = self._blocks.get(check_block_hash("block_hash", block_hash))
-        return None if block is None else block.slot
-
-    def admission_reused(self, block_hash: BlockHash) -> None:
-        """Tells the admission policy that a stored block was loaded (its reuse rate)."""
-        if self.admission.counts_reuse:
-            self.admission.reused(store_key(block_hash))
+        return self._slot.get(check_block_hash("block_hash", block_hash))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -355,7 +353,10 @@ class OffloadingManager:
     def _checked(name: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
         if isinstance(block_hashes, (str, bytes)):
             raise TypeError(f"{name} must be a sequence of block hashes, got {block_hashes!r}")
-        return [check_block_hash(f"{name}[{i}]", h) for i, h in enumerate(block_hashes)]
+        hashes = list(block_hashes)
+        if set(map(type, hashes)) <= _HASH_TYPES:
+            return hashes
+        return [check_block_hash(f"{name}[{i}]", h) for i, h in enumerate(hashes)]
 
     def _plan_store_reads(self, hashes: list[BlockHash], missing: list[int]) -> list[StoreRead]:
         """The store reads for the blocks at `missing`, in runs of consecutive positions, each
@@ -379,41 +380,84 @@ class OffloadingManager:
                 start += found
         return reads
 
-    def _protect(self, block: _HostBlock) -> None:
-        if block.protected == 0 and block.state == _READY:
-            self._evictable.remove(block)
-        block.protected += 1
-
-    def _new_block(self, block_hash: BlockHash, slot: int, state: str,
-                   priority: int) -> _HostBlock:
-        block = _HostBlock(self._next_id, block_hash, slot, state, priority)
-        self._next_id += 1
-        self._blocks[block_hash] = block
-        return block
-
     def _room(self, priority: int) -> int:
         """Rows a block of `priority` can have: free ones, and those of ready, unprotected
         blocks of no higher priority."""
-        return len(self._free) + self._evictable.count_at_most(priority)
+        return len(self._free) + sum(len(b) for p, b in self._lru.items() if p <= priority)
 
-    def _row(self, evicted: list[BlockHash] | None = None) -> int:
-        """A free row, evicting the next victim if needed (callers checked there is one)."""
-        if self._free:
-            return self._free.popleft()
-        victim = self._evictable.peek()
-        self._evictable.remove(victim)
-        del self._blocks[victim.block_hash]
-        self._stats.evicted += 1
-        if evicted is not None:
-            evicted.append(victim.block_hash)
-        else:
-            self._event([victim.block_hash], MEDIUM_CPU, removed=True)
-        return victim.slot
+    def _evictable_among(self, hashes: list[BlockHash], priority: int) -> int:
+        """How many of these blocks are evictable for a block of `priority`."""
+        return sum(len(list(filter(b.__contains__, hashes)))
+                   for p, b in self._lru.items() if p <= priority)
 
-    def _forget(self, block: _HostBlock) -> None:
-        """A block leaves the host pool without having been ready: its row is free."""
-        del self._blocks[block.block_hash]
-        self._free.append(block.slot)
+    def _protect(self, hashes: list[BlockHash]) -> None:
+        """One more `prepare_load` protects these ready blocks."""
+        self._unqueue(hashes)
+        again = list(filter(self._protected.__contains__, hashes))
+        self._protected.update(dict.fromkeys(hashes, 1))
+        for h in again:  # loaded by two requests at once: rare
+            self._protected[h] += 1
+
+    def _queue(self, hashes: list[BlockHash]) -> None:
+        """Ready blocks no longer protected join the eviction order, the first as the most
+        recently used."""
+        ready = [h for h in reversed(hashes) if h not in self._protected] \
+            if self._protected else hashes[::-1]
+        by_priority = self._priority
+        priorities = set(map(by_priority.__getitem__, ready))
+        for p in priorities:
+            bucket = self._lru.setdefault(p, {})
+            members = ready if len(priorities) == 1 else [h for h in ready if by_priority[h] == p]
+            bucket.update(dict.fromkeys(members))
+
+    def _unqueue(self, hashes: list[BlockHash]) -> None:
+        """These held blocks leave the eviction order (those in it)."""
+        for p in set(map(self._priority.__getitem__, hashes)) & self._lru.keys():
+            bucket = self._lru[p]
+            _drain(map(bucket.__delitem__, list(filter(bucket.__contains__, hashes))))
+            if not bucket:
+                del self._lru[p]
+
+    def _hold(self, hashes: list[BlockHash], priority: int, state: set) -> list[BlockHash]:
+        """Rows for new blocks in `state` (free rows first, then evicting: the lowest priority,
+        least recently used first; callers checked there is room); returns the evicted."""
+        take = min(len(hashes), len(self._free))
+        slots = self._free[:take]
+        del self._free[:take]
+        evicted: list[BlockHash] = []
+        for p in sorted(self._lru):
+            if len(slots) + len(evicted) == len(hashes):
+                break
+            bucket = self._lru[p]
+            victims = list(itertools.islice(bucket, len(hashes) - len(slots) - len(evicted)))
+            _drain(map(bucket.__delitem__, victims))
+            if not bucket:
+                del self._lru[p]
+            evicted += victims
+        if evicted:
+            slots += map(self._slot.pop, evicted)
+            _drain(map(self._priority.pop, evicted))
+            self._ready.difference_update(evicted)
+            self._stats.evicted += len(evicted)
+            self._event(evicted, MEDIUM_CPU, removed=True)
+        self._slot.update(zip(hashes, slots))
+        self._priority.update(dict.fromkeys(hashes, priority))
+        state.update(hashes)
+        return evicted
+
+    def _forget(self, hashes: list[BlockHash]) -> None:
+        """Blocks out of every state and queue leave the host pool: their rows are free."""
+        self._free += map(self._slot.pop, hashes)
+        _drain(map(self._priority.pop, hashes))
+        self._ready.difference_update(hashes)
 
     def _event(self, hashes: list[BlockHash], medium: str, *, removed: bool) -> None:
         self._events.append(OffloadingEvent(list(hashes), self.block_size, medium, removed))
+
+
+_HASH_TYPES = {int, bytes}
+
+
+def _drain(iterator: Iterable) -> None:
+    """Runs a map over builtin methods to its end at C speed (the idiom of itertools' recipes)."""
+    collections.deque(iterator, maxlen=0)

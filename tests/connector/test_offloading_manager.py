@@ -61,7 +61,7 @@ class Shadow:
         return new, evicted
 
     def complete_store(self, hashes, success):
-        for h in hashes:
+        for h in reversed(hashes):  # the first block becomes the most recently used
             if self.state.get(h) != "storing":
                 continue
             if success:
@@ -78,7 +78,7 @@ class Shadow:
             self.protected[h] += 1
 
     def complete_load(self, hashes):
-        for h in hashes:
+        for h in reversed(hashes):
             self.protected[h] -= 1
             if self.protected[h] == 0:
                 self.push(h)
@@ -90,7 +90,7 @@ class Shadow:
                     del d[h]
 
     def touch(self, hashes):
-        for h in hashes:
+        for h in reversed(hashes):
             if self.state.get(h) == "ready" and not self.protected[h]:
                 self.push(h)
 
@@ -234,7 +234,7 @@ def test_events_follow_vllm():
 @pytest.mark.parametrize("call, args, error, match", [
     ("prepare_load", ([9],), ValueError, r"block_hashes\[0\] is held neither"),
     ("prepare_load", ([1, 1],), ValueError, "twice"),
-    ("prepare_load", ([2],), ValueError, "still being storing"),
+    ("prepare_load", ([2],), ValueError, "still being stored"),
     ("complete_load", ([1],), ValueError, r"block_hashes\[0\] is not being loaded"),
     ("complete_store", ([1, 9],), ValueError, r"block_hashes\[1\] was not prepared"),
     ("lookup", ([1.5],), TypeError, r"block_hashes\[0\] must be an int or bytes"),
