@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.py"))
+# An example that serves through another engine needs that engine's environment, which
+# scripts/easydel-check.sh makes and runs it in (too heavy for the suite).
+EXAMPLES = sorted(p for p in (Path(__file__).resolve().parents[2] / "examples").glob("*.py")
+                  if not p.name.startswith("easydel_"))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
