@@ -3,6 +3,7 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
 #                        [sanitize] [stress] [stress-dma] [disk] [events] [replicas] [model]
+#                        [connector]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -16,6 +17,8 @@
 #   (scripts/gpu-check.sh fetch-wheels, here, where pip reaches PyPI; then carry ".whl"), and this
 #   step installs them into /tmp/kvxfer-site first. GPU_CHECK_REPLICAS_ARGS: more demo options
 #   for it (e.g. "--conversations 24" to finish sooner: the whole preset takes about 8 minutes).
+#   connector: the connector's tests, its example and README block on the GPU, and the bench's
+#   connector section (the host time of the scheduler side's calls for one h200 chats step).
 #   model: the demo model's compute rate (scripts/model_bench.py, h200 preset): full-prefill
 #   TFLOP/s against a bf16 matmul measured in the same run, decode step time against the tokens
 #   the rows hold; one summary line against the targets (issue 48).
@@ -78,6 +81,16 @@ if has tests; then
     > "$OUT/tests.log" 2>&1
   summary+=("tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - t )) s)")
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -20
+fi
+if has connector; then  # the connector's tests, its example and README block, its host time
+  t=$(date +%s)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider tests/connector \
+    tests/tooling/test_readme.py "tests/tooling/test_examples.py::test_example_runs[engine_connector]" \
+    > "$OUT/connector-tests.log" 2>&1
+  summary+=("connector tests: $(tail -1 "$OUT/connector-tests.log") ($(( $(date +%s) - t )) s)")
+  grep -E "FAILED|ERROR" "$OUT/connector-tests.log" | head -20
+  python3 -m jax_kvxfer bench --only connector --out "$OUT" > "$OUT/bench-connector.txt" 2>&1
+  summary+=("bench $(grep -E '^connector:' "$OUT/bench-connector.txt" | tail -1)")
 fi
 if has bench; then
   t=$(date +%s)

@@ -165,7 +165,8 @@ class OffloadingManager:
         given = set(hashes)
         if len(given) != len(hashes):
             raise ValueError("block_hashes holds a hash twice")
-        busy = given & (self._storing | self._reading)
+        busy = () if given.isdisjoint(self._storing) and given.isdisjoint(self._reading) else \
+            given & (self._storing | self._reading)
         if busy:
             i = next(i for i, h in enumerate(hashes) if h in busy)
             raise ValueError(f"block_hashes[{i}] is still being "
@@ -401,8 +402,7 @@ class OffloadingManager:
     def _queue(self, hashes: list[BlockHash]) -> None:
         """Ready blocks no longer protected join the eviction order, the first as the most
         recently used."""
-        ready = [h for h in reversed(hashes) if h not in self._protected] \
-            if self._protected else hashes[::-1]
+        ready = list(itertools.filterfalse(self._protected.__contains__, reversed(hashes)))
         by_priority = self._priority
         priorities = set(map(by_priority.__getitem__, ready))
         for p in priorities:
