@@ -1,0 +1,230 @@
+"""EasyDeL's eSurge with jax_kvxfer's host pool (and stores) below its own prefix cache.
+
+`enable_offloading(engine, num_host_blocks=...)` attaches the connector to an `eSurge` engine
+(easydel 0.3.0; docs/easydel-seams.md says where each seam is). eSurge keeps its page
+allocator and prefix cache; the connector adds the tier below them, keyed by eSurge's own page
+hashes (`PageHash.hash_value`, chained over the prefix):
+
+- **Store at eviction.** When eSurge reuses a cached page for new content
+  (`PagePool._maybe_evict_cached_page`, which forgets the page's hash), the page's hash and
+  id are noted; before the step that overwrites it runs (at the end of `schedule()`, or before
+  a load writes the page), the noted pages are copied to host rows (`prepare_store`,
+  `submit_store`), made loadable once the copy has landed (`complete_store`).
+- **Load before the prefix lookup.** Where eSurge asks its prefix cache for a request's hits
+  (`CacheManager.get_computed_pages`, once per admission), the pages past its hits that the
+  host pool holds are loaded into free pages (`lookup`, `prepare_load`, `submit_load`, waited
+  for), registered in eSurge's prefix cache under their hashes and freed as cached pages; then
+  eSurge's own lookup finds them as ordinary hits. Its hits are held meanwhile, so that the
+  allocation does not evict them; a page eSurge still holds is never loaded.
+
+The engine's KV arrays are donated and rebound by every step; the connector takes the current
+ones before each transfer and rebinds the engine to the pool's after it. Everything runs on
+the engine's scheduling thread, between steps. easydel is imported only when attaching, and its page-hash key type once attached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from ..connector import OffloadingManager, OffloadingWorker
+from ..stores.base import Store
+
+
+@dataclasses.dataclass
+class OffloadingReport:
+    """What the connector did for the engine so far (in pages, i.e. blocks)."""
+
+    stored_pages: int = 0  # evicted pages copied to the host pool
+    store_declined: int = 0  # evicted pages not stored (no room, or held already)
+    lookups: int = 0  # admissions whose pages past eSurge's hits were looked up
+    loaded_pages: int = 0  # pages loaded from the host pool (and the stores)
+    failed_loads: int = 0  # pages whose load failed (recomputed by eSurge)
+    loaded_pages_gpu_held: int = 0  # pages loaded that eSurge's prefix cache still held
+
+
+class EsurgeOffloading:
+    """The connector attached to one eSurge engine (made by `enable_offloading`)."""
+
+    def __init__(self, engine: Any, *, num_host_blocks: int,
+                 stores: Store | Sequence[Store] = (), admission: Any = "always") -> None:
+        from easydel.inference.esurge.core.utils import PageHashWithGroupId
+
+        self._key_type = PageHashWithGroupId
+        self._scheduler = engine.scheduler
+        self._executor = engine.runner.executor_manager
+        self._cache_manager = self._scheduler.kv_cache_manager
+        self._pool = self._cache_manager.page_pool
+        if not self._cache_manager.enable_caching:
+            raise ValueError("engine: offloading extends eSurge's prefix cache; make the "
+                             "engine with enable_prefix_caching=True")
+        if self._cache_manager.num_kv_cache_groups != 1:
+            raise ValueError(f"engine: {self._cache_manager.num_kv_cache_groups} KV-cache "
+                             "groups (a hybrid model); offloading supports one")
+        self.page_size = int(self._cache_manager.page_size)
+        self.worker = OffloadingWorker(self._engine_arrays(), num_host_blocks=num_host_blocks,
+                                       token_axis=1, block_axis=0, stores=stores)
+        self.manager = OffloadingManager(num_host_blocks, block_size=self.page_size,
+                                         stores=self.worker.stores, admission=admission)
+        self.report = OffloadingReport()
+        self._noted: dict[int, int] = {}  # evicted page hash -> page id, not stored yet
+        self._storing: dict[Any, list[int]] = {}  # store job -> its hashes
+        self._jobs = itertools.count()
+        # eSurge's methods, wrapped on these objects (not their classes)
+        self._originals = {
+            (self._pool, "_maybe_evict_cached_page"): self._pool._maybe_evict_cached_page,
+            (self._cache_manager, "get_computed_pages"): self._cache_manager.get_computed_pages,
+            (self._scheduler, "schedule"): self._scheduler.schedule,
+        }
+        self._pool._maybe_evict_cached_page = self._evicting
+        self._cache_manager.get_computed_pages = self._get_computed_pages
+        self._scheduler.schedule = self._schedule
+
+    def disable(self) -> None:
+        """Detaches from the engine (its own methods back) and waits for the transfers."""
+        for (owner, name) in self._originals:
+            delattr(owner, name)  # the instance attribute shadowed the class's method
+        self._originals = {}
+        self._flush_stores()
+        self.worker.close()
+        self._collect()
+
+    # -- the engine's arrays ---------------------------------------------------------------------
+
+    def _engine_arrays(self) -> list:
+        return [view.kv_pages for view in self._executor.kv_pages.views]
+
+    def _take_engine_arrays(self) -> None:
+        """The worker's pool takes the engine's current arrays (each step made new ones)."""
+        arrays = self._engine_arrays()
+        if any(a is not b for a, b in zip(arrays, self.worker.kv_caches)):
+            self.worker.kv_caches = arrays
+
+    def _give_engine_arrays(self) -> None:
+        """The engine takes the pool's arrays (ordered after the transfers just issued)."""
+        arrays = self.worker.kv_caches
+        cache = self._executor.kv_pages
+        if any(a is not v.kv_pages for a, v in zip(arrays, cache.views)):
+            self._executor.kv_pages = cache.replace(
+                views=[v.replace(kv_pages=a) for v, a in zip(cache.views, arrays)])
+
+    # -- storing at eviction ---------------------------------------------------------------------
+
+    def _evicting(self, page: Any) -> bool:
+        page_hash = page.page_hash
+        if page_hash is not None and page.page_id in self._pool.cached_page_hash_to_page.get(
+                page_hash, ()):
+            self._noted.setdefault(page_hash.get_hash_value(), page.page_id)
+        return self._originals[(self._pool, "_maybe_evict_cached_page")](page)
+
+    def _schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = self._originals[(self._scheduler, "schedule")](*args, **kwargs)
+        self._collect()
+        self._flush_stores()  # before the step that overwrites the evicted pages
+        return output
+
+    def _flush_stores(self) -> None:
+        if not self._noted:
+            return
+        noted, self._noted = self._noted, {}
+        out = self.manager.prepare_store(list(noted))
+        todo = out.block_hashes_to_store if out is not None else []
+        self.report.store_declined += len(noted) - len(todo)
+        if not todo:
+            return
+        job = ("store", next(self._jobs))
+        self._take_engine_arrays()
+        self.worker.submit_store(job, out.store_spec, [noted[h] for h in todo])
+        self._give_engine_arrays()
+        self._storing[job] = todo
+        self.report.stored_pages += len(todo)
+
+    def _collect(self) -> None:
+        """Completes the store jobs the worker finished."""
+        for job, success in self.worker.get_finished():
+            self.manager.complete_store(self._storing.pop(job), success)
+
+    # -- loading before the prefix lookup --------------------------------------------------------
+
+    def _get_computed_pages(self, request: Any, **kwargs: Any) -> Any:
+        original = self._originals[(self._cache_manager, "get_computed_pages")]
+        pages, hit_tokens = original(request, **kwargs)
+        page_hashes = self._cache_manager.req_to_page_hashes.get(request.request_id) or []
+        held = list(pages.pages[0]) if pages.pages else []
+        limit = min(len(page_hashes), (request.num_tokens - 1) // self.page_size)
+        wanted = []  # past eSurge's hits, up to the first page it still holds
+        for page_hash in page_hashes[len(held):limit]:
+            if self._pool.cached_page_hash_to_page.get(self._key(page_hash)):
+                break
+            wanted.append(page_hash)
+        if not wanted:
+            return pages, hit_tokens
+        self._collect()
+        self.report.lookups += 1
+        hashes = [h.hash_value for h in wanted]
+        n = min(self.manager.lookup(hashes) or 0, self._pool.get_num_free_pages() - len(held))
+        if n <= 0:
+            return pages, hit_tokens
+        self._load(wanted[:n], held)
+        return original(request, **kwargs)
+
+    def _load(self, wanted: list, held: list) -> None:
+        """Loads the pages of `wanted` (eSurge's page hashes) into free pages and caches them
+        in eSurge's prefix cache; `held`, eSurge's hits before them, are kept meanwhile."""
+        hashes = [h.hash_value for h in wanted]
+        self._pool.touch((held,))  # out of the free queue: the allocation cannot evict them
+        try:
+            pages = self._pool.get_new_pages(len(wanted))
+            self._flush_stores()  # the pages just evicted leave before the load writes them
+            self.report.loaded_pages_gpu_held += sum(
+                bool(self._pool.cached_page_hash_to_page.get(self._key(h))) for h in wanted)
+            spec = self.manager.prepare_load(hashes)
+            self.manager.touch(hashes)
+            job = ("load", next(self._jobs))
+            self._take_engine_arrays()
+            self.worker.submit_load(job, spec, [p.page_id for p in pages])
+            self._give_engine_arrays()
+            self.worker.wait([job])
+            success = True
+            for done, ok in self.worker.get_finished():
+                if done == job:
+                    success = ok
+                else:
+                    self.manager.complete_store(self._storing.pop(done), ok)
+            self.manager.complete_load(hashes, success)
+            if success:
+                for page, page_hash in zip(pages, wanted):
+                    key = self._key(page_hash)
+                    page.page_hash = key
+                    self._pool.cached_page_hash_to_page[key][page.page_id] = page
+                self.report.loaded_pages += len(pages)
+            else:
+                self.report.failed_loads += len(pages)
+            # the last page first, so that a prefix is evicted after what extends it
+            self._pool.free_pages(reversed(pages))
+        finally:
+            self._pool.free_pages(reversed(held))
+
+    def _key(self, page_hash: Any) -> Any:
+        """eSurge's prefix-cache key of a page hash (its one KV-cache group is group 0)."""
+        return self._key_type(page_hash, 0)
+
+
+def enable_offloading(engine: Any, *, num_host_blocks: int, stores: Store | Sequence[Store] = (),
+                      admission: Any = "always") -> EsurgeOffloading:
+    """Attaches jax_kvxfer's host pool (and `stores` below it) to an eSurge engine's prefix
+    cache; returns the attachment (`.report`, `.manager`, `.worker`, `.disable()`).
+
+    Args:
+      engine: an `easydel.eSurge` made with `enable_prefix_caching=True`, one KV-cache group.
+      num_host_blocks: pages the pinned host pool holds.
+      stores: tiers below the host pool (`jax_kvxfer.stores`).
+      admission: which evicted pages are stored (`OffloadingManager`'s `admission`).
+
+    Raises:
+      ValueError: an engine without prefix caching, or with several KV-cache groups.
+    """
+    return EsurgeOffloading(engine, num_host_blocks=num_host_blocks, stores=stores,
+                            admission=admission)
