@@ -104,7 +104,10 @@ def start_metrics_server(port: int, addr: str = "127.0.0.1") -> MetricsServer:
     reg = registry()
     import prometheus_client
 
-    server, thread = prometheus_client.start_http_server(port, addr=addr, registry=reg)
+    try:
+        server, thread = prometheus_client.start_http_server(port, addr=addr, registry=reg)
+    except OSError as e:  # "Address already in use" alone does not say which
+        raise OSError(e.errno, f"cannot serve metrics on {addr}:{port}: {e.strerror}") from e
     return MetricsServer(addr, server.server_address[1], server, thread)
 
 

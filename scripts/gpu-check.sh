@@ -219,7 +219,8 @@ real() {  # real NAME DEMO-OPTIONS...: one demo run, its closing line into the s
     ${GPU_CHECK_ADMISSION:+--admission $GPU_CHECK_ADMISSION} "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
   local rc=$?
   tail -30 "$OUT/$name.txt"
-  summary+=("$name: exit $rc ($(( $(date +%s) - t )) s): $(grep -E '^(at [0-9.]+/s: )?offload vs ' "$OUT/$name.txt" | tr '\n' ' ')")
+  # the closing lines (and their wrapped continuations, indented)
+  summary+=("$name: exit $rc ($(( $(date +%s) - t )) s): $(awk '/^(at [0-9.]+\/s: )?(offload vs |offload is |spread between)/ {on = 1; print; next} on && /^  / {print; next} {on = 0}' "$OUT/$name.txt" | tr '\n' ' ')")
 }
 has real-chats && real real-chats
 has real-docqa && real real-docqa --workload docqa

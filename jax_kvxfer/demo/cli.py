@@ -33,8 +33,10 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import textwrap
 import time
 
 import jax
@@ -110,6 +112,7 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 BF16_PEAK_TFLOPS = {"H200": 990.0, "H100": 990.0}  # dense, the vendors' datasheets
 DISK_GB = 8.0  # the disk tier's capacity unless --disk-gb
 DISK_ALIGN = 4096  # a FileStore file: a 4096-byte header page, then the row padded to 4096
+WIDTH = 120  # the longest line the demo prints (but an error's one line, and --json)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -324,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the copy engines, beside the model step (auto, true), or with the "
                         "copy kernel in line with it (false)")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="weights and workload seed")
+    p.add_argument("--repeat", type=_int_at_least(1, 100), default=1, metavar="N",
+                   help="serve offload, drop and never_evict N times each (in turn, all three, "
+                        "then again), each repeat checked for exactness, and give each ratio "
+                        "as its median over the repeats with its min-max; the table shows the "
+                        "first repeat. One run alone cannot tell a ratio from the machine's "
+                        "noise")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     observe.add_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -593,8 +602,8 @@ def _transcript(tokenizer, res: serving.RunResult, conversations: int, shown: in
         lines.append(f"-- conversation {c}")
         texts = CHAT_TEXT[c % len(CHAT_TEXT)]
         for t in range(len([k for k in res.turns if k[0] == c])):
-            lines.append(f"user: {texts[t % len(texts)]}")
-            lines.append(f"assistant: {tokenizer.decode(res.turns[(c, t)].tokens).strip()}")
+            lines += wrap(f"user: {texts[t % len(texts)]}")
+            lines += wrap(f"assistant: {tokenizer.decode(res.turns[(c, t)].tokens).strip()}")
     return "\n".join(lines) + "\n"
 
 
@@ -762,43 +771,43 @@ def table(title: str, runs: dict, verdict: dict) -> str:
             f"{s['compiles_during_run']} ({s['compile_seconds_during_run']:.2f} s)")),
     ]
     names = [r for r in RUNS if r in runs]
-    cells = [[fmt(runs[r]) for r in names] for _, fmt in rows]
-    gap = 3  # spaces at least between columns
-    label = max(len(name) for name, _ in rows)
-    widths = [max(len(name), *(len(row[i]) for row in cells)) for i, name in enumerate(names)]
-    lines = [title, "", " " * label + "".join(f"{' ' * gap}{n:>{w}}"
-                                            for n, w in zip(names, widths))]
-    lines += [f"{name:<{label}}" + "".join(f"{' ' * gap}{v:>{w}}" for v, w in zip(row, widths))
-              for (name, _), row in zip(rows, cells)]
+    lines = [*title_lines(title), ""]
+    lines += grid(["", *names], [[label, *(fmt(runs[r]) for r in names)] for label, fmt in rows])
     paths = verdict["paths"] or {"offload": 0}  # (offload did not run)
-    lines += ["", "paths exercised (offload run): " + ", ".join(
+    prose = ["paths exercised (offload run): " + ", ".join(
         f"{k.replace('_', ' ')} {'yes (' + str(v) + ')' if v else 'NO'}" for k, v in paths.items())]
     if not all(paths.values()):
-        lines.append("  (smaller pools or more conversations/turns exercise every path)")
+        prose.append("  (smaller pools or more conversations/turns exercise every path)")
     if "disk" in verdict:
         d = verdict["disk"]
-        lines.append(f"disk tier: a FileStore in a fresh subdirectory of {d['path']} (removed at "
+        prose.append(f"disk tier: a FileStore in a fresh subdirectory of {d['path']} (removed at "
                      f"the end), capacity {_size(d['capacity_bytes'])}, below a host pool of "
                      f"{d['host_blocks']} blocks"
                      + ("; restarted: a new block manager and FileStore over the same files"
                         if RESTARTED in runs else ""))
     if "replicas" in verdict:
-        lines += replica_lines(runs, verdict["replicas"])
+        prose += replica_lines(runs, verdict["replicas"])
     if verdict.get("prefill_fraction_of_peak") is not None:
-        lines.append(f"prefill reaches {100 * verdict['prefill_fraction_of_peak']:.0f} % of the "
+        prose.append(f"prefill reaches {100 * verdict['prefill_fraction_of_peak']:.0f} % of the "
                      "GPU's dense bf16 peak (never_evict's full-prefill steps)")
+    if verdict.get("repeats"):
+        prose.append(f"the table shows the first of {verdict['repeats']} repeats; exactness "
+                     "and the ratios below are over all of them")
     if "failed" in verdict:
-        lines.append(f"{verdict['failed']}; exactness not checked (never_evict is the reference)")
+        prose.append(f"{verdict['failed']}; exactness not checked (never_evict is the reference)")
+    if verdict.get("runs"):
+        prose.append(f"exactness: each run's tokens and logits against never_evict's, logits "
+                     f"within {verdict['tolerance']:g} + {verdict['tolerance']:g} × |ref|")
     for name, v in verdict.get("runs", {}).items():
-        lines.append(
+        prose.append(
             f"exactness {name} vs never_evict: {'PASS' if v['exact'] else 'FAIL'} - "
             f"{verdict['turns']} turns, {verdict['tokens']} tokens "
             f"{'identical' if v['exact'] else 'compared'}; max |logit diff| "
-            f"{v['max_abs_logit_diff']:.3g} (tolerance {verdict['tolerance']:g} "
-            f"+ {verdict['tolerance']:g}*|ref|)"
+            f"{v['max_abs_logit_diff']:.3g}"
             + ("" if v["exact"] else f"; first differing turn {v['first_bad_turn']}"))
-    if verdict.get("closing", {}).get("line"):
-        lines.append(verdict["closing"]["line"])
+    prose += verdict.get("closing", {}).get("lines", [])
+    lines += [""] + [line for text in prose for line in wrap(text, " " * (
+        len(text) - len(text.lstrip()) + 2))]
     return "\n".join(lines)
 
 
@@ -866,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, key) is None:
                 cfg[key] = sizing[key]
         cfg["pools_from_workload"] = sizing
-        print(sizing_line(sizing, cfg, kv_block_nbytes(model, cfg["tokens_per_block"])),
+        print("\n".join(wrap(sizing_line(sizing, cfg,
+                                          kv_block_nbytes(model, cfg["tokens_per_block"])))),
               file=sys.stderr)
     budget = cfg["prefill_budget"]
     if budget % cfg["chunk"]:
@@ -917,6 +927,14 @@ def main(argv: list[str] | None = None) -> int:
                                      else max(1, cfg["secondary_blocks"] // 4)))
     if args.store is not None and args.replicas is None:
         parser.error("--store needs --replicas N")
+    if args.repeat > 1:  # the three runs of one workload, nothing that keeps state between them
+        for given, option in ((args.disk is not None,
+                               "--disk (its second pass would not start cold)"),
+                              (args.replicas is not None, "--replicas"),
+                              (len(rates) > 1, "--arrival-rate list"),
+                              (args.events_overhead, "--events-overhead")):
+            if given:
+                parser.error(f"--repeat takes no {option}")
     if args.replicas is not None:
         n = args.replicas
         if args.devices > 1:
@@ -933,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{cfg['secondary_blocks']}, holds no block (the store's blocks pass "
                          "through it); pass a larger --secondary-blocks")
         store = args.store or "valkey"
-        problem = store_servers.unavailable(store)
+        problem = store_servers.unavailable(store) or store_servers.unreachable(store)
         if problem is not None:
             parser.error(problem)
         cfg.update(replicas=n, store=store)
@@ -1039,13 +1057,21 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
         return observe.overhead(args, model, convs, pools["offload"], common, real)
     if sweep is not None:
         return _sweep(args, cfg, model, sweep, priorities, common, pools)
-    results = {}
+    first: dict = {}  # the first repeat's runs: the table's
+    results = first  # the runs of the repeat under way
+    later: list[tuple[dict, dict]] = []  # --repeat: each later repeat's summaries and exactness
     # The disk runs' files: a fresh subdirectory of --disk (the first pass starts cold; the
     # restart finds what it left), removed at the end.
     workdir = None
     order = [r for r in REPLICA_RUNS if r in pools] + [r for r in pools if r not in REPLICA_RUNS]
+    # --repeat N: all the runs in turn, then again, so that a drift of the machine's speed
+    # touches each run alike
+    schedule = [(repeat, name) for repeat in range(args.repeat) for name in order]
     try:
-        for name in order:
+        for repeat, name in schedule:
+            if repeat and name == order[0]:  # a later repeat: runs of its own
+                results = {}
+            label = name if args.repeat == 1 else f"{name} {repeat + 1}/{args.repeat}"
             primary, secondary = pools[name]
             store = None
             try:
@@ -1062,12 +1088,14 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                     store = _file_store(workdir, args, cfg, model, real)
                 results[name] = serving.run(
                     model, params, convs, primary_blocks=primary, secondary_blocks=secondary,
-                    progress=_Progress(name, not args.no_progress),
+                    progress=_Progress(label, not args.no_progress),
                     **common, **({"stores": (store,)} if store is not None else {}))
+                if repeat and name == order[-1]:  # a later repeat: its figures, not its logits
+                    later.append(_repeat_figures(cfg, model, results))
             except BaseException as e:  # Ctrl-C too
-                failed = f"run {name} failed: " + f"{type(e).__name__}: {e}".splitlines()[0]
-                if results:  # the runs that finished took minutes: they are printed first
-                    _report(args, cfg, model, results, real, failed=failed)
+                failed = f"run {label} failed: " + f"{type(e).__name__}: {e}".splitlines()[0]
+                if first:  # the runs that finished took minutes: they are printed first
+                    _report(args, cfg, model, first, real, failed=failed, later=later)
                 # out of memory (RESOURCE_EXHAUSTED: XLA's allocator), or a --disk that takes
                 # no file: one line, as for bad options
                 if isinstance(e, (PoolExhaustedError, MemoryError, DiskError,
@@ -1082,8 +1110,8 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-    results = {name: results[name] for name in RUNS if name in results}  # as reported
-    exact = _report(args, cfg, model, results, real)
+    results = {name: first[name] for name in RUNS if name in first}  # as reported
+    exact = _report(args, cfg, model, results, real, later=later)
     if args.plot:
         _plot(args.plot, results)
         print(f"plot: {args.plot}", file=sys.stderr)
@@ -1136,11 +1164,45 @@ def _file_store(path: str, args: argparse.Namespace, cfg: dict, model: ModelConf
         raise DiskError(f"--disk {args.disk}: {e}") from None
 
 
+def _exactness(model: ModelConfig, results: dict) -> dict:
+    """Each run against never_evict (which must be in `results`): exact within the dtype's
+    tolerance, the largest logit difference, the first differing turn."""
+    ref = results["never_evict"]
+    tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
+    compared = {}
+    for name in (r for r in RUNS if r in results and r != "never_evict"):
+        exact, max_diff, first_bad = serving.compare(results[name], ref, atol=tol, rtol=tol)
+        compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
+                          "first_bad_turn": first_bad}
+    return compared
+
+
+def _repeat_figures(cfg: dict, model: ModelConfig, results: dict) -> tuple[dict, dict]:
+    """A later repeat (--repeat) as what the report needs of it: its runs' summaries and their
+    exactness; the logits are left behind."""
+    moved = moved_turns(cfg, next(iter(results.values())).turns)
+    return ({name: _summary(res, moved) for name, res in results.items()},
+            _exactness(model, results))
+
+
+def _merged(compared: dict, later: list[tuple[dict, dict]]) -> dict:
+    """Exactness over every repeat: exact in all, the largest difference, the first repeat's
+    first differing turn."""
+    merged = {}
+    for name, first in compared.items():
+        each = [first, *(c[name] for _, c in later if name in c)]
+        bad = [c["first_bad_turn"] for c in each if not c["exact"]]
+        merged[name] = {"exact": not bad, "first_bad_turn": bad[0] if bad else None,
+                        "max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in each)}
+    return merged
+
+
 def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: dict, real,
-            failed: str | None = None) -> bool | None:
+            failed: str | None = None, later: list[tuple[dict, dict]] = ()) -> bool | None:
     """Prints the runs in `results` (a table, or --json's object); returns whether offload and
     the disk runs are exact, None when never_evict (the reference) did not finish (`failed`
-    says why)."""
+    says why). `later`: --repeat's later repeats (`_repeat_figures`), whose exactness counts
+    too and whose ratios the closing lines take."""
     moved = moved_turns(cfg, next(iter(results.values())).turns) if results else set()
     runs = {name: _summary(res, moved) for name, res in results.items()}  # offload's first
     verdict = {"exact": None, "device": str(jax.devices()[0].device_kind),
@@ -1156,13 +1218,12 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
                            "namespace": store_namespace(model, cfg, preset=args.preset,
                                                         seed=args.seed, real=real is not None)}
     compared = {}
+    if later:
+        verdict["repeats"] = 1 + len(later)
     if "never_evict" in results:
         ref = results["never_evict"]
         tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
-        for name in (r for r in RUNS if r in results and r != "never_evict"):
-            exact, max_diff, first_bad = serving.compare(results[name], ref, atol=tol, rtol=tol)
-            compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
-                              "first_bad_turn": first_bad}
+        compared = _merged(_exactness(model, results), later)
         verdict.update({
             # The library's claim: restored blocks are the very blocks, from the host or the
             # disk. Recomputation (drop) matches too in float32, but bfloat16 kernels round a
@@ -1174,10 +1235,11 @@ def _report(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: di
             "reference_evicted": ref.block_stats.offloaded_blocks
             + ref.block_stats.dropped_primary_blocks,
             "tolerance": tol, "prefill_fraction_of_peak": _fraction_of_peak(model, results)})
-    verdict["closing"] = closing(runs, compared)
+    verdict["closing"] = closing(runs, compared, [runs, *(r for r, _ in later)])
     if args.json:
         config = {**cfg, "preset": args.preset, "seed": args.seed, "trace": args.trace,
-                  "disk": args.disk, "workload": args.workload, "admission": args.admission}
+                  "disk": args.disk, "workload": args.workload, "admission": args.admission,
+                  "repeat": args.repeat}
         if "replicas" in verdict:  # a URL's password not shown
             config["store"] = verdict["replicas"]["store"]
         print(json.dumps({"config": config,
@@ -1201,50 +1263,129 @@ def _source(args: argparse.Namespace, cfg: dict) -> str:
         return f"trace {args.trace}"
     if args.workload == "docqa":
         low, high = cfg["doc_tokens"]
-        return (f"docqa: {cfg['conversations']} documents of {low:,}-{high:,} tokens x "
+        return (f"docqa: {cfg['conversations']} documents of {low:,}-{high:,} tokens × "
                 f"{cfg['turns']} questions")
     return (f"{'low reuse: ' if args.workload == 'lowreuse' else ''}{cfg['conversations']} chats "
-            f"x {cfg['turns']} turns")
+            f"× {cfg['turns']} turns")
 
 
 def _times(ratio: float | None, above: str, below: str) -> str:
-    """A ratio as "N× above" (>= 1) or "1/N× below"."""
+    """A ratio as "N× above" (ratio >= 1) or "N× below" (N = 1 / ratio): N is never under 1.
+    "the same" where it rounds to 1.00 either way."""
     if ratio is None:
         return "n/a"
-    return f"{ratio:.2f}× {above}" if ratio >= 1 else f"{1 / ratio:.2f}× {below}"
+    factor = ratio if ratio >= 1 else 1 / ratio
+    if f"{factor:.2f}" == "1.00":
+        return "the same"
+    return f"{factor:.2f}× {above if ratio >= 1 else below}"
 
 
-def closing(runs: dict, compared: dict) -> dict:
-    """offload against drop and never_evict, in one line and in figures: TTFT p50 (the other
+def _apart(ratio: float | None) -> str:
+    """How far apart two figures whose ratio this is are, whichever is larger: "N×"."""
+    return "n/a" if not ratio else f"{max(ratio, 1 / ratio):.2f}×"
+
+
+def _spread(ratios: list, above: str, below: str) -> str:
+    """One ratio as `_times` writes it; several (one per repeat) as their median, then their
+    least and greatest (min–max): "1.54× lower (1.20–1.80× lower)", or "(1.06× higher to 1.80×
+    lower)" where the repeats fall on both sides of 1."""
+    if None in ratios:
+        return "n/a"
+    median = _times(statistics.median(ratios), above, below)
+    if len(ratios) == 1:
+        return median
+    low, high = min(ratios), max(ratios)
+    if low >= 1 or high < 1:  # all on one side of 1: the factors in increasing order
+        a, b = sorted(r if r >= 1 else 1 / r for r in (low, high))
+        if f"{a:.2f}" == f"{b:.2f}":
+            return f"{median} (in every repeat)"
+        return f"{median} ({a:.2f}–{b:.2f}× {above if low >= 1 else below})"
+    return f"{median} ({_times(low, above, below)} to {_times(high, above, below)})"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def same_work(a: dict, b: dict) -> bool:
+    """Whether two runs (summaries) did the same work: the same prefill tokens computed, and
+    neither read a block back from the host or a store. What then differs between their times
+    is the machine's noise, not the cache."""
+    return (a["computed_prefill_tokens"] == b["computed_prefill_tokens"]
+            and not any(r["host_hit_tokens"] or r.get("store_hit_tokens") for r in (a, b)))
+
+
+def closing(runs: dict, compared: dict, repeats: list[dict] | None = None) -> dict:
+    """offload against drop and never_evict, in lines and in figures: TTFT p50 (the other
     run's over offload's: above 1, offload's is lower), output tokens/s (offload's over the
     other's), prefill tokens computed (the other's over offload's: the work the host tier saved,
     which unlike the times does not vary from run to run), and whether offload is exact (else
-    its first differing turn)."""
-    out: dict = {}
-    off = runs.get("offload")
-    parts = []
+    its first differing turn).
+
+    `repeats`: with --repeat N, each repeat's runs (the first is `runs`): each ratio is then
+    their median, with its least and greatest. Two runs that did the same work (`same_work`)
+    get no ratio but the statement that their difference is noise. A single run says how far
+    apart identical runs are on this machine: drop and never_evict, where they did the same
+    work, else that one run cannot tell (and how to find out)."""
+    repeats = repeats or [runs]
+    out: dict = {"repeats": len(repeats)}
+    lines = []
     for other in ("drop", "never_evict"):
-        if off is None or other not in runs:
+        pairs = [(r["offload"], r[other]) for r in repeats if "offload" in r and other in r]
+        if not pairs or len(pairs) < len(repeats):
             continue
-        o = runs[other]
-        ttft = o["ttft_s"]["p50"] / off["ttft_s"]["p50"] if off["ttft_s"]["p50"] else None
-        rate = (off["output_tokens_per_s"] / o["output_tokens_per_s"]
-                if o["output_tokens_per_s"] else None)
-        prefill = (o["computed_prefill_tokens"] / off["computed_prefill_tokens"]
-                   if off["computed_prefill_tokens"] else None)
-        out[f"vs_{other}"] = {"ttft_p50_ratio": ttft, "output_tokens_per_s_ratio": rate,
-                              "computed_prefill_ratio": prefill}
-        parts.append(f"{'offload vs ' if not parts else 'vs '}{other}: TTFT p50 "
-                     f"{_times(ttft, 'lower', 'higher')}, output tokens/s "
-                     f"{_times(rate, 'higher', 'lower')}, "
-                     + ("the same prefill computed" if prefill == 1 else
-                        f"prefill computed {_times(prefill, 'less', 'more')}"))
+        ttft = [_ratio(o["ttft_s"]["p50"], off["ttft_s"]["p50"]) for off, o in pairs]
+        rate = [_ratio(off["output_tokens_per_s"], o["output_tokens_per_s"]) for off, o in pairs]
+        prefill = [_ratio(o["computed_prefill_tokens"], off["computed_prefill_tokens"])
+                   for off, o in pairs]
+        same = all(same_work(off, o) for off, o in pairs)
+        figures = {"same_work": same}
+        for key, values in (("ttft_p50_ratio", ttft), ("output_tokens_per_s_ratio", rate),
+                            ("computed_prefill_ratio", prefill)):
+            known = None not in values
+            figures[key] = statistics.median(values) if known else None
+            if len(pairs) > 1:
+                figures[f"{key}_min"] = min(values) if known else None
+                figures[f"{key}_max"] = max(values) if known else None
+                figures[f"{key}s"] = values
+        out[f"vs_{other}"] = figures
+        head = f"offload vs {other}" + (f" (median of {len(pairs)} repeats, min–max)"
+                                        if len(pairs) > 1 else "")
+        if same:
+            tokens = pairs[0][0]["computed_prefill_tokens"]
+            lines.append(f"{head}: the same work ({tokens:,} prefill tokens computed by each, "
+                         f"no host hits), so the difference in their times is noise (TTFT p50 "
+                         f"{_apart(figures['ttft_p50_ratio'])} and output tokens/s "
+                         f"{_apart(figures['output_tokens_per_s_ratio'])} apart)")
+            continue
+        lines.append(f"{head}: TTFT p50 {_spread(ttft, 'lower', 'higher')}, output tokens/s "
+                     f"{_spread(rate, 'higher', 'lower')}, "
+                     + ("the same prefill computed" if all(p == 1 for p in prefill) else
+                        f"prefill computed {_spread(prefill, 'less', 'more')}"))
+    if len(repeats) == 1 and "drop" in runs and "never_evict" in runs:
+        drop, never = runs["drop"], runs["never_evict"]
+        measured = same_work(drop, never)
+        out["spread"] = {"measured": measured}
+        if measured:
+            ttft = _ratio(never["ttft_s"]["p50"], drop["ttft_s"]["p50"])
+            rate = _ratio(drop["output_tokens_per_s"], never["output_tokens_per_s"])
+            out["spread"].update(ttft_p50_ratio=ttft, output_tokens_per_s_ratio=rate)
+            lines.append(f"spread between identical runs on this machine: drop and never_evict "
+                         f"did the same work ({drop['computed_prefill_tokens']:,} prefill "
+                         f"tokens computed by each, no host hits), yet their TTFT p50 are "
+                         f"{_apart(ttft)} and their output tokens/s {_apart(rate)} apart: a "
+                         "ratio within that is noise")
+        else:
+            lines.append("spread between identical runs on this machine: not measured (drop "
+                         "and never_evict did different work), so one run cannot tell a "
+                         "ratio from noise: --repeat 3 gives each ratio with its spread")
     c = compared.get("offload")
     if c is not None:
         out["exact"], out["first_bad_turn"] = c["exact"], c["first_bad_turn"]
-        parts.append("exact" if c["exact"] else
-                     f"not exact (first differing turn {c['first_bad_turn']})")
-    out["line"] = "; ".join(parts)
+        lines.append("offload is exact against never_evict" if c["exact"] else
+                     f"offload is not exact against never_evict: first differing turn "
+                     f"{c['first_bad_turn']}")
+    out["lines"] = lines
     return out
 
 
@@ -1274,11 +1415,13 @@ def replica_lines(runs: dict, v: dict) -> list[str]:
         lines.append(f"TTFT p50 of the turns that moved replica, prefix from the store: "
                      f"{ms(shared.get('ttft_p50_moved_turns_s'))}; of the offload run's turns "
                      f"with host hits: {ms(off.get('ttft_p50_host_hit_turns_s'))}"
-                     + (f" ({ratio:.2f}x)" if ratio is not None else " (it had none)"))
+                     + (f" (moved turns {_times(ratio, 'higher', 'lower')})"
+                        if ratio is not None else " (it had none)"))
     if v.get("ttft_p50_without_over_with_store") is not None:
         lines.append(f"TTFT p50 {SHARED} {ms(shared['ttft_s']['p50'])} vs {ALONE} "
                      f"{ms(alone['ttft_s']['p50'])}: "
-                     f"{v['ttft_p50_without_over_with_store']:.2f}x lower with the store "
+                     f"{_times(v['ttft_p50_without_over_with_store'], 'lower', 'higher')} "
+                     "with the store "
                      f"(turns that moved: {ms(shared.get('ttft_p50_moved_turns_s'))} vs "
                      f"{ms(alone.get('ttft_p50_moved_turns_s'))})")
     return lines
@@ -1393,15 +1536,49 @@ def _sweep(args: argparse.Namespace, cfg: dict, model: ModelConfig, sweep: list,
     return 0 if exact else 1
 
 
+def wrap(text: str, indent: str = "  ") -> list[str]:
+    """A line of prose as lines of at most WIDTH characters, the later ones indented."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False) or [""]
+
+
+def title_lines(title: str) -> list[str]:
+    """A title of parts apart by "; " (what is served; the model, the device): on one line
+    where it fits, else what is served first and the rest below it, indented."""
+    if len(title) <= WIDTH or "; " not in title:
+        return wrap(title)
+    served, _, rest = title.partition("; ")
+    return [*wrap(served), *wrap("  " + rest, "    ")]
+
+
+def column_groups(first: int, widths: list[int], gap: int = 3) -> list[list[int]]:
+    """The columns (their indices) in groups, each printed beside the first column (`first`
+    wide) within WIDTH: as many in each group as fit, in order, at least one."""
+    groups: list[list[int]] = []
+    used = WIDTH + 1
+    for i, w in enumerate(widths):
+        if used + gap + w > WIDTH:
+            groups.append([])
+            used = first
+        groups[-1].append(i)
+        used += gap + w
+    return groups
+
+
 def grid(header: list[str], rows: list[list[str]], gap: int = 3) -> list[str]:
     """Rows of cells in columns as wide as their widest cell (header included), at least
-    `gap` spaces apart: the first column left-aligned, the others right-aligned."""
+    `gap` spaces apart: the first column left-aligned, the others right-aligned. Columns that
+    do not fit WIDTH go to another block below, after a blank line, beside the first column
+    again."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return (f"{cells[0]:<{widths[0]}}"
-                + "".join(f"{' ' * gap}{c:>{w}}" for c, w in zip(cells[1:], widths[1:])))
-    return [line(header), *(line(r) for r in rows)]
+    lines: list[str] = []
+    for group in column_groups(widths[0], widths[1:], gap):
+        if lines:
+            lines.append("")
+        for cells in [header, *rows]:
+            lines.append(f"{cells[0]:<{widths[0]}}" + "".join(
+                f"{' ' * gap}{cells[1 + i]:>{widths[1 + i]}}" for i in group))
+    return lines
 
 
 def sweep_table(title: str, points: list[dict]) -> str:
@@ -1421,8 +1598,9 @@ def sweep_table(title: str, points: list[dict]) -> str:
             row += [f"{ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p90'])}",
                     f"{r['output_tokens_per_s']:,.1f}"]
         rows.append(row)
-    lines = [title, "", *grid(header, rows), ""]
-    lines += [f"at {p['arrival_rate']:g}/s: {p['closing']['line']}" for p in points]
+    lines = [*title_lines(title), "", *grid(header, rows), ""]
+    lines += [line for p in points for text in p["closing"]["lines"]
+              for line in wrap(f"at {p['arrival_rate']:g}/s: {text}")]
     return "\n".join(lines)
 
 

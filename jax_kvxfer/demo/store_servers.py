@@ -11,6 +11,9 @@ replica's client of it.
 
 `start_store(choice)` starts what the choice needs and returns a `StoreServer` whose `spec`
 (picklable) each replica process hands to `connect(spec, namespace)` for its own client.
+Before the runs, `unavailable(choice)` says what is missing here and `unreachable(choice)`
+whether a running server the user named answers: a mistyped port is an error at once, not a
+run of counted misses (faults during a run stay counted misses).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..stores import RedisStore, Store
 from ..stores.redis import start_local_valkey, valkey_executable
@@ -27,6 +30,7 @@ CHOICES = "valkey, mooncake, or a redis://, rediss:// or unix:// URL of a runnin
 URL_SCHEMES = ("redis", "rediss", "unix")
 MOONCAKE_MODULE = "jax_kvxfer.stores.mooncake"
 START_TIMEOUT_S = 20.0
+REACH_TIMEOUT_S = 5.0  # a server the user named: the longest wait for its answer to a PING
 
 
 class StoreUnavailable(RuntimeError):
@@ -131,10 +135,13 @@ def _start_mooncake(capacity_bytes: int | None) -> StoreServer:
                                "does not have; use --store valkey")
     from ..stores import mooncake
 
+    # Mooncake refuses a segment under MIN_SEGMENT_BYTES (16 MiB), more than the small
+    # presets' blocks take: the holder lends at least that much.
+    segment = (max(capacity_bytes, mooncake.MIN_SEGMENT_BYTES) if capacity_bytes
+               else mooncake.DEFAULT_HOLDER_BYTES)
     try:
-        master = mooncake.start_local_master(
-            **({"segment_bytes": capacity_bytes} if capacity_bytes else {}))
-    except (ImportError, RuntimeError, OSError) as e:
+        master = mooncake.start_local_master(segment_bytes=segment)
+    except (ImportError, RuntimeError, OSError, ValueError) as e:
         raise StoreUnavailable(f"--store mooncake: {e}".splitlines()[0]) from None
     address = str(master.address)
     return StoreServer(StoreSpec("mooncake", address, address), stop=master.stop,
@@ -160,9 +167,60 @@ def unavailable(choice: str) -> str | None:
                 raise StoreUnavailable("--store mooncake needs the mooncake client: pip install "
                                        "mooncake-transfer-engine-non-cuda (or "
                                        "mooncake-transfer-engine where CUDA is installed)")
+            from ..stores import mooncake
+
+            try:  # installed, it may still not load: a library it links is missing
+                mooncake.import_client()
+            except ImportError as e:
+                raise StoreUnavailable(f"--store mooncake: {e}".splitlines()[0]) from None
         elif importlib.util.find_spec("redis") is None:
             raise StoreUnavailable(f"--store {shown_url(choice)} needs the redis client (pip "
                                    "install redis)")
     except StoreUnavailable as e:
         return str(e)
     return None
+
+
+def unreachable(choice: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why the running server that the URL `choice` names cannot be used now (no answer to a
+    PING within `timeout_s`, a refused password, a URL RedisStore does not take), in one line
+    without the URL's password; None where it answers, and for the stores the demo starts
+    itself (valkey, mooncake: their start says why they did not)."""
+    if choice in ("valkey", "mooncake"):
+        return None
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    shown = shown_url(choice)
+    try:
+        client = redis.Redis.from_url(choice, socket_timeout=timeout_s,
+                                      socket_connect_timeout=timeout_s,
+                                      retry=Retry(NoBackoff(), 0))
+        try:
+            client.ping()
+        finally:
+            client.close()
+        RedisStore(choice, namespace="jax_kvxfer demo check", timeout_s=timeout_s).close()
+    except ValueError as e:  # the URL itself
+        text = _without_secrets(f"{type(e).__name__}: {e}".splitlines()[0], choice)
+        return f"--store {shown}: not a URL the Redis client takes ({text})"
+    except (redis.RedisError, OSError) as e:
+        text = _without_secrets(f"{type(e).__name__}: {e}".splitlines()[0], choice)
+        return (f"--store {shown}: no usable server there ({text}); start it, or pass the URL "
+                "of a running server or --store valkey")
+    return None
+
+
+def _without_secrets(text: str, url: str) -> str:
+    """`text` with the URL's password (in its user part or a password option) as ***."""
+    try:
+        parts = urlsplit(url)
+        secrets = {parts.password or ""} | {
+            v for k, v in parse_qsl(parts.query, keep_blank_values=True) if "password" in k.lower()}
+    except ValueError:
+        return "the error not shown: the URL does not parse, and may hold a password"
+    for secret in sorted({s for x in secrets for s in (x, unquote(x)) if s}, key=len,
+                         reverse=True):
+        text = text.replace(secret, "***")
+    return text

@@ -666,7 +666,9 @@ class LocalMooncake(LocalServer):
             f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
             f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1",
             "--enable_metric_reporting=false", *self.master_args], "master")
-        self._wait(lambda: self.capacity() is not None, timeout, "mooncake_master",
+        # named with its ports: a port in use is the likeliest reason it does not start
+        self._wait(lambda: self.capacity() is not None, timeout,
+                   f"mooncake_master on {self.address} (metrics port {self.metrics_port})",
                    self.master)
 
     def start(self, timeout: float = 30.0) -> Self:
@@ -678,7 +680,8 @@ class LocalMooncake(LocalServer):
                 f"--port={self.holder_port}", f"--master_server_address={self.address}",
                 "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"], "holder")
             self._wait(lambda: (self.capacity() or 0) >= self.segment_bytes, timeout,
-                       "mooncake_client (the segment holder)", self.holder)
+                       f"mooncake_client (the segment holder) on 127.0.0.1:{self.holder_port}",
+                       self.holder)
         return self
 
     def restart_master(self, timeout: float = 30.0) -> None:

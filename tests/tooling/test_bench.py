@@ -96,7 +96,7 @@ def test_only_and_sizes_options(tmp_path, capsys):
     assert not glob.glob(os.path.join(out, "*.png"))
     with pytest.raises(SystemExit):
         bench.main(["--only", "overlap"])
-    assert "choose from ops, manager, step, layers, sharded, stores" in capsys.readouterr().err
+    assert "choose from ops, manager, step, layers, sharded, connector, stores" in capsys.readouterr().err
 
 
 def test_sharded_section_scales_over_devices(tmp_path):
@@ -110,6 +110,19 @@ def test_sharded_section_scales_over_devices(tmp_path):
         assert c["bytes_per_batch"] == c["devices"] * sec["blocks"] * sec["block_bytes_per_device"]
         for d in ("offload", "onboard"):
             assert c[f"{d}_gbps"] > 0 and c[f"{d}_scaling"] > 0 and c[f"{d}_ratio"] > 0, c
+
+
+def test_connector_section_times_a_full_host_pools_step(tmp_path, capsys):
+    """The step it times found its whole prompt and evicted one block per block stored (the
+    section raises otherwise); each call's median is part of the step's."""
+    out = str(tmp_path / "res")
+    assert bench.main(["--quick", "--out", out, "--only", "connector", "--no-plot"]) == 0
+    sec = _load(out)["connector"]
+    assert "error" not in sec, sec
+    assert set(sec["calls_s"]) == {"lookup", "prepare_load", "touch", "complete_load",
+                                   "prepare_store", "complete_store", "take_events"}
+    assert 0 < max(sec["calls_s"].values()) <= sec["step_s"] <= sec["step_p90_s"]
+    assert "connector: a step's scheduler-side calls" in capsys.readouterr().out
 
 
 def test_geometry_presets():
