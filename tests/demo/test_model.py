@@ -54,6 +54,7 @@ def _reference_logits(params: dict, tokens: list[int], config: ModelConfig) -> n
     return norm(x, p["final_norm"]) @ p["unembed"]
 
 
+@pytest.mark.slow
 def test_prefill_chunks_and_decodes_match_dense_attention():
     """Two sequences over scattered blocks: one prefills in chunks of 5 while the other decodes
     token by token, in the same steps; every returned logits row equals the reference's."""
@@ -93,6 +94,7 @@ def test_prefill_chunks_and_decodes_match_dense_attention():
     assert not unused.any()
 
 
+@pytest.mark.slow
 def test_padding_writes_nothing():
     params = init_params(CONFIG, seed=1)
     pool = create_pool(CONFIG, tokens_per_block=T, num_primary_blocks=3, num_secondary_blocks=0)
@@ -104,6 +106,7 @@ def test_padding_writes_nothing():
     np.testing.assert_array_equal(np.asarray(new), before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_chunk_is_bit_for_bit_the_same_whatever_shares_its_step(dtype):
     """One request's prefill chunk alone, then beside one and two other requests' chunks (in
@@ -178,6 +181,7 @@ def _full_width_attention(q, blocks, positions, valid):
     return np.einsum("rkgcj,rkjd->rckgd", probs, values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_paged_attention_matches_full_width_attention(chunk):
     """Rows of very different lengths (and a padding row): the tiled attention equals the
@@ -200,6 +204,7 @@ def test_paged_attention_matches_full_width_attention(chunk):
     assert np.isfinite(got).all()
 
 
+@pytest.mark.slow
 def test_masked_tiles_are_exact_no_ops():
     """A row's result is bit for bit the same whatever else shares the step: with a wider
     table (more tiles, all masked for it), beside a longer row (more trips), and with its
@@ -240,6 +245,7 @@ def test_budget_chunks_fill_whole_rows_in_order():
     assert budget_chunks([], rows=2, row_tokens=8) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_packed_prefill_segment_is_exact_whatever_row_or_company(dtype):
     """Token-budgeted prefill: one fixed `[rows, row_tokens]` segment packs several requests'

@@ -48,6 +48,7 @@ def _assert_bit_equal(run, ref):
         np.testing.assert_array_equal(got.logits, want.logits, err_msg=str(key))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_packed_budget_is_exact_whatever_the_schedule(chats, dtype):
     """One budget (one segment shape) under two clocks: other steps, other requests beside
@@ -69,6 +70,7 @@ def test_a_packed_budget_is_exact_whatever_the_schedule(chats, dtype):
         assert exact, (max_diff, first_bad)
 
 
+@pytest.mark.slow
 def test_offload_is_bit_exact_against_never_evict(chats):
     """offload (a GPU pool of one request and a bit, a host pool for everything) against
     never_evict, with the same budget: other steps and company for each chunk (offload admits
@@ -120,6 +122,7 @@ def test_bad_budgets_one_line_exit_2(argv, message, capsys):
     assert err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.slow
 def test_the_demo_passes_the_budget_to_every_run(monkeypatch, capsys):
     budgets = []
     real_run = serving.run

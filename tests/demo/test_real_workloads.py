@@ -73,6 +73,7 @@ def brute_working_set(convs, t):
     return total + len(seen)
 
 
+@pytest.mark.slow
 def test_pools_are_sized_from_the_workload(capsys):
     convs = workloads.read_mooncake_trace(SAMPLE, vocab_size=64, len_scale=0.02)
     working = brute_working_set(convs, 4)
@@ -101,6 +102,7 @@ def test_pools_are_sized_from_the_workload(capsys):
     assert out["runs"]["offload"]["primary_blocks"] == max(math.ceil(0.25 * working), need)
 
 
+@pytest.mark.slow
 def test_a_load_sweep_reports_each_rate_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"
@@ -202,6 +204,7 @@ def test_the_table_is_aligned_at_any_width_and_ends_with_the_closing_line():
     assert c["lines"][1].endswith("prefill computed 2.00× more")
 
 
+@pytest.mark.slow
 def test_docqa_and_admission_on_the_cpu_preset_sizes(capsys):
     """--workload docqa at the CPU preset's sizes (a smaller model): offload exact, reading
     most prompt tokens back from the host; second-sighting declines offloads, and the JSON

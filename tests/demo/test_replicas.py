@@ -49,6 +49,7 @@ def replicas_json():
     return code, json.loads(out.getvalue()), _children()
 
 
+@pytest.mark.slow
 def test_replicas_sharing_a_store_are_exact_and_read_each_others_blocks(replicas_json):
     code, out, _ = replicas_json
     assert code == 0
@@ -88,12 +89,14 @@ def test_replicas_sharing_a_store_are_exact_and_read_each_others_blocks(replicas
     assert out["replicas"]["ttft_p50_without_over_with_store"] > 0
 
 
+@pytest.mark.slow
 def test_the_demo_stops_what_it_started(replicas_json):
     _, _, children = replicas_json
     assert "valkey-server" not in children, children
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_the_table_shows_each_replica_and_the_comparisons(replicas_json):
     _, out, _ = replicas_json
     lines = demo.replica_lines(out["runs"], out["replicas"])
@@ -157,6 +160,7 @@ def test_a_running_server_is_reachable_and_a_wrong_password_is_named():
     assert store_servers.unreachable("valkey") is None  # started by the demo: nothing to reach
 
 
+@pytest.mark.slow
 def test_the_mooncake_holder_lends_at_least_mooncakes_least_segment():
     """The default sizes' blocks take under 16 MiB, the least segment Mooncake takes: a real
     local master started for them lends 16 MiB and serves (it refused them before)."""

@@ -30,6 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo collectives over TCP on Linux")
 def test_two_processes_share_a_pool_with_no_hidden_collectives(tmp_path):
     port = _free_port()

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# end to end: plain `pytest` leaves it out, `make test` runs it
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stress.py"
 # On a GPU the test process already holds XLA's preallocated 75 % of the memory.
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")

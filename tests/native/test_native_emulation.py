@@ -13,6 +13,9 @@ import subprocess
 import jax.ffi
 import pytest
 
+# end to end: plain `pytest` leaves it out, `make test` runs it
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE = os.path.join(ROOT, "tests", "native", "copy_units_emulation.cc")
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")

@@ -112,6 +112,7 @@ def _expected_error(block, dtype, num_tokens, batch, traced):
     return four_bit_error(block, dtype, tokens, traced_tokens=traced)
 
 
+@pytest.mark.slow
 @examples(250)
 @given(case=copy_cases(traced=False), data=st.data())
 def test_eager_copy_blocks_matches_reference(case, data):
@@ -148,6 +149,7 @@ def test_eager_copy_blocks_matches_reference(case, data):
         assert_unchanged(s, src, "src_pool")
 
 
+@pytest.mark.slow
 @examples(250)
 @given(case=copy_cases(traced=True), donate=st.booleans())
 def test_jit_copy_blocks_matches_reference(case, donate):
@@ -181,6 +183,7 @@ def test_jit_copy_blocks_matches_reference(case, donate):
         assert_unchanged(s, src, "src_pool")
 
 
+@pytest.mark.slow
 @examples(200)
 @given(case=copy_cases(traced=True, intra=True), mode=st.sampled_from(["eager", "jit", "donated"]))
 def test_intra_pool_copy_is_functional(case, mode):
@@ -218,6 +221,7 @@ def test_intra_pool_copy_is_functional(case, mode):
             assert_unchanged(pool, pool_np, "pool")
 
 
+@pytest.mark.slow
 @examples(120)
 @given(block=block_shapes, dtype=dtypes, n=st.integers(-3, 12), traced=st.booleans(),
        seed=st.integers(0, 2**32 - 1))

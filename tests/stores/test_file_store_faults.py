@@ -18,6 +18,9 @@ import pytest
 
 from jax_kvxfer.stores import FileStore
 
+# end to end: plain `pytest` leaves it out, `make test` runs it
+pytestmark = pytest.mark.slow
+
 LAYOUT = ("faults", 1)
 
 

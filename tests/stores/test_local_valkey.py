@@ -67,6 +67,7 @@ def test_starts_answers_and_stop_leaves_nothing():
     server.stop()  # again: nothing
 
 
+@pytest.mark.slow
 def test_the_server_dies_with_its_starter(tmp_path):
     """A process that started a server and was killed outright (no atexit, no stop()) leaves
     no server behind."""

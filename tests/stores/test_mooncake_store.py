@@ -151,6 +151,7 @@ def test_concurrent_callers(master, rng):
     store.close()
 
 
+@pytest.mark.slow
 def test_another_process_reuses_a_prefix_through_a_block_manager(master):
     """Process A (a subprocess, its own pools and block manager) serves prompts until their
     blocks leave its GPU and host pools, flushes and exits; this process, with new pools,
@@ -259,6 +260,7 @@ def test_foreign_values_under_our_keys_are_counted_misses_and_removed(master, rn
     other.close()
 
 
+@pytest.mark.slow
 def test_master_killed_mid_run_then_restarted(new_master, rng):
     """SIGKILL of the master mid-run, then a restarted master (empty: its metadata went; the
     holder mounts its segment again): see the check."""
@@ -268,6 +270,7 @@ def test_master_killed_mid_run_then_restarted(new_master, rng):
                                         recover_s=30)
 
 
+@pytest.mark.slow
 def test_frozen_master_is_a_miss_after_timeout_s(new_master, rng):
     """SIGSTOP: the master's connections stay open but nothing answers (the client itself would
     wait 30 s). A get is all misses within about timeout_s, the rows untouched; while
@@ -305,6 +308,7 @@ def test_frozen_master_is_a_miss_after_timeout_s(new_master, rng):
     store.close()
 
 
+@pytest.mark.slow
 def test_full_store_drops_writes(new_master, rng):
     """A 16 MiB pool and a put of 24 MiB in one call: what does not fit is dropped and
     counted, never raised; every block read back is exact and only written ones are hits."""
@@ -327,6 +331,7 @@ def test_full_store_drops_writes(new_master, rng):
     store.close()
 
 
+@pytest.mark.slow
 def test_master_down_at_construction_starts_and_recovers(rng):
     """No master at the address: construction returns within about timeout_s, and every call
     is a counted miss or drop; once a master starts there, the store uses it."""

@@ -169,6 +169,7 @@ print(json.dumps({"written": s.written, "dropped": s.dropped_writes}))
 """
 
 
+@pytest.mark.slow
 def test_another_process_reads_what_one_wrote(valkey):
     """Process A (a subprocess) puts and exits; this process reads the exact bytes."""
     n, row = 12, 70000
@@ -235,6 +236,7 @@ def test_foreign_values_under_our_keys_are_counted_misses_and_deleted(valkey, rn
     other.close()
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_then_restarted(new_valkey, rng):
     """SIGKILL mid-run, then a restarted server (empty: no persistence): see the check.
     While it is down, `ping` says so."""
@@ -248,6 +250,7 @@ def test_server_killed_mid_run_then_restarted(new_valkey, rng):
                                         while_down=down)
 
 
+@pytest.mark.slow
 def test_frozen_server_is_a_miss_after_timeout_s(new_valkey, rng):
     """SIGSTOP: the connections stay open but nothing answers. A get is all misses within
     about timeout_s, puts are dropped, lookups are 0; while unavailable, calls answer at once;
@@ -285,6 +288,7 @@ def test_frozen_server_is_a_miss_after_timeout_s(new_valkey, rng):
     store.close()
 
 
+@pytest.mark.slow
 def test_store_down_at_construction_starts_and_recovers(new_valkey, rng):
     """The server is not up when the store is made: no exception, `available` False, every
     call a counted miss or drop; once the server starts, the store uses it."""
@@ -311,6 +315,7 @@ def test_store_down_at_construction_starts_and_recovers(new_valkey, rng):
     store.close()
 
 
+@pytest.mark.slow
 def test_full_server_drops_writes_and_eviction_is_a_miss(new_valkey, rng):
     """maxmemory with noeviction: the server refuses writes past its limit with an OOM error:
     dropped and counted, never raised; what was written reads back. Then allkeys-lru: the
@@ -558,6 +563,7 @@ def test_bad_calls(valkey, rng):
         store.put(new_keys(rng, 1), [np.zeros(100, np.uint8)])
 
 
+@pytest.mark.slow
 def test_cluster_spreads_blocks_and_a_node_down_is_a_miss(tmp_path, rng):
     """cluster=True on three primaries: one pipeline per batch reaches every node (each holds
     some blocks), round trips are exact and lookups right. A store made while no node answers

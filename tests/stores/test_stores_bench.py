@@ -15,6 +15,9 @@ import pytest
 
 from jax_kvxfer import bench
 
+# end to end: plain `pytest` leaves it out, `make test` runs it
+pytestmark = pytest.mark.slow
+
 
 def test_stores_section_runs_and_verifies(tmp_path, capsys):
     out = str(tmp_path / "res")

@@ -48,6 +48,7 @@ def _check_ops(sec: dict, sizes: set[int], paths: set[str]) -> None:
         if d != "d2d" or p not in ("ours_dma", "naive")}
 
 
+@pytest.mark.slow
 def test_quick_run_on_cpu(tmp_path, capsys):
     out = str(tmp_path / "res")
     assert bench.main(["--quick", "--out", out]) == 0
@@ -86,6 +87,7 @@ def test_quick_run_on_cpu(tmp_path, capsys):
     assert not any("target" in line or "goal" in line for line in text)  # no internal targets
 
 
+@pytest.mark.slow
 def test_only_and_sizes_options(tmp_path, capsys):
     out = str(tmp_path / "res")
     assert bench.main(["--quick", "--out", out, "--only", "ops", "--sizes", "8K",
@@ -99,6 +101,7 @@ def test_only_and_sizes_options(tmp_path, capsys):
     assert "choose from ops, manager, step, layers, sharded, connector, stores" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sharded_section_scales_over_devices(tmp_path):
     out = str(tmp_path / "res")
     assert bench.main(["--quick", "--out", out, "--only", "sharded", "--no-plot"]) == 0
@@ -112,6 +115,7 @@ def test_sharded_section_scales_over_devices(tmp_path):
             assert c[f"{d}_gbps"] > 0 and c[f"{d}_scaling"] > 0 and c[f"{d}_ratio"] > 0, c
 
 
+@pytest.mark.slow
 def test_connector_section_times_a_full_host_pools_step(tmp_path, capsys):
     """The step it times found its whole prompt and evicted one block per block stored (the
     section raises otherwise); each call's median is part of the step's."""
@@ -135,6 +139,7 @@ def test_geometry_presets():
     assert config.parse_size("1000") == 1000 and config.fmt_size(3 << 20) == "3M"
 
 
+@pytest.mark.slow
 def test_cupy_paths_with_stand_in(tmp_path):
     """The memcpy ceilings, the TensorRT-LLM loop and the sharded section's concurrent copy,
     through a cupy whose copies are host memmoves."""

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# end to end: plain `pytest` leaves it out, `make test` runs it
+pytestmark = pytest.mark.slow
+
 # An example that serves through another engine needs that engine's environment, which
 # scripts/easydel-check.sh makes and runs it in (too heavy for the suite).
 EXAMPLES = sorted(p for p in (Path(__file__).resolve().parents[2] / "examples").glob("*.py")
