@@ -108,6 +108,7 @@ class OffloadingManager:
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.stores = tuple(stores)
+        self._store_tiers = tuple(dict.fromkeys(store.tier for store in self.stores))
         self.admission = admission_policy(admission)
         self.offload_min_priority = check_priority(offload_min_priority)
         self._publisher = events
@@ -149,12 +150,16 @@ class OffloadingManager:
         self._stats.found += n
         return n
 
-    def prepare_load(self, block_hashes: Iterable[BlockHash], *,
-                     priority: int = DEFAULT_PRIORITY) -> LoadSpec:
+    def prepare_load(self, block_hashes: Iterable[BlockHash], *, priority: int = DEFAULT_PRIORITY,
+                     count_reuse: bool = True) -> LoadSpec:
         """Protects the blocks from eviction until `complete_load`, and says where the worker
         reads them: host rows, the rows of blocks only a store holds filled first by a store
         read (`LoadSpec.store_reads`; those blocks take `priority`, and may evict blocks of no
         higher priority).
+
+        `count_reuse=False`: the admission policy is not told that these blocks are reused now
+        (a prefetch into host rows, whose load to the GPU is counted then; a block held in case
+        it is used: `admission_reused` once it is), so that no block counts twice.
 
         Raises:
           ValueError: a block that `lookup` would not count as loadable now (not held, still
@@ -187,9 +192,8 @@ class OffloadingManager:
             reading = [hashes[i] for i in positions]
             self._hold(reading, priority, self._reading)
             self._protected.update(dict.fromkeys(reading, 1))
-        if self.admission.counts_reuse:
-            for h in hashes:
-                self.admission.reused(store_key(h))
+        if count_reuse:
+            self.admission_reused(hashes)
         self._stats.loaded += len(held)
         self._stats.read_from_store += len(missing)
         return LoadSpec(tuple(hashes), list(map(self._slot.__getitem__, hashes)), tuple(reads))
@@ -248,11 +252,15 @@ class OffloadingManager:
 
     # -- storing -------------------------------------------------------------------------------
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash], *,
-                      priority: int = DEFAULT_PRIORITY) -> PrepareStoreOutput | None:
+    def prepare_store(self, block_hashes: Iterable[BlockHash], *, priority: int = DEFAULT_PRIORITY,
+                      admit: bool = True) -> PrepareStoreOutput | None:
         """Rows for the blocks the host pool does not hold yet (those the admission policy
         takes), evicting ready, unprotected blocks of no higher priority, the lowest priority
         and least recently used first. The blocks are protected until `complete_store`.
+
+        `admit=False` does not ask the admission policy: a write-through of blocks the engine
+        keeps on the GPU and wants in the stores at once (its replicas read them there), as
+        opposed to an offload at eviction, which the policy gates.
 
         Returns None, changing nothing, when that many rows cannot be freed.
 
@@ -266,6 +274,8 @@ class OffloadingManager:
             return None
         if priority < self.offload_min_priority:
             to_store = []
+        elif not admit:
+            to_store = new
         elif isinstance(self.admission, AlwaysAdmit):  # the default: no call per block
             to_store = new
             self.admission.admitted += len(new)
@@ -298,7 +308,7 @@ class OffloadingManager:
         if done:
             self._stats.stored += len(done)
             self._event(done, MEDIUM_CPU, removed=False)
-            for tier in dict.fromkeys(store.tier for store in self.stores):
+            for tier in self._store_tiers:
                 self._event(done, tier, removed=False)
 
     def remove(self, block_hashes: Iterable[BlockHash]) -> None:
@@ -343,6 +353,34 @@ class OffloadingManager:
     def num_free_host_blocks(self) -> int:
         """Rows holding no block."""
         return len(self._free)
+
+    def rows_available(self, priority: int = DEFAULT_PRIORITY) -> int:
+        """Rows a block of `priority` can have now (in `prepare_store`, or read from a store in
+        `prepare_load`): the free ones, and those of ready, unprotected blocks of no higher
+        priority, which would be evicted."""
+        return self._room(check_priority(priority))
+
+    def lookup_stores(self, block_hashes: Iterable[BlockHash]) -> int:
+        """How many blocks, from the first, one store holds (the store holding the most),
+        whether or not the host pool has rows to read them into now: what a request could load
+        from the stores once rows are free (`lookup` counts only what is loadable now)."""
+        keys = [store_key(h) for h in self._checked("block_hashes", block_hashes)]
+        return longest_stored(self.stores, keys)[1]
+
+    def eviction_order(self) -> list[BlockHash]:
+        """The ready, unprotected blocks, in the order they would be evicted (next first)."""
+        return [h for p in sorted(self._lru) for h in self._lru[p]]
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """How many blocks `eviction_order` lists."""
+        return sum(map(len, self._lru.values()))
+
+    def admission_reused(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Tells the admission policy that these stored blocks were loaded (its reuse rate)."""
+        if self.admission.counts_reuse:
+            for h in block_hashes:
+                self.admission.reused(store_key(h))
 
     def host_slot(self, block_hash: BlockHash) -> int | None:
         """The host row of a block the host pool holds (in any state), else None."""
