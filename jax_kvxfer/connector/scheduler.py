@@ -159,12 +159,16 @@ class OffloadingManager:
         self._stats.found += n
         return n
 
-    def prepare_load(self, block_hashes: Iterable[BlockHash], *,
-                     priority: int = DEFAULT_PRIORITY) -> LoadSpec:
+    def prepare_load(self, block_hashes: Iterable[BlockHash], *, priority: int = DEFAULT_PRIORITY,
+                     count_reuse: bool = True) -> LoadSpec:
         """Protects the blocks from eviction until `complete_load`, and says where the worker
         reads them: host rows, the rows of blocks only a store holds filled first by a store
         read (`LoadSpec.store_reads`; those blocks take `priority`, and may evict blocks of no
         higher priority).
+
+        `count_reuse=False`: the admission policy is not told that these blocks are reused now
+        (a prefetch into host rows, whose load to the GPU is counted then; a block held in case
+        it is used: `admission_reused` once it is), so that no block counts twice.
 
         Raises:
           ValueError: a block that `lookup` would not count as loadable now (not held, still
@@ -192,8 +196,9 @@ class OffloadingManager:
         for i in missing:  # rows for the store reads (the held blocks are protected now)
             held[i] = self._new_block(hashes[i], self._row(), _READING, priority)
             held[i].protected = 1
-        for h in hashes:
-            self.admission_reused(h)
+        if count_reuse:
+            for h in hashes:
+                self.admission_reused(h)
         self._stats.loaded += len(hashes) - len(missing)
         self._stats.read_from_store += len(missing)
         return LoadSpec(tuple(hashes), [b.slot for b in held], tuple(reads))
@@ -240,11 +245,15 @@ class OffloadingManager:
 
     # -- storing -------------------------------------------------------------------------------
 
-    def prepare_store(self, block_hashes: Iterable[BlockHash], *,
-                      priority: int = DEFAULT_PRIORITY) -> PrepareStoreOutput | None:
+    def prepare_store(self, block_hashes: Iterable[BlockHash], *, priority: int = DEFAULT_PRIORITY,
+                      admit: bool = True) -> PrepareStoreOutput | None:
         """Rows for the blocks the host pool does not hold yet (those the admission policy
         takes), evicting ready, unprotected blocks of no higher priority, the lowest priority
         and least recently used first. The blocks are protected until `complete_store`.
+
+        `admit=False` does not ask the admission policy: a write-through of blocks the engine
+        keeps on the GPU and wants in the stores at once (its replicas read them there), as
+        opposed to an offload at eviction, which the policy gates.
 
         Returns None, changing nothing, when that many rows cannot be freed.
 
@@ -257,7 +266,7 @@ class OffloadingManager:
         if len(new) > self._room(priority):
             return None
         to_store = [h for h in new if priority >= self.offload_min_priority
-                    and self.admission.admit(store_key(h))]
+                    and (not admit or self.admission.admit(store_key(h)))]
         self._stats.declined += len(new) - len(to_store)
         evicted: list[BlockHash] = []
         slots = []
@@ -338,6 +347,28 @@ class OffloadingManager:
     def num_free_host_blocks(self) -> int:
         """Rows holding no block."""
         return len(self._free)
+
+    def rows_available(self, priority: int = DEFAULT_PRIORITY) -> int:
+        """Rows a block of `priority` can have now (in `prepare_store`, or read from a store in
+        `prepare_load`): the free ones, and those of ready, unprotected blocks of no higher
+        priority, which would be evicted."""
+        return self._room(check_priority(priority))
+
+    def lookup_stores(self, block_hashes: Iterable[BlockHash]) -> int:
+        """How many blocks, from the first, one store holds (the store holding the most),
+        whether or not the host pool has rows to read them into now: what a request could load
+        from the stores once rows are free (`lookup` counts only what is loadable now)."""
+        keys = [store_key(h) for h in self._checked("block_hashes", block_hashes)]
+        return longest_stored(self.stores, keys)[1]
+
+    def eviction_order(self) -> list[BlockHash]:
+        """The ready, unprotected blocks, in the order they would be evicted (next first)."""
+        return [block.block_hash for block in self._evictable]
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """How many blocks `eviction_order` lists (read at once, from any thread)."""
+        return len(self._evictable)
 
     def host_slot(self, block_hash: BlockHash) -> int | None:
         """The host row of a block the host pool holds (in any state), else None."""

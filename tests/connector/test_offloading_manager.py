@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from jax_kvxfer.connector import OffloadingEvent, OffloadingManager
+from jax_kvxfer.connector import OffloadingEvent, OffloadingManager, store_key
 
 
 @dataclasses.dataclass
@@ -100,6 +100,11 @@ def check_rows(mgr: OffloadingManager, shadow: Shadow) -> None:
     assert None not in slots and len(set(slots)) == len(slots), slots
     assert all(0 <= s < shadow.capacity for s in slots)
     assert mgr.num_free_host_blocks == shadow.capacity - len(shadow.state)
+    order = sorted(shadow.evictable(), key=lambda h: (shadow.priority[h], shadow.used[h]))
+    assert mgr.eviction_order() == order and mgr.num_evictable_blocks == len(order)
+    for priority in (0, 35, 100):
+        assert mgr.rows_available(priority) == mgr.num_free_host_blocks + sum(
+            shadow.priority[h] <= priority for h in order)
     for h in range(64):
         if h not in shadow.state:
             assert mgr.host_slot(h) is None, h
@@ -229,6 +234,36 @@ def test_events_follow_vllm():
     mgr.prepare_store([7])
     assert mgr.take_events() == [OffloadingEvent([b"a" * 32], 8, "CPU", False),
                                  OffloadingEvent([b"a" * 32], 8, "CPU", True)]
+
+
+def test_a_sixteen_byte_hash_is_its_own_store_key():
+    """The block manager's chained keys (16-byte digests) key the stores as they always did;
+    other hashes are digested, tagged with their type."""
+    key = bytes(range(16))
+    assert store_key(key) == key
+    assert store_key(key + b"!") != key + b"!" and len(store_key(key + b"!")) == 16
+    assert len({store_key(1), store_key(b"\x01"), store_key(b"\x01" * 16)}) == 3
+
+
+def test_a_prefetch_and_a_write_through_leave_the_admission_policy_alone():
+    """count_reuse=False: a block read ahead is counted as reused once loaded, not twice;
+    admit=False: a write-through is stored whatever the policy says, and not counted."""
+    mgr = OffloadingManager(4, block_size=4, admission="reuse")
+    gate = mgr.admission
+    mgr.prepare_store([1, 2])
+    mgr.complete_store([1, 2])
+    assert gate.admitted == 2
+    mgr.prepare_load([1], count_reuse=False)
+    assert gate.reuse_rate == 0.0
+    mgr.complete_load([1])
+    mgr.prepare_load([1])
+    assert gate.reuse_rate == 0.5  # one block loaded of two stored
+    frequency = OffloadingManager(4, block_size=4, admission="second-sighting:2")
+    assert frequency.prepare_store([7]).block_hashes_to_store == []  # never seen twice
+    assert frequency.prepare_store([7], admit=False).block_hashes_to_store == [7]
+    assert (frequency.admission.admitted, frequency.admission.declined) == (0, 1)
+    low = OffloadingManager(4, block_size=4)  # a priority never stored stays so
+    assert low.prepare_store([8], priority=10, admit=False).block_hashes_to_store == []
 
 
 @pytest.mark.parametrize("call, args, error, match", [
