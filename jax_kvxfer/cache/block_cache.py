@@ -203,6 +203,14 @@ class StepTransfers:
         if staged:
             self.staged.append(key)
 
+    def take_stores(self) -> tuple[list[bytes], list[int], list[int], list[bytes]]:
+        """The queued stores' keys, pages, rows and store_on_release's keys, taken out of the
+        queue (to be issued ahead of the rest)."""
+        out = self.store_keys, self.store_pages, self.store_rows, self.staged
+        self.store_keys, self.store_pages, self.store_rows, self.staged = [], [], [], []
+        self._stored = set()
+        return out
+
     def load(self, src: CachedBlock, page: int, num_tokens: int = 0) -> None:
         """Host block `src` (its row) -> GPU page: whole (it moves to the GPU) or its first
         `num_tokens` (a partial match: it stays on the host, pinned until issued)."""

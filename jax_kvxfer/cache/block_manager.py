@@ -173,6 +173,10 @@ class BlockManager:
         self._next_block_id = 0
         self._stats = BlockManagerStats()
         self._queue = StepTransfers()
+        # GPU blocks evicted since the host pool was last asked, offered to it together
+        # (_offer_evicted): (block, the GPU page it leaves), all of one priority
+        self._evicted: list[tuple[CachedBlock, int]] = []
+        self._evicted_room = 0  # host rows their priority could have when the first was evicted
         # The host pool and the stores: the connector's scheduler side, and its worker over
         # these pools and this transfer manager (none without a host pool).
         self._host: OffloadingManager | None = None
@@ -278,6 +282,7 @@ class BlockManager:
         """
         self._seq(seq_id)
         seq = self._seqs.pop(seq_id)
+        self._offer_evicted()
         parent, keys = ROOT_KEY, []
         t = self.tokens_per_block
         for i, block in enumerate(seq.blocks):
@@ -302,7 +307,9 @@ class BlockManager:
             keys.append(key)
             block.priority = seq.priority  # ref_count > 0: not in a queue, safe to change
             parent = key
-        if keys and self._host is not None:  # sightings, for an admission policy counting them
+        if keys and self.admission.counts_sightings and self._host is not None:
+            # the blocks are on the GPU (one place per block): touching them only counts
+            # sightings, for an admission policy that counts them
             self._host.touch(keys)
         # Last block first, so that a prefix is evicted after the blocks that extend it.
         for block in reversed(seq.blocks):
@@ -431,6 +438,7 @@ class BlockManager:
 
     @property
     def num_free_secondary_blocks(self) -> int:
+        self._offer_evicted()
         return self._host.num_free_host_blocks if self._host is not None else 0
 
     def reusable_blocks(self, primary: bool = True) -> list[tuple[int, ...]]:
@@ -439,6 +447,7 @@ class BlockManager:
             return [b.tokens for b in self._reusable]
         if self._host is None:
             return []
+        self._offer_evicted()
         return [self._index.by_key[key].tokens for key in self._host.eviction_order()]
 
     @property
@@ -448,6 +457,7 @@ class BlockManager:
     def cached_blocks(self, primary: bool = True) -> list[tuple[bytes, tuple[int, ...]]]:
         """(key, token ids) of every cached block of one pool, in use or not: what its KV
         events say it holds (full blocks; `events.block_hash64(key)` is a block's hash)."""
+        self._offer_evicted()
         return [(b.key, b.tokens) for b in self._index.by_key.values()
                 if b.is_primary == primary]
 
@@ -469,6 +479,7 @@ class BlockManager:
         optional (block, n) partial match of the pools (a prompt's last, partly filled block
         of an earlier turn, say: its reply's tail)."""
         t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
+        self._offer_evicted()  # evicted blocks are matched where the host pool put them
         if self._prefetching:  # the prompt's blocks being prefetched join the index first
             key = ROOT_KEY
             for start in range(0, limit - t + 1, t):
@@ -621,32 +632,55 @@ class BlockManager:
             # Queued stores are issued before queued loads; this one must read what a queued
             # load writes, so issue the queue first.
             self._timed_issue()
-        row = self._offload_row(victim) if self.enable_offload and self._host else None
         slot = victim.slot
         if self._events is not None:
             self._event_removed(victim, kv_events.MEDIUM_GPU)
-        if row is None:
+        if not self.enable_offload or self._host is None:
             self._index.remove(victim)
             self._stats.dropped_primary_blocks += 1
             return slot
-        self._queue.store(victim.key, slot, row)
-        victim.slot, victim.is_primary = row, False
-        # Ready in the host pool at once: the worker runs the store before any job that
-        # reads the row, and an eviction of the block first issues the queue (_drop_evicted).
-        self._host.complete_store([victim.key])
-        self._publish_host_events()  # on the host now, and written through to the stores
-        self._stats.offloaded_blocks += 1
+        # Offered to the host pool with the blocks evicted next (one call for many). A batch
+        # is of one priority and within the rows that priority could have: so each block is
+        # kept or dropped as it would have been alone.
+        if self._evicted and (victim.priority != self._evicted[0][0].priority or (
+                self._evicted_room and len(self._evicted) >= self._evicted_room)):
+            self._offer_evicted()
+        if not self._evicted:
+            self._evicted_room = self._host.rows_available(victim.priority)
+        victim.is_primary = False
+        self._evicted.append((victim, slot))
         return slot
 
     # -- the host pool and the stores (the connector) ---------------------------------------
 
-    def _offload_row(self, victim: CachedBlock) -> int | None:
-        """The host row the connector gives an evicted block (None: not kept there)."""
-        out = self._host.prepare_store([victim.key], priority=victim.priority)
+    def _offer_evicted(self) -> None:
+        """Offers the blocks evicted from the GPU since the last call to the host pool: those
+        it keeps (priority, admission, room) are queued to be stored there, the others are
+        dropped. They are ready in the host pool at once: the worker runs their store before
+        any job that reads their rows, and evicting one first issues the queue
+        (_drop_evicted)."""
+        if not self._evicted:
+            return
+        evicted, self._evicted = self._evicted, []
+        out = self._host.prepare_store([block.key for block, _ in evicted],
+                                       priority=evicted[0][0].priority)
         self._drop_evicted()
-        if out is None or not out.block_hashes_to_store:
-            return None
-        return int(out.store_spec.host_slots[0])
+        rows = (dict(zip(out.block_hashes_to_store, out.store_spec.host_slots.tolist()))
+                if out is not None else {})
+        kept = []
+        for block, page in evicted:
+            row = rows.get(block.key)
+            if row is None:
+                self._index.remove(block)
+                self._stats.dropped_primary_blocks += 1
+                continue
+            self._queue.store(block.key, page, row)
+            block.slot = row
+            kept.append(block.key)
+        if kept:
+            self._host.complete_store(kept)
+            self._publish_host_events()  # on the host now, and written through to the stores
+            self._stats.offloaded_blocks += len(kept)
 
     def _stage_for_stores(self, block: CachedBlock, priority: int) -> None:
         """store_on_release: queues a copy of a GPU block into a host row, written through to
@@ -661,6 +695,7 @@ class BlockManager:
 
     def _pin_on_host(self, blocks: list[CachedBlock], count_reuse: bool = True) -> None:
         """Protects host blocks from eviction until their loads are issued (or `_unpin`)."""
+        self._offer_evicted()
         self._host.prepare_load([b.key for b in blocks], count_reuse=count_reuse)
         for block in blocks:
             block.ref_count += 1
@@ -693,6 +728,7 @@ class BlockManager:
         """Reads the chain's blocks from the stores into host rows (as many as the host pool
         can give, at this priority); with `wait`, returns the blocks that arrived intact, from
         the first, in the index as unpinned host blocks. Without it, see `prefetch`."""
+        self._offer_evicted()
         keys = [c[0] for c in chain]
         specs, taken = [], 0
         while taken < len(keys):
@@ -782,21 +818,19 @@ class BlockManager:
                 self._index.remove(block)
                 self._stats.dropped_secondary_blocks += 1
                 if self._queue.stores(key):
-                    self._timed_issue()
+                    self._issue_stores()
 
     def _issue(self) -> None:
         """Hands the queued transfers over: stores and loads to the worker, then copies within
         the GPU pool to the transfer manager. The worker runs them before any job handed over
         later, so the connector counts them done at once: loaded blocks leave the host pool,
         store_on_release's copies too."""
+        self._offer_evicted()
         queue = self._queue
         if not queue:
             return
         self._queue = StepTransfers()
-        if queue.store_keys:
-            self._worker.submit_store(next(self._jobs), StoreSpec(tuple(queue.store_keys),
-                                                                  queue.store_rows),
-                                      queue.store_pages)
+        staged = self._submit_stores(queue)
         if queue.load_keys:
             self._worker.submit_load(next(self._jobs), LoadSpec(tuple(queue.load_keys),
                                                                 queue.load_rows),
@@ -812,9 +846,29 @@ class BlockManager:
             self.transfer_manager.onboard_blocks(queue.copies, queue.copy_tokens)
             for block in queue.gpu_pins:
                 self._unref(block)
-        if queue.staged:  # kept on the GPU: not announced on the host (nor the stores)
-            self._host.complete_store(queue.staged)
-            self._host.remove(queue.staged)
+        self._release_staged(staged)
+
+    def _issue_stores(self) -> None:
+        """Hands the queued stores over alone, loads and copies left queued: exact at any time,
+        as no queued store reads a GPU page that a queued load or copy writes (an eviction
+        from such a page issues the queue first). Blocks evicted from the GPU but not offered
+        to the host pool yet keep their pages until their stores are queued: the loads that
+        write those pages must wait for them."""
+        self._release_staged(self._submit_stores(self._queue))
+
+    def _submit_stores(self, queue: StepTransfers) -> list[bytes]:
+        """Submits a queue's stores (taking them out of it); returns store_on_release's."""
+        keys, pages, rows, staged = queue.take_stores()
+        if keys:
+            self._worker.submit_store(next(self._jobs), StoreSpec(tuple(keys), rows), pages)
+        return staged
+
+    def _release_staged(self, staged: list[bytes]) -> None:
+        """store_on_release's copies, handed over: their rows are free again (the worker makes
+        the rows' next users wait for the writes to the stores)."""
+        if staged:  # kept on the GPU: not announced on the host (nor the stores)
+            self._host.complete_store(staged)
+            self._host.remove(staged)
             self._host.take_events()
 
     def _timed_issue(self) -> None:
