@@ -1,4 +1,5 @@
-"""The block manager's index: chained block hashes, cached blocks and their eviction queues."""
+"""The block manager's index: chained block hashes and cached blocks (on the GPU or on the
+host), and the step's transfers it hands to the connector's worker."""
 
 from __future__ import annotations
 

@@ -177,17 +177,7 @@ class BlockManager:
         # (_offer_evicted): (block, the GPU page it leaves), all of one priority
         self._evicted: list[tuple[CachedBlock, int]] = []
         self._evicted_room = 0  # host rows their priority could have when the first was evicted
-        # The host pool and the stores: the connector's scheduler side, and its worker over
-        # these pools and this transfer manager (none without a host pool).
-        self._host: OffloadingManager | None = None
-        self._worker: OffloadingWorker | None = None
-        if self.num_secondary_blocks or stores:
-            self._worker = OffloadingWorker.over_pools(
-                pools, transfer_manager=self.transfer_manager, stores=stores)
-            self._host = OffloadingManager(
-                self.num_secondary_blocks, block_size=self.tokens_per_block,
-                stores=self._worker.stores, admission=admission,
-                offload_min_priority=self.secondary_offload_min_priority)
+        self._host, self._worker = self._connect(pools, stores, admission)
         self.admission = self._host.admission if self._host else admission_policy(admission)
         self._has_stores = bool(self._worker and self._worker.stores)
         self.store_on_release = bool(store_on_release) and self._has_stores
@@ -201,6 +191,20 @@ class BlockManager:
                                            self._worker.store_stats if self._has_stores
                                            else None)
                         if report else None)
+
+    def _connect(self, pools: list[KVCacheBlockPool], stores: Sequence[Store],
+                 admission: str | AdmissionPolicy | None
+                 ) -> tuple[OffloadingManager | None, OffloadingWorker | None]:
+        """The host pool and the stores: the connector's scheduler side, and its worker over
+        these pools and this transfer manager (neither without a host pool)."""
+        if not (self.num_secondary_blocks or stores):
+            return None, None
+        worker = OffloadingWorker.over_pools(pools, transfer_manager=self.transfer_manager,
+                                             stores=stores)
+        host = OffloadingManager(self.num_secondary_blocks, block_size=self.tokens_per_block,
+                                 stores=worker.stores, admission=admission,
+                                 offload_min_priority=self.secondary_offload_min_priority)
+        return host, worker
 
     # -- sequences -------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from .tiers import longest_stored
 _STORING, _READING, _READY = "storing", "reading", "ready"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _HostBlock:
     block_id: int  # unique, for the eviction queue
     block_hash: BlockHash
@@ -120,6 +120,7 @@ class OffloadingManager:
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.stores = tuple(stores)
+        self._store_tiers = tuple(dict.fromkeys(store.tier for store in self.stores))
         self.admission = admission_policy(admission)
         self.offload_min_priority = check_priority(offload_min_priority)
         self._publisher = events
@@ -186,7 +187,8 @@ class OffloadingManager:
         missing = [i for i, block in enumerate(held) if block is None]
         reads = self._plan_store_reads(hashes, missing)
         rows_free = self._room(priority) - sum(
-            b is not None and b.protected == 0 and b.priority <= priority for b in held)
+            b is not None and b.protected == 0 and b.priority <= priority for b in held
+        ) if missing else 0
         if len(missing) > rows_free:
             raise ValueError(f"block_hashes: {len(missing)} blocks to read from the stores but "
                              f"only {rows_free} host rows can be freed")
@@ -303,7 +305,7 @@ class OffloadingManager:
         if done:
             self._stats.stored += len(done)
             self._event(done, MEDIUM_CPU, removed=False)
-            for tier in dict.fromkeys(store.tier for store in self.stores):
+            for tier in self._store_tiers:
                 self._event(done, tier, removed=False)
 
     def remove(self, block_hashes: Iterable[BlockHash]) -> None:
@@ -386,7 +388,11 @@ class OffloadingManager:
     def _checked(name: str, block_hashes: Iterable[BlockHash]) -> list[BlockHash]:
         if isinstance(block_hashes, (str, bytes)):
             raise TypeError(f"{name} must be a sequence of block hashes, got {block_hashes!r}")
-        return [check_block_hash(f"{name}[{i}]", h) for i, h in enumerate(block_hashes)]
+        hashes = list(block_hashes)
+        for i, h in enumerate(hashes):
+            if type(h) is not bytes and type(h) is not int:  # the usual ones pass as they are
+                hashes[i] = check_block_hash(f"{name}[{i}]", h)
+        return hashes
 
     def _plan_store_reads(self, hashes: list[BlockHash], missing: list[int]) -> list[StoreRead]:
         """The store reads for the blocks at `missing`, in runs of consecutive positions, each

@@ -245,7 +245,7 @@ class OffloadingWorker:
             return _Job(job_id, is_load, spec.host_slots, np.zeros(0, np.int32), [],
                         prefetch=True)
         pages = np.asarray(gpu_pages)
-        if pages.dtype == np.bool_ or (pages.size and not np.issubdtype(pages.dtype, np.integer)):
+        if pages.dtype.kind not in "iu" and (pages.size or pages.dtype == np.bool_):
             raise TypeError(f"gpu_pages must hold integers, got dtype {pages.dtype}")
         if pages.ndim > 1:
             raise ValueError(f"gpu_pages must be 1-D, got shape {pages.shape}")
@@ -254,7 +254,7 @@ class OffloadingWorker:
             raise ValueError(f"gpu_pages holds {len(pages)} pages for a spec of {len(spec)} "
                              "blocks: one page per block")
         _check_range("gpu_pages", pages, self.num_pages)
-        if is_load and len(np.unique(pages)) != len(pages):
+        if is_load and len(set(pages.tolist())) != len(pages):
             raise ValueError("gpu_pages holds a page twice: a load writes each page once")
         return _Job(job_id, is_load, spec.host_slots, pages.astype(np.int32), [])
 
@@ -305,6 +305,8 @@ def _checked_tokens(num_tokens: Any, count: int, tokens_per_block: int) -> np.nd
 
 
 def _check_range(name: str, values: np.ndarray, bound: int) -> None:
+    if not len(values) or (values.min() >= 0 and values.max() < bound):
+        return
     bad = np.flatnonzero((values < 0) | (values >= bound))
     if len(bad):
         raise IndexError(f"{name}[{bad[0]}] = {values[bad[0]]} is out of range [0, {bound})")
