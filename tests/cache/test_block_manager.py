@@ -452,3 +452,16 @@ def test_randomized_with_a_pool_over_an_engines_arrays():
         bm.release_sequence(i)
     s = bm.stats
     assert s.offloaded_blocks and s.onboarded_blocks and s.reused_tokens
+
+
+def test_a_burst_of_evictions_keeps_the_latest_blocks_on_a_small_host():
+    """More blocks evicted at once than the host pool holds: each offloaded block may evict
+    an earlier one, so the host keeps the last ones, as one eviction at a time would."""
+    bm, fake = make(5, 2)
+    serve(bm, fake, "a", list(range(20)))  # five full blocks
+    serve(bm, fake, "b", list(range(100, 120)))  # evicts all five, last block first
+    s = bm.stats
+    assert (s.offloaded_blocks, s.dropped_secondary_blocks, s.dropped_primary_blocks) == (5, 3, 0)
+    assert bm.reusable_blocks(primary=False) == [(4, 5, 6, 7), (0, 1, 2, 3)]
+    assert bm.match_prefix(list(range(20))).secondary_blocks == 2
+    check_slots(bm)
