@@ -9,7 +9,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from ..connector.lru import DEFAULT_PRIORITY
+from ..connector.lru import DEFAULT_PRIORITY, MAX_PRIORITY
 from ..pool import KVCacheBlock, KVCacheBlockPool
 
 ROOT_KEY = bytes(16)
@@ -191,18 +191,23 @@ class StepTransfers:
         self.gpu_pins: list[CachedBlock] = []  # the copies' sources
         self._written: set[int] = set()  # GPU pages the queued loads and copies write
         self._stored: set[bytes] = set()  # keys of the queued stores
+        self.lowest_store_priority = MAX_PRIORITY  # of the queued offloads (not store_on_release's)
 
     def __bool__(self) -> bool:
         return bool(self.store_keys or self.load_keys or self.copies)
 
-    def store(self, key: bytes, page: int, row: int, *, staged: bool = False) -> None:
-        """GPU page -> host row, written through to the stores once issued."""
+    def store(self, key: bytes, page: int, row: int, priority: int, *,
+              staged: bool = False) -> None:
+        """GPU page -> host row, written through to the stores once issued: an offload of a
+        block of `priority`, or store_on_release's copy (`staged`)."""
         self.store_keys.append(key)
         self.store_pages.append(page)
         self.store_rows.append(row)
-        self._stored.add(key)
         if staged:
             self.staged.append(key)
+        else:
+            self._stored.add(key)
+            self.lowest_store_priority = min(self.lowest_store_priority, priority)
 
     def take_stores(self) -> tuple[list[bytes], list[int], list[int], list[bytes]]:
         """The queued stores' keys, pages, rows and store_on_release's keys, taken out of the
@@ -210,6 +215,7 @@ class StepTransfers:
         out = self.store_keys, self.store_pages, self.store_rows, self.staged
         self.store_keys, self.store_pages, self.store_rows, self.staged = [], [], [], []
         self._stored = set()
+        self.lowest_store_priority = MAX_PRIORITY
         return out
 
     def load(self, src: CachedBlock, page: int, num_tokens: int = 0) -> None:
@@ -237,8 +243,12 @@ class StepTransfers:
         return page in self._written
 
     def stores(self, key: bytes) -> bool:
-        """Whether the block of `key` is queued to be stored (its row is still to be written)."""
+        """Whether the block of `key` is queued to be offloaded (its row is still to be
+        written, and written through)."""
         return key in self._stored
+
+    def offloads_queued(self) -> bool:
+        return bool(self._stored)
 
     def frees_host_rows(self) -> bool:
         """Whether issuing frees host rows (those of the blocks loaded whole)."""

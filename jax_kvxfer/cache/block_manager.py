@@ -177,6 +177,9 @@ class BlockManager:
         # (_offer_evicted): (block, the GPU page it leaves), all of one priority
         self._evicted: list[tuple[CachedBlock, int]] = []
         self._evicted_room = 0  # host rows their priority could have when the first was evicted
+        # blocks the host pool's eviction queue took since the queued stores were last handed
+        # over: a bound on how many of its blocks are behind the first one whose store is queued
+        self._host_pushes = 0
         self._host, self._worker = self._connect(pools, stores, admission)
         self.admission = self._host.admission if self._host else admission_policy(admission)
         self._has_stores = bool(self._worker and self._worker.stores)
@@ -424,9 +427,11 @@ class BlockManager:
 
     @property
     def stats(self) -> BlockManagerStats:
+        self._offer_evicted()  # the blocks evicted so far counted as offloaded or dropped
         return dataclasses.replace(self._stats)
 
     def get_and_reset_stats(self) -> BlockManagerStats:
+        self._offer_evicted()
         if self._report is not None:  # the metrics keep what is reset
             return self._report.reset(self._swap_stats)
         return self._swap_stats()
@@ -653,6 +658,11 @@ class BlockManager:
             self._evicted_room = self._host.rows_available(victim.priority)
         victim.is_primary = False
         self._evicted.append((victim, slot))
+        rows = len(self._evicted)  # the rows this batch takes, should the host keep them all
+        if self._rows_to_queued_store(rows) == rows:
+            # Its row would drop a block whose store is queued: offered now, before its page
+            # is handed out, so that the queue can be issued then (as one at a time would).
+            self._offer_evicted()
         return slot
 
     # -- the host pool and the stores (the connector) ---------------------------------------
@@ -668,7 +678,9 @@ class BlockManager:
         evicted, self._evicted = self._evicted, []
         out = self._host.prepare_store([block.key for block, _ in evicted],
                                        priority=evicted[0][0].priority)
-        self._drop_evicted()
+        dropped_queued_store = self._drop_evicted()
+        if dropped_queued_store:  # its store first, in a job before the stores of these blocks
+            self._issue_stores()
         rows = (dict(zip(out.block_hashes_to_store, out.store_spec.host_slots.tolist()))
                 if out is not None else {})
         kept = []
@@ -678,11 +690,14 @@ class BlockManager:
                 self._index.remove(block)
                 self._stats.dropped_primary_blocks += 1
                 continue
-            self._queue.store(block.key, page, row)
+            self._queue.store(block.key, page, row, block.priority)
             block.slot = row
             kept.append(block.key)
+        if dropped_queued_store:  # the rest of the queue too, before these blocks join the
+            self._timed_issue()  # host pool: as when they were offered one at a time
         if kept:
             self._host.complete_store(kept)
+            self._host_pushes += len(kept)
             self._publish_host_events()  # on the host now, and written through to the stores
             self._stats.offloaded_blocks += len(kept)
 
@@ -692,10 +707,11 @@ class BlockManager:
         user wait for the write). Blocks of a priority that is not offloaded, or with no row
         to spare, reach the stores only if evicted."""
         out = self._host.prepare_store([block.key], priority=priority, admit=False)
-        self._drop_evicted()
+        if self._drop_evicted():
+            self._timed_issue()
         if out is not None and out.block_hashes_to_store:
             self._queue.store(block.key, block.slot, int(out.store_spec.host_slots[0]),
-                              staged=True)
+                              priority, staged=True)
 
     def _pin_on_host(self, blocks: list[CachedBlock], count_reuse: bool = True) -> None:
         """Protects host blocks from eviction until their loads are issued (or `_unpin`)."""
@@ -707,6 +723,7 @@ class BlockManager:
     def _unpin(self, block: CachedBlock) -> None:
         """Releases a pinned host block that is not loaded after all."""
         self._host.complete_load([block.key])
+        self._host_pushes += 1
         block.ref_count -= 1
 
     def _onboard(self, block: CachedBlock) -> None:
@@ -732,20 +749,7 @@ class BlockManager:
         """Reads the chain's blocks from the stores into host rows (as many as the host pool
         can give, at this priority); with `wait`, returns the blocks that arrived intact, from
         the first, in the index as unpinned host blocks. Without it, see `prefetch`."""
-        self._offer_evicted()
-        keys = [c[0] for c in chain]
-        specs, taken = [], 0
-        while taken < len(keys):
-            n = min(len(keys) - taken, self._host.rows_available(priority))
-            if n:
-                specs.append(self._host.prepare_load(keys[taken:taken + n], priority=priority,
-                                                     count_reuse=False))
-                self._drop_evicted()
-                taken += n
-            elif self._queue.frees_host_rows():  # queued loads give their rows back
-                self._timed_issue()
-            else:
-                break
+        specs = self._rows_for_reads([c[0] for c in chain], priority)
         if not specs:
             return []
         # A row may have been taken from a host block whose store is still queued: issue it
@@ -754,7 +758,8 @@ class BlockManager:
         reads, links = [], iter(chain)
         for spec in specs:
             read = _Read(next(self._jobs), [])
-            for (key, parent, tokens), row in zip(links, spec.host_slots.tolist()):
+            # the rows first: zip stops at the last row without taking the next run's link
+            for row, (key, parent, tokens) in zip(spec.host_slots.tolist(), links):
                 read.blocks.append(CachedBlock(self._next_block_id, row, False, key, parent,
                                                tokens, priority))
                 self._next_block_id += 1
@@ -769,6 +774,50 @@ class BlockManager:
         self._worker.wait([read.job for read in reads])
         self._collect_finished()
         return self._store_blocks_arrived(reads)
+
+    def _rows_for_reads(self, keys: list[bytes], priority: int) -> list[LoadSpec]:
+        """Host rows for store reads of `keys`, as many as the host pool can give at this
+        priority, from the first (one `prepare_load` per run of rows). Where taking a row
+        drops a block whose store is queued, or where rows run out while queued loads would
+        give some back, the queue is issued first (the rows then come from what it frees)."""
+        self._offer_evicted()
+        specs, taken = [], 0
+        while taken < len(keys):
+            n = min(len(keys) - taken, self._host.rows_available(priority))
+            if not n:
+                if not self._queue.frees_host_rows():
+                    break
+                self._timed_issue()  # queued loads give their rows back
+                continue
+            n = self._rows_to_queued_store(n) or n
+            specs.append(self._host.prepare_load(keys[taken:taken + n], priority=priority,
+                                                 count_reuse=False))
+            taken += n
+            if self._drop_evicted():
+                self._timed_issue()
+        return specs
+
+    def _rows_to_queued_store(self, rows: int) -> int | None:
+        """With stores: of the next `rows` host rows handed out (free ones first, then those
+        of evicted blocks), the count up to the one whose eviction drops a block with a queued
+        store, if any (that store must be issued before the row is written again, and the
+        queue is issued then); None if none does."""
+        if not self._has_stores or not self._queue.offloads_queued():
+            return None
+        free = self._host.num_free_host_blocks
+        evictions = rows - free
+        if evictions <= 0:
+            return None
+        # The first such block has before it every block of no higher priority but those
+        # pushed since the queued stores were (it is one of them): at least this many.
+        lowest = self._queue.lowest_store_priority
+        ahead = self._host.rows_available(lowest) - free - self._host_pushes
+        if evictions <= ahead:
+            return None
+        for i, key in enumerate(self._host.eviction_order()[:evictions]):
+            if self._queue.stores(key):
+                return free + i + 1
+        return None
 
     def _store_blocks_arrived(self, reads: list[_Read]) -> list[CachedBlock]:
         """The blocks of finished reads that arrived intact, up to the first read that did not,
@@ -787,6 +836,7 @@ class BlockManager:
             self._host.complete_load(lost, success=False)
         if kept:
             self._host.complete_load([b.key for b in kept])
+            self._host_pushes += len(kept)
             self._publish_host_events()
         return kept
 
@@ -810,10 +860,12 @@ class BlockManager:
             if read is not None:
                 read.success = success
 
-    def _drop_evicted(self) -> None:
-        """The host blocks the connector evicted to make room leave the index. One whose
-        store is still queued has the queue issued first, so that it is written through
-        before its row is reused (the row's next user waits for that write)."""
+    def _drop_evicted(self) -> bool:
+        """The host blocks the connector evicted to make room leave the index. Returns whether,
+        with stores, one of them has its store still queued: the caller issues it before the
+        row is written again, so that it is written through (the row's next user waits for
+        that write); without stores, a later copy into the row may follow in the same job."""
+        dropped_queued_store = False
         for event in self._host.take_events():
             for key in event.block_hashes:
                 block = self._index.by_key[key]
@@ -821,8 +873,8 @@ class BlockManager:
                     self._event_removed(block, kv_events.MEDIUM_CPU)
                 self._index.remove(block)
                 self._stats.dropped_secondary_blocks += 1
-                if self._queue.stores(key):
-                    self._issue_stores()
+                dropped_queued_store |= self._has_stores and self._queue.stores(key)
+        return dropped_queued_store
 
     def _issue(self) -> None:
         """Hands the queued transfers over: stores and loads to the worker, then copies within
@@ -841,6 +893,7 @@ class BlockManager:
                                      queue.load_pages,
                                      queue.load_tokens if queue.host_pins else None)
             self._host.complete_load(queue.load_keys)
+            self._host_pushes += len(queue.host_pins)
             for block in queue.host_pins:
                 block.ref_count -= 1
             if queue.moved:
@@ -863,6 +916,7 @@ class BlockManager:
     def _submit_stores(self, queue: StepTransfers) -> list[bytes]:
         """Submits a queue's stores (taking them out of it); returns store_on_release's."""
         keys, pages, rows, staged = queue.take_stores()
+        self._host_pushes = 0
         if keys:
             self._worker.submit_store(next(self._jobs), StoreSpec(tuple(keys), rows), pages)
         return staged
