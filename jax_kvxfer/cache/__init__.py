@@ -1,5 +1,6 @@
 """The cache policy over the core's pools and transfer manager: a prefix index of chained block
-hashes, least-recently-used eviction by priority, offload on eviction and onboard on a hit."""
+hashes, least-recently-used eviction by priority; offload on eviction and onboard on a hit
+through the connector (`jax_kvxfer.connector`), which keeps the host pool and the stores."""
 
 from ..connector.admission import AlwaysAdmit, FrequencyGate, ReuseGate, admission_policy
 from .block_manager import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch

@@ -1,4 +1,5 @@
-"""The block manager's index: chained block hashes, cached blocks and their eviction queues."""
+"""The block manager's index: chained block hashes and cached blocks (on the GPU or on the
+host), and the step's transfers it hands to the connector's worker."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from ..connector.lru import DEFAULT_PRIORITY
+from ..connector.lru import DEFAULT_PRIORITY, MAX_PRIORITY
 from ..pool import KVCacheBlock, KVCacheBlockPool
 
 ROOT_KEY = bytes(16)
@@ -158,57 +159,97 @@ def checked_pools(pools: KVCacheBlockPool | Sequence[KVCacheBlockPool]) -> list[
     return pools
 
 
-class TransferQueue:
-    """Transfers queued during allocation, issued as one batch of offloads, then of onboards
-    (one `offload_and_onboard` call: both directions at once where that gives the same result).
+class StepTransfers:
+    """The transfers of one step, queued while blocks are allocated and handed over together at
+    the step boundary (or earlier, where an ordering rule needs it): to the connector's worker
+    one store job (GPU pages into host rows, then written through to the stores) and one load
+    job (host rows into GPU pages: whole blocks, or the first tokens of a partially matched
+    one); then the GPU pool's own copies of partially matched blocks.
 
-    The reordering is valid because queued sources are pinned until issued, secondary slots
-    read by queued onboards are freed only once issued, and the block manager issues early
-    when an offload would read a primary slot that a queued onboard writes.
+    Stores go first, then loads, then copies, whatever order they were queued in. That is exact
+    because a queued load's or copy's source is pinned until issued (its row or page is not
+    reused before), and the block manager issues early where a later transfer would meet an
+    earlier one: an offload reading a GPU page that a queued load or copy writes, a load or
+    copy writing a page one writes already, a host block evicted while its store is queued. A
+    copy may read a page that a load writes (a block onboarded, then partially matched), never
+    the reverse.
     """
 
     def __init__(self) -> None:
-        self._offloads: list[tuple[KVCacheBlock, KVCacheBlock]] = []
-        self._onboards: list[tuple[KVCacheBlock, KVCacheBlock]] = []
-        self._onboard_tokens: list[int] = []
-        self._written: set[int] = set()  # primary slots the queued onboards write
-        self._pins: list[CachedBlock] = []
-        self._slots_to_free: list[int] = []
-        self._host_rows: list[int] = []  # secondary slots the queued transfers read or write
+        self.store_keys: list[bytes] = []
+        self.store_pages: list[int] = []
+        self.store_rows: list[int] = []
+        self.staged: list[bytes] = []  # store_on_release's copies: off the host once issued
+        self.load_keys: list[bytes] = []
+        self.load_rows: list[int] = []
+        self.load_pages: list[int] = []
+        self.load_tokens: list[int] = []  # per load, its first tokens (0: the whole block)
+        self.moved: list[bytes] = []  # blocks loaded whole: they leave the host once issued
+        self.host_pins: list[CachedBlock] = []  # host blocks partial loads read
+        self.copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        self.copy_tokens: list[int] = []
+        self.gpu_pins: list[CachedBlock] = []  # the copies' sources
+        self._written: set[int] = set()  # GPU pages the queued loads and copies write
+        self._stored: set[bytes] = set()  # keys of the queued stores
+        self.lowest_store_priority = MAX_PRIORITY  # of the queued offloads (not store_on_release's)
 
-    def offload(self, block: CachedBlock, dst_slot: int) -> None:
-        """Queues primary slot `block.slot` -> secondary `dst_slot` (call before moving it)."""
-        self._offloads.append((KVCacheBlock(block.block_id, block.slot, True),
-                               KVCacheBlock(block.block_id, dst_slot, False)))
-        self._host_rows.append(dst_slot)
+    def __bool__(self) -> bool:
+        return bool(self.store_keys or self.load_keys or self.copies)
 
-    def onboard(self, src: CachedBlock, dst_slot: int, num_tokens: int, *,
-                pin: CachedBlock | None = None, free_secondary_slot: int | None = None) -> None:
-        """Queues `src` -> primary `dst_slot`; `pin` is unreferenced and the slot freed on issue."""
-        self._onboards.append((KVCacheBlock(src.block_id, src.slot, src.is_primary),
-                               KVCacheBlock(src.block_id, dst_slot, True)))
-        self._onboard_tokens.append(num_tokens)
-        self._written.add(dst_slot)
-        if not src.is_primary:
-            self._host_rows.append(src.slot)
-        if pin is not None:
-            self._pins.append(pin)
-        if free_secondary_slot is not None:
-            self._slots_to_free.append(free_secondary_slot)
+    def store(self, key: bytes, page: int, row: int, priority: int, *,
+              staged: bool = False) -> None:
+        """GPU page -> host row, written through to the stores once issued: an offload of a
+        block of `priority`, or store_on_release's copy (`staged`)."""
+        self.store_keys.append(key)
+        self.store_pages.append(page)
+        self.store_rows.append(row)
+        if staged:
+            self.staged.append(key)
+        else:
+            self._stored.add(key)
+            self.lowest_store_priority = min(self.lowest_store_priority, priority)
 
-    def writes_primary(self, slot: int) -> bool:
-        return slot in self._written
+    def take_stores(self) -> tuple[list[bytes], list[int], list[int], list[bytes]]:
+        """The queued stores' keys, pages, rows and store_on_release's keys, taken out of the
+        queue (to be issued ahead of the rest)."""
+        out = self.store_keys, self.store_pages, self.store_rows, self.staged
+        self.store_keys, self.store_pages, self.store_rows, self.staged = [], [], [], []
+        self._stored = set()
+        self.lowest_store_priority = MAX_PRIORITY
+        return out
 
-    def frees_secondary(self) -> bool:
-        """Whether issuing frees secondary slots (the sources of queued onboards)."""
-        return bool(self._slots_to_free)
+    def load(self, src: CachedBlock, page: int, num_tokens: int = 0) -> None:
+        """Host block `src` (its row) -> GPU page: whole (it moves to the GPU) or its first
+        `num_tokens` (a partial match: it stays on the host, pinned until issued)."""
+        self.load_keys.append(src.key)
+        self.load_rows.append(src.slot)
+        self.load_pages.append(page)
+        self.load_tokens.append(num_tokens)
+        self._written.add(page)
+        if num_tokens:
+            self.host_pins.append(src)
+        else:
+            self.moved.append(src.key)
 
-    def issue(self, transfer_manager) -> tuple[list[CachedBlock], list[int], list[int]]:
-        """Issues everything queued; returns the pins to release, the secondary slots to free,
-        and every secondary slot the issued transfers read or write."""
-        if self._offloads or self._onboards:  # both directions at once where exact
-            transfer_manager.offload_and_onboard(self._offloads, self._onboards, None,
-                                                 self._onboard_tokens)
-        pins, slots, rows = self._pins, self._slots_to_free, self._host_rows
-        self.__init__()
-        return pins, slots, rows
+    def copy(self, src: CachedBlock, page: int, num_tokens: int) -> None:
+        """The first `num_tokens` of GPU block `src` (pinned until issued) -> GPU page."""
+        self.copies.append((KVCacheBlock(src.block_id, src.slot, True),
+                            KVCacheBlock(src.block_id, page, True)))
+        self.copy_tokens.append(num_tokens)
+        self._written.add(page)
+        self.gpu_pins.append(src)
+
+    def writes_page(self, page: int) -> bool:
+        return page in self._written
+
+    def stores(self, key: bytes) -> bool:
+        """Whether the block of `key` is queued to be offloaded (its row is still to be
+        written, and written through)."""
+        return key in self._stored
+
+    def offloads_queued(self) -> bool:
+        return bool(self._stored)
+
+    def frees_host_rows(self) -> bool:
+        """Whether issuing frees host rows (those of the blocks loaded whole)."""
+        return bool(self.moved)

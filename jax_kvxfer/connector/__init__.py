@@ -6,8 +6,12 @@ prefix cache, in vLLM v1's offloading shape.
   `prepare_store`, `complete_store`, `take_events`. It moves no data.
 - `OffloadingWorker` (worker side): moves them between the engine's own KV arrays, pinned host
   rows and the stores: `submit_store`, `submit_load`, `get_finished`, `wait`, `kv_caches`.
-- The tiers' parts both sides and the block manager share: the stores' row I/O (`tiers`), the
-  admission policies (`admission`) and the priority LRU (`lru`).
+- The parts both sides share: the stores' row I/O (`tiers`), the admission policies
+  (`admission`) and the priority LRU (`lru`, the block manager's GPU queue too).
+
+`jax_kvxfer.cache.BlockManager`, the GPU allocator and prefix cache for engines without their
+own, stands on one `OffloadingManager` and one `OffloadingWorker` for everything below the GPU,
+through the same calls.
 """
 
 from .admission import AlwaysAdmit, FrequencyGate, ReuseGate, admission_policy

@@ -1,9 +1,9 @@
 """Admission policies for offloading: which blocks evicted from the GPU pool go to the host.
 
-`BlockManager(admission=...)` asks its policy at the eviction point, for a victim whose
-priority is offloaded at all (TensorRT-LLM's rule stays: a block below
-`secondary_offload_min_priority` is never offloaded, whatever the policy says), whether to
-offload it or drop it.
+`OffloadingManager(admission=...)` (and so `BlockManager(admission=...)`, which stands on it)
+asks its policy in `prepare_store`, for a block whose priority is offloaded at all
+(TensorRT-LLM's rule stays: a block below the minimum priority is never offloaded, whatever the
+policy says), whether to offload it or drop it.
 
 - `ReuseGate` ("reuse[:rate]", the default): every such victim is offloaded while the
   offloads earn their copies, that is while the blocks onboarded from the host pool (or read
@@ -22,8 +22,9 @@ offload it or drop it.
   that holds the block (computed or reused). It declines a chat turn's blocks at their first
   eviction, which is when the next turn needs them offloaded.
 
-The block manager tells a policy that counts sightings of each one (`seen`), and one that
-counts reuse of every block onboarded from the host pool or a store (`reused`).
+The manager tells a policy that counts sightings of each one (`seen`, from `touch`: the
+block manager touches a released sequence's blocks), and one that counts reuse of every block
+loaded from the host pool or a store (`reused`, from `prepare_load`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,10 @@ class EvictionQueue:
 
     def push(self, block: Any) -> None:
         """Adds `block` as the most recently used of its priority."""
-        self._by_priority.setdefault(block.priority, OrderedDict())[block.block_id] = block
+        bucket = self._by_priority.get(block.priority)
+        if bucket is None:
+            bucket = self._by_priority[block.priority] = OrderedDict()
+        bucket[block.block_id] = block
         self._count += 1
 
     def remove(self, block: Any) -> None:

@@ -223,19 +223,23 @@ class OffloadingManager:
         if None in counts:
             i = counts.index(None)
             raise ValueError(f"block_hashes[{i}] is not being loaded (prepare_load first)")
-        if len(set(hashes)) != len(hashes):
-            raise ValueError("block_hashes holds a hash twice")
-        if counts.count(1) == len(counts):  # the usual case: each block loaded once
-            released = hashes
+        if counts.count(1) == len(counts) and len(set(hashes)) == len(hashes):
+            released = hashes  # the usual case: each block loaded once, completed once
             _drain(map(self._protected.__delitem__, hashes))
-        else:
+        else:  # a block loaded by several requests at once (completed once each, or together)
+            times = collections.Counter(hashes)
+            for i, h in enumerate(hashes):
+                if times[h] > self._protected[h]:
+                    raise ValueError(f"block_hashes[{i}] completes more loads than were "
+                                     "prepared")
             released = []
-            for h, count in zip(hashes, counts):
-                if count == 1:
+            for h, n in times.items():
+                left = self._protected[h] - n
+                if left:
+                    self._protected[h] = left
+                else:
                     del self._protected[h]
                     released.append(h)
-                else:
-                    self._protected[h] = count - 1
         read = [h for h in released if h in self._reading] if self._reading else []
         if read:
             self._reading.difference_update(read)
@@ -432,15 +436,16 @@ class OffloadingManager:
     def _protect(self, hashes: list[BlockHash]) -> None:
         """One more `prepare_load` protects these ready blocks."""
         self._unqueue(hashes)
-        again = list(filter(self._protected.__contains__, hashes))
+        again = {h: self._protected[h] for h in filter(self._protected.__contains__, hashes)}
         self._protected.update(dict.fromkeys(hashes, 1))
-        for h in again:  # loaded by two requests at once: rare
-            self._protected[h] += 1
+        for h, n in again.items():  # loaded by several requests at once: rare
+            self._protected[h] = n + 1
 
     def _queue(self, hashes: list[BlockHash]) -> None:
-        """Ready blocks no longer protected join the eviction order, the first as the most
-        recently used."""
-        ready = list(itertools.filterfalse(self._protected.__contains__, reversed(hashes)))
+        """Ready blocks no longer protected join the eviction order as the most recently used,
+        in order (the last the most recent: a block stored or loaded later is evicted later,
+        as vLLM's LRU does)."""
+        ready = list(itertools.filterfalse(self._protected.__contains__, hashes))
         by_priority = self._priority
         priorities = set(map(by_priority.__getitem__, ready))
         for p in priorities:

@@ -28,8 +28,12 @@ def check_block_hash(name: str, block_hash: object) -> BlockHash:
 
 
 def store_key(block_hash: BlockHash) -> bytes:
-    """The 16-byte key under which the stores keep an engine's block (a digest of the hash,
-    tagged with its type so that the int 1 and the bytes b"\\x01" stay apart)."""
+    """The 16-byte key under which the stores keep an engine's block: a hash of 16 bytes as it
+    is (a digest already, such as the block manager's chained keys, under which its stores
+    have always kept their blocks), else a digest of the hash tagged with its type, so that
+    the int 1 and the bytes b"\\x01" stay apart."""
+    if isinstance(block_hash, bytes) and len(block_hash) == 16:
+        return block_hash
     if isinstance(block_hash, int):
         data = b"i" + block_hash.to_bytes(block_hash.bit_length() // 8 + 1, "big", signed=True)
     else:

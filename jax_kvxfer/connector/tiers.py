@@ -1,14 +1,14 @@
-"""The block manager's tiers below the host pool: its stores, and the host rows they read and
-write in place.
+"""The worker's tiers below the host pool: its stores, and the host rows they read and write in
+place.
 
 A block that reaches the host pool is written through to every store in the background; a
-block found only in a store is read into a host row and onboarded from there like a host hit.
+block found only in a store is read into a host row and loaded from there like a host block.
 Three ordering rules keep the rows exact:
 
 - a store write of a host row starts only after the offload into that row has landed (the
   writer thread waits on the transfer manager's fence first);
-- a host row a store write still reads is not reused (`wait_written` before a secondary slot is
-  handed out again);
+- a host row a store write still reads is not written again (`wait_written` before the worker
+  offloads into it, or a store reads into it);
 - a store read into a host row starts only after every transfer issued so far is done (a freed
   row may still be the source of an onboard in flight), and the onboard from that row is
   issued only once the read is done.
@@ -40,7 +40,7 @@ def longest_stored(stores: Sequence[Store], keys: Sequence[bytes]) -> tuple[int,
 
 
 class StoreTiers:
-    """The stores of one block manager, in order, over the host rows of its pools."""
+    """The stores of one worker, in order, over the host rows of its pools."""
 
     def __init__(self, stores: Sequence[Store], pools: Sequence[KVCacheBlockPool],
                  transfer_manager: KVCacheTransferManager) -> None:
@@ -135,10 +135,6 @@ class StoreTiers:
             job.result()
 
     # -- reads --------------------------------------------------------------------------------
-
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, int]:
-        """(which store, how many of `keys` from the first it holds): see `longest_stored`."""
-        return longest_stored(self.stores, keys)
 
     def read(self, store_index: int, keys: Sequence[bytes],
              slots: Sequence[int]) -> concurrent.futures.Future:

@@ -5,7 +5,9 @@ and back, on the transfer manager's lanes, beside the engine's step.
 vLLM v1: the offloading connector's worker (`submit` a transfer with a job id,
 `get_finished`, `wait`). Jobs take effect in the order submitted: a load whose blocks a store
 must first read waits for that read, and jobs submitted after it wait behind it; the engine's
-arrays, read through `kv_caches`, are ordered after every load issued.
+arrays, read through `kv_caches`, are ordered after every load issued. A prefetch (a load with
+no GPU pages) writes only host rows that the manager gave it and no other job touches, so
+nothing waits behind it: it ends when its reads do.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 
 from ..manager import KVCacheTransferManager
 from ..pool import KVCacheBlockPool
-from ..stores.base import Store
+from ..stores.base import Store, StoreStats
 from .specs import HostSpec, JobId, LoadSpec, StoreSpec, store_key
 from .tiers import StoreTiers
 
@@ -32,9 +34,18 @@ class _Job:
     host_slots: np.ndarray
     gpu_pages: np.ndarray
     reads: list[tuple[int, concurrent.futures.Future]]  # (blocks expected, future of intact)
+    num_tokens: np.ndarray | None = None  # a load's tokens per page (None: whole blocks)
     store_keys: list[bytes] | None = None  # a store job's keys, to write through to the stores
     fence: Any = None  # set once issued
     success: bool = True
+    prefetch: bool = False  # store reads into host rows only
+
+    def reads_done(self) -> bool:
+        return all(future.done() for _, future in self.reads)
+
+    def reads_intact(self) -> bool:
+        """Every block of every read arrived intact (the reads are done)."""
+        return all(future.result() == n for n, future in self.reads)
 
 
 class OffloadingWorker:
@@ -125,7 +136,8 @@ class OffloadingWorker:
             job.store_keys = [store_key(h) for h in store_spec.block_hashes]
         self._submit(job)
 
-    def submit_load(self, job_id: JobId, load_spec: LoadSpec, gpu_pages: Any) -> None:
+    def submit_load(self, job_id: JobId, load_spec: LoadSpec, gpu_pages: Any,
+                    num_tokens: Any = None) -> None:
         """Copies the spec's host rows into GPU pages `gpu_pages[i]`, after reading the rows a
         store holds (`load_spec.store_reads`). Returns at once; a block that does not arrive
         intact from its store fails the job, and nothing of it is copied.
@@ -133,10 +145,18 @@ class OffloadingWorker:
         `gpu_pages=None` runs the store reads only (a prefetch into host rows): once the job
         succeeded, `complete_load` makes the blocks ready in the host pool, to load later.
 
+        `num_tokens`: per page, copy only the block's first `num_tokens[i]` tokens (0, or the
+        tokens per block: all of them), for a request that reuses part of a block; None: whole
+        blocks.
+
         Raises:
-          TypeError, ValueError, IndexError: as for `submit_store`.
+          TypeError, ValueError, IndexError: as for `submit_store`, or a `num_tokens` that is
+            not one integer per page; nothing is submitted.
         """
         job = self._checked_job(job_id, load_spec, LoadSpec, gpu_pages, is_load=True)
+        if num_tokens is not None:
+            job.num_tokens = _checked_tokens(num_tokens, len(job.gpu_pages),
+                                             self.pools[0].tokens_per_block)
         if load_spec.store_reads and self._tiers is None:
             raise ValueError("load_spec reads from stores, but this worker has none")
         for read in load_spec.store_reads:
@@ -156,8 +176,13 @@ class OffloadingWorker:
         self._issue_ready()
         done, still = [], []
         for job in self._issued:
-            (done if job.fence is None or job.fence.done() else still).append(job)
+            finished = (job.reads_done() if job.prefetch else
+                        job.fence is None or job.fence.done())
+            (done if finished else still).append(job)
         self._issued = still
+        for job in done:
+            if job.prefetch:
+                job.success = job.reads_intact()
         for job in done:
             self._ids.discard(job.job_id)
         return [(job.job_id, job.success) for job in done]
@@ -178,8 +203,15 @@ class OffloadingWorker:
                 future.result()
             self._issue_ready()
         for job in self._issued:
-            if job.job_id in wanted and job.fence is not None:
-                job.fence.wait()
+            if job.job_id in wanted:
+                for _, future in job.reads:  # a prefetch's
+                    future.result()
+                if job.fence is not None:
+                    job.fence.wait()
+
+    def store_stats(self) -> dict[str, StoreStats]:
+        """Each store's statistics since the last call, by tier name ("DISK", ...)."""
+        return self._tiers.stats() if self._tiers is not None else {}
 
     def flush(self) -> None:
         """Issues what can be, and waits until every block written through to the stores is
@@ -210,9 +242,10 @@ class OffloadingWorker:
                             f"(from OffloadingManager), got {type(spec).__name__}")
         _check_range("spec.host_slots", spec.host_slots, self.num_host_blocks)
         if gpu_pages is None and is_load:  # a prefetch: store reads only
-            return _Job(job_id, is_load, spec.host_slots, np.zeros(0, np.int32), [])
+            return _Job(job_id, is_load, spec.host_slots, np.zeros(0, np.int32), [],
+                        prefetch=True)
         pages = np.asarray(gpu_pages)
-        if pages.dtype == np.bool_ or (pages.size and not np.issubdtype(pages.dtype, np.integer)):
+        if pages.dtype.kind not in "iu" and (pages.size or pages.dtype == np.bool_):
             raise TypeError(f"gpu_pages must hold integers, got dtype {pages.dtype}")
         if pages.ndim > 1:
             raise ValueError(f"gpu_pages must be 1-D, got shape {pages.shape}")
@@ -221,29 +254,31 @@ class OffloadingWorker:
             raise ValueError(f"gpu_pages holds {len(pages)} pages for a spec of {len(spec)} "
                              "blocks: one page per block")
         _check_range("gpu_pages", pages, self.num_pages)
-        if is_load and len(np.unique(pages)) != len(pages):
+        if is_load and len(set(pages.tolist())) != len(pages):
             raise ValueError("gpu_pages holds a page twice: a load writes each page once")
         return _Job(job_id, is_load, spec.host_slots, pages.astype(np.int32), [])
 
     def _submit(self, job: _Job) -> None:
         self._ids.add(job.job_id)
-        self._pending.append(job)
+        # a prefetch's rows are its own (the manager reserved them): nothing waits behind it
+        (self._issued if job.prefetch else self._pending).append(job)
         self._issue_ready()
 
     def _issue_ready(self) -> None:
         """Issues pending jobs in order, up to the first whose store reads are still running."""
         while self._pending:
             job = self._pending[0]
-            if not all(future.done() for _, future in job.reads):
+            if not job.reads_done():
                 return
             self._pending.popleft()
-            job.success = all(future.result() == n for n, future in job.reads)
+            job.success = job.reads_intact()
             if len(job.gpu_pages) and job.success:
                 if self._tiers is not None and not job.is_load:
                     for slot in job.host_slots.tolist():  # a row a store write still reads
                         self._tiers.wait_written(slot)
                 if job.is_load:
-                    self.transfer_manager.onboard_indices(job.host_slots, job.gpu_pages)
+                    self.transfer_manager.onboard_indices(job.host_slots, job.gpu_pages,
+                                                          job.num_tokens)
                 else:
                     self.transfer_manager.offload_indices(job.gpu_pages, job.host_slots)
                 job.fence = self.transfer_manager.fence()
@@ -254,7 +289,24 @@ class OffloadingWorker:
             self._issued.append(job)
 
 
+def _checked_tokens(num_tokens: Any, count: int, tokens_per_block: int) -> np.ndarray:
+    """A load's tokens per page as int32, or a TypeError / ValueError naming `num_tokens`."""
+    tokens = np.asarray(num_tokens)
+    if tokens.dtype == np.bool_ or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+        raise TypeError(f"num_tokens must hold integers, got dtype {tokens.dtype}")
+    if tokens.shape != (count,):
+        raise ValueError(f"num_tokens must hold one count per page ({count}), got shape "
+                         f"{tokens.shape}")
+    bad = np.flatnonzero((tokens < 0) | (tokens > tokens_per_block))
+    if len(bad):
+        raise ValueError(f"num_tokens[{bad[0]}] = {tokens[bad[0]]} is out of range "
+                         f"[0, {tokens_per_block}]")
+    return tokens.astype(np.int32)
+
+
 def _check_range(name: str, values: np.ndarray, bound: int) -> None:
+    if not len(values) or (values.min() >= 0 and values.max() < bound):
+        return
     bad = np.flatnonzero((values < 0) | (values >= bound))
     if len(bad):
         raise IndexError(f"{name}[{bad[0]}] = {values[bad[0]]} is out of range [0, {bound})")

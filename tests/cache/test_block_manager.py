@@ -18,10 +18,19 @@ from jax_kvxfer.cache import BlockManager, PoolExhaustedError
 T = 4  # tokens per block
 
 
+class DoneFence:
+    def done(self):
+        return True
+
+    def wait(self):
+        pass
+
+
 class FakeTransferManager:
     """Applies batched copies, in call order, to shadows holding token ids (None: empty)."""
 
-    def __init__(self, num_primary: int, num_secondary: int) -> None:
+    def __init__(self, num_primary: int, num_secondary: int, pool=None) -> None:
+        self.pools = (pool,)  # the pools it moves, as the connector's worker checks
         self.mem = {True: [[None] * T for _ in range(num_primary)],
                     False: [[None] * T for _ in range(num_secondary)]}
         self.calls: list[tuple[str, list, list[int]]] = []
@@ -32,6 +41,15 @@ class FakeTransferManager:
 
     def onboard_blocks(self, pairs, num_tokens=None):
         self._apply("onboard", pairs, num_tokens)
+
+    def offload_indices(self, src, dst, num_tokens=None):  # the connector's worker's verbs
+        self._apply("offload", _index_pairs(src, True, dst, False), num_tokens)
+
+    def onboard_indices(self, src, dst, num_tokens=None):
+        self._apply("onboard", _index_pairs(src, False, dst, True), num_tokens)
+
+    def fence(self):  # every copy is applied when called
+        return DoneFence()
 
     def offload_and_onboard(self, offload_pairs, onboard_pairs, offload_tokens=None,
                             onboard_tokens=None):  # the manager's documented meaning
@@ -57,12 +75,17 @@ class FakeTransferManager:
         return [c for c in self.calls if c[0] == op]
 
 
+def _index_pairs(src, src_primary, dst, dst_primary):
+    return [(kvx.KVCacheBlock(0, int(s), src_primary), kvx.KVCacheBlock(0, int(d), dst_primary))
+            for s, d in zip(src, dst)]
+
+
 def make(num_primary=4, num_secondary=4, **kwargs):
     pool = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=1,
                                        tokens_per_block=T, dtype="float32",
                                        num_primary_blocks=num_primary,
                                        num_secondary_blocks=num_secondary, kv_factor=1)
-    fake = FakeTransferManager(num_primary, num_secondary)
+    fake = FakeTransferManager(num_primary, num_secondary, pool)
     return BlockManager(pool, transfer_manager=fake, **kwargs), fake
 
 
@@ -91,13 +114,13 @@ def serve(bm, fake, sid, tokens, priority=35, release=True):
 def check_slots(bm):
     """Every primary/secondary slot is free, cached-reusable or in use: exactly one of them."""
     in_use = {b.slot for s in bm._seqs.values() for b in s.blocks}
-    for primary, total in ((True, bm.num_primary_blocks), (False, bm.num_secondary_blocks)):
-        free = list(bm._free[primary])
-        reusable = [b.slot for b in bm._reusable[primary]]
-        used = in_use if primary else set()
-        slots = free + reusable + sorted(used)
-        assert len(slots) == len(set(slots)), f"a {'primary' if primary else 'secondary'} slot twice"
-        assert len(slots) == total
+    slots = list(bm._free) + [b.slot for b in bm._reusable] + sorted(in_use)
+    assert len(slots) == len(set(slots)), "a primary slot twice"
+    assert len(slots) == bm.num_primary_blocks
+    # the host pool's rows are the connector's: free, or holding a reusable block
+    rows = [bm._host.host_slot(key) for key in bm._host.eviction_order()] if bm._host else []
+    assert len(rows) == len(set(rows)), "a secondary slot twice"
+    assert len(rows) + bm.num_free_secondary_blocks == bm.num_secondary_blocks
 
 
 def test_free_lists_and_release():
@@ -429,3 +452,16 @@ def test_randomized_with_a_pool_over_an_engines_arrays():
         bm.release_sequence(i)
     s = bm.stats
     assert s.offloaded_blocks and s.onboarded_blocks and s.reused_tokens
+
+
+def test_a_burst_of_evictions_keeps_the_latest_blocks_on_a_small_host():
+    """More blocks evicted at once than the host pool holds: each offloaded block may evict
+    an earlier one, so the host keeps the last ones, as one eviction at a time would."""
+    bm, fake = make(5, 2)
+    serve(bm, fake, "a", list(range(20)))  # five full blocks
+    serve(bm, fake, "b", list(range(100, 120)))  # evicts all five, last block first
+    s = bm.stats
+    assert (s.offloaded_blocks, s.dropped_secondary_blocks, s.dropped_primary_blocks) == (5, 3, 0)
+    assert bm.reusable_blocks(primary=False) == [(4, 5, 6, 7), (0, 1, 2, 3)]
+    assert bm.match_prefix(list(range(20))).secondary_blocks == 2
+    check_slots(bm)

@@ -215,8 +215,10 @@ def test_a_prefetch_is_finished_even_when_a_block_before_it_was_evicted(tmp_path
     reused = serve(bm, pool, "again", prompt)  # checks every reused position
     assert reused == MAX_LEN - T  # block 0 read from the disk, then the prefetched blocks
     assert not bm._prefetching
-    held = {b.slot for b in bm._reusable[False]} | set(bm._free[False])
-    assert held == set(range(pool.num_secondary_blocks)), "a host row stayed held"
+    # every host row is free or holds a reusable block (the rows are the connector's)
+    held = {bm._host.host_slot(key) for key in bm._host.eviction_order()}
+    assert len(held) + bm.num_free_secondary_blocks == pool.num_secondary_blocks, \
+        "a host row stayed held"
     bm.close()
     store.close()
 
@@ -291,5 +293,46 @@ def test_a_prefetch_is_pending_until_its_read_lands(tmp_path):
     assert bm.store_stats()["DISK"].hits == full
     with pytest.raises(TypeError, match="token_ids"):
         bm.prefetch_pending("abc")
+    bm.close()
+    store.close()
+
+
+def check_reused(pool: kvx.KVCacheBlockPool, bm: BlockManager, sid, tokens, reused) -> None:
+    got = kvx.to_numpy(pool.primary)[:, 0, 0, :, :, :]
+    table = bm.block_table(sid)
+    for pos in range(reused):
+        cell = got[table[pos // T], :, pos % T, :]
+        assert (cell == value(tokens, pos)).all(), f"{sid}: position {pos} of {reused} reused"
+
+
+def test_a_store_read_short_of_rows_takes_the_rows_queued_loads_give_back(tmp_path):
+    """A prompt's blocks only the disk holds, read while the host pool has one row to give
+    and three held by the step's queued loads: the read takes that row, then, once the queue
+    is issued, the three it gives back; every block lands where its key says."""
+    rng = np.random.default_rng(21)
+    store = FileStore(tmp_path, namespace="test-model")
+    pool = make_pool(8, 4)
+    bm = BlockManager(pool, stores=[store])
+    b, x1, filler = (list(map(int, rng.integers(0, 50, MAX_LEN))) for _ in range(3))
+    serve(bm, pool, "b", b[:13])
+    serve(bm, pool, "x1", x1)
+    for fillers in (["f1"], ["f2", "f3"]):  # b's blocks to the host, then x1's (b's out)
+        for sid in fillers:
+            bm.add_sequence(sid, filler)
+            bm.sync_transfers()
+        for sid in fillers:
+            bm.release_sequence(sid, store_for_reuse=False)
+    bm.flush()
+    assert bm.match_prefix(b[:13]).store_blocks == 3
+    assert bm.match_prefix(x1[:13]).secondary_blocks == 3
+    reused_a = bm.add_sequence("a", x1[:13])  # three host hits: their loads queued
+    reused_b = bm.add_sequence("b2", b[:13])  # one row, then the three the loads give back
+    assert (reused_a, reused_b) == (12, 12)
+    bm.sync_transfers()
+    check_reused(pool, bm, "a", x1[:13], reused_a)
+    check_reused(pool, bm, "b2", b[:13], reused_b)
+    for sid in ("a", "b2"):
+        bm.release_sequence(sid, store_for_reuse=False)
+    assert serve(bm, pool, "b3", b[:13]) == 12  # every block under its own key
     bm.close()
     store.close()

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from jax_kvxfer.connector import OffloadingEvent, OffloadingManager
+from jax_kvxfer.connector import OffloadingEvent, OffloadingManager, store_key
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ class Shadow:
         return new, evicted
 
     def complete_store(self, hashes, success):
-        for h in reversed(hashes):  # the first block becomes the most recently used
+        for h in hashes:  # the last block becomes the most recently used
             if self.state.get(h) != "storing":
                 continue
             if success:
@@ -78,7 +78,7 @@ class Shadow:
             self.protected[h] += 1
 
     def complete_load(self, hashes):
-        for h in reversed(hashes):
+        for h in hashes:
             self.protected[h] -= 1
             if self.protected[h] == 0:
                 self.push(h)
@@ -100,6 +100,11 @@ def check_rows(mgr: OffloadingManager, shadow: Shadow) -> None:
     assert None not in slots and len(set(slots)) == len(slots), slots
     assert all(0 <= s < shadow.capacity for s in slots)
     assert mgr.num_free_host_blocks == shadow.capacity - len(shadow.state)
+    order = sorted(shadow.evictable(), key=lambda h: (shadow.priority[h], shadow.used[h]))
+    assert mgr.eviction_order() == order and mgr.num_evictable_blocks == len(order)
+    for priority in (0, 35, 100):
+        assert mgr.rows_available(priority) == mgr.num_free_host_blocks + sum(
+            shadow.priority[h] <= priority for h in order)
     for h in range(64):
         if h not in shadow.state:
             assert mgr.host_slot(h) is None, h
@@ -231,6 +236,36 @@ def test_events_follow_vllm():
                                  OffloadingEvent([b"a" * 32], 8, "CPU", True)]
 
 
+def test_a_sixteen_byte_hash_is_its_own_store_key():
+    """The block manager's chained keys (16-byte digests) key the stores as they always did;
+    other hashes are digested, tagged with their type."""
+    key = bytes(range(16))
+    assert store_key(key) == key
+    assert store_key(key + b"!") != key + b"!" and len(store_key(key + b"!")) == 16
+    assert len({store_key(1), store_key(b"\x01"), store_key(b"\x01" * 16)}) == 3
+
+
+def test_a_prefetch_and_a_write_through_leave_the_admission_policy_alone():
+    """count_reuse=False: a block read ahead is counted as reused once loaded, not twice;
+    admit=False: a write-through is stored whatever the policy says, and not counted."""
+    mgr = OffloadingManager(4, block_size=4, admission="reuse")
+    gate = mgr.admission
+    mgr.prepare_store([1, 2])
+    mgr.complete_store([1, 2])
+    assert gate.admitted == 2
+    mgr.prepare_load([1], count_reuse=False)
+    assert gate.reuse_rate == 0.0
+    mgr.complete_load([1])
+    mgr.prepare_load([1])
+    assert gate.reuse_rate == 0.5  # one block loaded of two stored
+    frequency = OffloadingManager(4, block_size=4, admission="second-sighting:2")
+    assert frequency.prepare_store([7]).block_hashes_to_store == []  # never seen twice
+    assert frequency.prepare_store([7], admit=False).block_hashes_to_store == [7]
+    assert (frequency.admission.admitted, frequency.admission.declined) == (0, 1)
+    low = OffloadingManager(4, block_size=4)  # a priority never stored stays so
+    assert low.prepare_store([8], priority=10, admit=False).block_hashes_to_store == []
+
+
 @pytest.mark.parametrize("call, args, error, match", [
     ("prepare_load", ([9],), ValueError, r"block_hashes\[0\] is held neither"),
     ("prepare_load", ([1, 1],), ValueError, "twice"),
@@ -264,3 +299,23 @@ def test_bad_construction_is_named(kwargs, match):
     args = {"num_host_blocks": 4, "block_size": 4, **kwargs}
     with pytest.raises((TypeError, ValueError), match=match):
         OffloadingManager(args.pop("num_host_blocks"), **args)
+
+
+def test_a_block_loaded_several_times_is_protected_until_every_load_completes():
+    mgr = OffloadingManager(1, block_size=4)
+    mgr.complete_store(mgr.prepare_store([1]).block_hashes_to_store)
+    mgr.prepare_load([1])
+    mgr.prepare_load([1])
+    with pytest.raises(ValueError, match="completes more loads than were prepared"):
+        mgr.complete_load([1, 1, 1])
+    mgr.complete_load([1])
+    assert mgr.prepare_store([2]) is None  # still protected by the second load
+    mgr.complete_load([1])
+    assert mgr.prepare_store([2]).block_hashes_evicted == [1]
+    mgr.complete_store([2])
+    for _ in range(3):
+        mgr.prepare_load([2])
+    mgr.complete_load([2, 2])  # two at once
+    assert mgr.prepare_store([4]) is None
+    mgr.complete_load([2])
+    assert mgr.prepare_store([4]).block_hashes_evicted == [2]

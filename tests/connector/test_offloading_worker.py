@@ -7,6 +7,8 @@ from __future__ import annotations
 import glob
 import os
 import random
+import threading
+from concurrent.futures import Future
 
 import jax.numpy as jnp
 import numpy as np
@@ -230,3 +232,71 @@ def test_a_worker_over_pools_made_by_create():
             [kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=4,
                                          tokens_per_block=PAGE, dtype=jnp.float32,
                                          num_primary_blocks=6, num_secondary_blocks=3)]))
+
+
+def test_a_partial_load_copies_the_first_tokens_only(tmp_path):
+    """num_tokens: a request reusing the first tokens of a block gets those, and the rest of
+    its page stays as it was."""
+    worker, manager, _ = make(tmp_path, 4, with_store=False)
+    want = pages_of(worker.kv_caches, [3])
+    store(worker, manager, "s", [1], [3])
+    worker.kv_caches = [a * 0 for a in worker.kv_caches]
+    spec = manager.prepare_load([1])
+    for bad, error, match in (([2, 2], ValueError, "one count per page"),
+                              ([1.5], TypeError, "num_tokens must hold integers"),
+                              ([PAGE + 1], ValueError, r"num_tokens\[0\] = 5 is out of range")):
+        with pytest.raises(error, match=match):
+            worker.submit_load("l", spec, [7], bad)
+    worker.submit_load("l", spec, [7], [2])
+    worker.wait(["l"])
+    assert worker.get_finished() == [("l", True)]
+    for layer, got in zip(want, pages_of(worker.kv_caches, [7])):
+        np.testing.assert_array_equal(got[0, :2], layer[0, :2])
+        assert not got[0, 2:].any()
+
+
+class HeldFileStore(FileStore):
+    """A FileStore whose reads start only once `release` is set."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+
+    def get(self, keys, rows) -> Future:
+        out = Future()
+
+        def read():
+            self.release.wait(30)
+            out.set_result(super(HeldFileStore, self).get(keys, rows).result())
+
+        threading.Thread(target=read, daemon=True).start()
+        return out
+
+
+def test_a_prefetch_holds_up_no_later_job_and_the_stores_answer_beyond_the_rows(tmp_path):
+    """A prefetch still reading does not hold up a store submitted after it (its rows are its
+    own); lookup_stores counts what the store holds where lookup counts only what has a row."""
+    store_ = HeldFileStore(tmp_path, namespace="test-model")
+    worker = OffloadingWorker(engine_arrays(np.random.default_rng(0)), num_host_blocks=2,
+                              token_axis=1, stores=[store_])
+    manager = OffloadingManager(2, block_size=PAGE, stores=worker.stores)
+    for job, h in (("s1", 1), ("s2", 2), ("s3", 3)):  # 1 leaves the host for the disk only
+        store(worker, manager, job, [h], [h])
+    worker.flush()
+    assert worker.store_stats()["DISK"].written == 3
+    manager.prepare_load([2])  # protects one row; the other one is block 3's
+    assert manager.lookup([1], priority=0) == 0 and manager.lookup_stores([1, 2, 9]) == 2
+    manager.complete_load([2])
+    worker.submit_load("p", manager.prepare_load([1], count_reuse=False), None)  # evicts 2
+    out = manager.prepare_store([4])  # evicts 3
+    worker.submit_store("s4", out.store_spec, [4])
+    worker.wait(["s4"])
+    assert worker.get_finished() == [("s4", True)], "the store waited for the prefetch"
+    store_.release.set()
+    worker.wait(["p"])
+    assert worker.get_finished() == [("p", True)]
+    manager.complete_load([1])
+    manager.complete_store([4])
+    assert manager.lookup([1, 4]) == 2
+    worker.close()
+    store_.close()
