@@ -634,9 +634,7 @@ class BlockManager:
         """A free primary slot, evicting (offloading or dropping) a reusable block if needed."""
         if self._free:
             return self._free.popleft()
-        victim = self._reusable.peek()
-        assert victim is not None, "callers check _available_primary first"
-        self._reusable.remove(victim)
+        victim = self._reusable.pop()  # callers check _available_primary first
         if self._queue.writes_page(victim.slot):
             # Queued stores are issued before queued loads; this one must read what a queued
             # load writes, so issue the queue first.

@@ -54,11 +54,15 @@ class EvictionQueue:
             del self._by_priority[block.priority]
         self._count -= 1
 
-    def peek(self) -> Any | None:
-        """The next victim, or None when empty."""
-        if not self._by_priority:
-            return None
-        return next(iter(self._by_priority[min(self._by_priority)].values()))
+    def pop(self) -> Any:
+        """Takes the next victim out (the queue is not empty)."""
+        priority = min(self._by_priority)
+        bucket = self._by_priority[priority]
+        _, block = bucket.popitem(last=False)
+        if not bucket:
+            del self._by_priority[priority]
+        self._count -= 1
+        return block
 
     def count_at_most(self, priority: int) -> int:
         """Blocks of a priority no higher than `priority`: those a block of that priority may
