@@ -130,7 +130,7 @@ class BlockManager:
           enable_offload: False never offloads (TensorRT-LLM's `onboard_blocks=false`).
           enable_partial_reuse: False ignores partially matched blocks.
           admission: which evicted blocks of an offloaded priority are offloaded
-            (jax_kvxfer.cache.admission): "reuse[:rate]" (None: every block while the blocks
+            (jax_kvxfer.connector.admission): "reuse[:rate]" (None: every block while the blocks
             onboarded from the host pool or read from the stores are at least rate, 0.05, of
             those offloaded, and for the first 4,096 offloads; else one in 16), "always",
             "second-sighting[:k]" (only blocks whose key was seen k times, 2 by default, in a
