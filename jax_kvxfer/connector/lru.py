@@ -64,11 +64,6 @@ class EvictionQueue:
         self._count -= 1
         return block
 
-    def count_at_most(self, priority: int) -> int:
-        """Blocks of a priority no higher than `priority`: those a block of that priority may
-        evict."""
-        return sum(len(bucket) for p, bucket in self._by_priority.items() if p <= priority)
-
     def __iter__(self) -> Iterator[Any]:
         """Blocks in eviction order."""
         for priority in sorted(self._by_priority):
