@@ -806,8 +806,8 @@ class BlockManager:
         evictions = rows - free
         if evictions <= 0:
             return None
-        # The first such block has before it every block of no higher priority but those
-        # pushed since the queued stores were (it is one of them): at least this many.
+        # Ahead of the first such block in the eviction order: every block of its priority or
+        # lower, but those pushed since the queue's stores began (it is one of them).
         lowest = self._queue.lowest_store_priority
         ahead = self._host.rows_available(lowest) - free - self._host_pushes
         if evictions <= ahead:
