@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 # Several virtual CPU devices, for the sharded-pool tests; must be set before JAX starts. On a
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 import jax_kvxfer as kvx
+from jax_kvxfer.stores import FileStore
 
 PLATFORM = jax.devices()[0].platform
 ON_GPU = PLATFORM == "gpu"
@@ -266,3 +269,28 @@ def make_pools(rng: np.random.Generator, shape: Sequence[int], dtype: Any,
     shape = tuple(shape)
     src_shape = shape if src_blocks is None else (src_blocks,) + shape[1:]
     return random_values(rng, shape, dtype), random_values(rng, src_shape, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# stores
+
+class HeldFileStore(FileStore):
+    """A real FileStore whose reads start only once `release` is set: a slow tier, held
+    for as long as a test needs."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.release = threading.Event()
+
+    def get(self, keys, rows) -> Future:
+        out = Future()
+
+        def read():
+            self.release.wait(30)
+            try:
+                out.set_result(super(HeldFileStore, self).get(keys, rows).result())
+            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+                out.set_exception(e)
+
+        threading.Thread(target=read, daemon=True).start()
+        return out

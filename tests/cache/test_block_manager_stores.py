@@ -8,15 +8,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import zlib
-from concurrent.futures import Future
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HeldFileStore
 
 import jax_kvxfer as kvx
 from jax_kvxfer.cache import BlockManager
@@ -113,7 +113,7 @@ def test_a_prefix_written_by_one_process_is_reused_by_another(tmp_path):
     directory, reuses their prefixes from the disk with exact contents."""
     script = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
+        sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}
         import numpy as np
         from test_block_manager_stores import make_pool, serve, BlockManager, FileStore
         rng = np.random.default_rng(5)
@@ -242,28 +242,6 @@ def test_a_partly_filled_block_comes_back_from_the_disk(tmp_path):
     bm.close()
     store.close()
 
-
-
-class HeldFileStore(FileStore):
-    """A real FileStore whose reads start only once `release` is set: a slow tier, held
-    for as long as a test needs."""
-
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.release = threading.Event()
-
-    def get(self, keys, rows) -> Future:
-        out = Future()
-
-        def read():
-            self.release.wait(30)
-            try:
-                out.set_result(super(HeldFileStore, self).get(keys, rows).result())
-            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
-                out.set_exception(e)
-
-        threading.Thread(target=read, daemon=True).start()
-        return out
 
 
 def test_a_prefetch_is_pending_until_its_read_lands(tmp_path):

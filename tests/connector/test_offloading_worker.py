@@ -7,12 +7,11 @@ from __future__ import annotations
 import glob
 import os
 import random
-import threading
-from concurrent.futures import Future
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HeldFileStore
 
 import jax_kvxfer as kvx
 from jax_kvxfer.connector import LoadSpec, OffloadingManager, OffloadingWorker
@@ -253,24 +252,6 @@ def test_a_partial_load_copies_the_first_tokens_only(tmp_path):
     for layer, got in zip(want, pages_of(worker.kv_caches, [7])):
         np.testing.assert_array_equal(got[0, :2], layer[0, :2])
         assert not got[0, 2:].any()
-
-
-class HeldFileStore(FileStore):
-    """A FileStore whose reads start only once `release` is set."""
-
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.release = threading.Event()
-
-    def get(self, keys, rows) -> Future:
-        out = Future()
-
-        def read():
-            self.release.wait(30)
-            out.set_result(super(HeldFileStore, self).get(keys, rows).result())
-
-        threading.Thread(target=read, daemon=True).start()
-        return out
 
 
 def test_a_prefetch_holds_up_no_later_job_and_the_stores_answer_beyond_the_rows(tmp_path):
