@@ -183,7 +183,6 @@ class OffloadingWorker:
         for job in done:
             if job.prefetch:
                 job.success = job.reads_intact()
-        for job in done:
             self._ids.discard(job.job_id)
         return [(job.job_id, job.success) for job in done]
 
