@@ -257,73 +257,83 @@ class _Collector:
         def gauge(name, doc, labels=()):
             return GaugeMetricFamily(PREFIX + name, doc, labels=["manager", *labels])
 
-        for name, doc, field in _BLOCK_COUNTERS:
-            m = counter(name, doc)
-            for label, totals, _, _ in b_samples:
-                m.add_metric([label], totals[field])
-            yield m
-        m = counter("prefix_cache_hit_blocks", "Full blocks of prompts found in the cache, by "
-                    "tier: GPU in place (BlockManagerStats.reused_blocks), CPU onboarded from "
-                    "the host pool (onboarded_blocks - store_hit_blocks), STORE read from a "
-                    "store then onboarded (store_hit_blocks)", ["tier"])
-        for label, t, _, _ in b_samples:
-            m.add_metric([label, "GPU"], t["reused_blocks"])
-            m.add_metric([label, "CPU"], t["onboarded_blocks"] - t["store_hit_blocks"])
-            m.add_metric([label, "STORE"], t["store_hit_blocks"])
+        yield from _block_families(b_samples, counter, gauge)
+        yield from _transfer_families(t_samples, counter)
+
+
+def _block_families(b_samples, counter, gauge):
+    """The block managers' metric families, from their (label, totals, gauges, stores)."""
+    for name, doc, field in _BLOCK_COUNTERS:
+        m = counter(name, doc)
+        for label, totals, _, _ in b_samples:
+            m.add_metric([label], totals[field])
         yield m
-        m = counter("partial_reuse_blocks", "Partially matched blocks copied into a fresh block, "
-                    "by source (BlockManagerStats.partial_copies: GPU, partial_onboards: CPU)",
-                    ["source"])
-        for label, t, _, _ in b_samples:
-            m.add_metric([label, "GPU"], t["partial_copies"])
-            m.add_metric([label, "CPU"], t["partial_onboards"])
-        yield m
-        m = counter("evicted_blocks", "Cached blocks evicted, by tier and outcome: GPU "
-                    "offloaded (BlockManagerStats.offloaded_blocks) or dropped "
-                    "(dropped_primary_blocks), CPU dropped (dropped_secondary_blocks)",
-                    ["tier", "outcome"])
-        for label, t, _, _ in b_samples:
-            m.add_metric([label, "GPU", "offloaded"], t["offloaded_blocks"])
-            m.add_metric([label, "GPU", "dropped"], t["dropped_primary_blocks"])
-            m.add_metric([label, "CPU", "dropped"], t["dropped_secondary_blocks"])
-        yield m
-        for name, doc, key in (
-                ("kv_cache_usage_perc", ("Fraction of the pool's blocks holding a block, cached or "
-                 "in use (vllm:kv_cache_usage_perc; tier CPU: vllm:kv_offload_cpu_cache_usage_"
-                 "perc)"), "usage"),
-                ("free_blocks", ("Blocks holding nothing (num_free_primary_blocks / "
-                 "num_free_secondary_blocks)"), "free"),
-                ("reusable_blocks", ("Cached blocks no sequence uses: evictable "
-                 "(len(reusable_blocks(primary)))"), "reusable")):
-            m = gauge(name, doc, ["tier"])
-            for label, _, g, _ in b_samples:
-                for tier in ("GPU", "CPU"):
-                    m.add_metric([label, tier], g[tier][key])
-            yield m
-        m = gauge("store_used_bytes", "Bytes a store's blocks take, where it tells "
-                  "(FileStore.used_bytes)", ["tier"])
+    m = counter("prefix_cache_hit_blocks", "Full blocks of prompts found in the cache, by "
+                "tier: GPU in place (BlockManagerStats.reused_blocks), CPU onboarded from "
+                "the host pool (onboarded_blocks - store_hit_blocks), STORE read from a "
+                "store then onboarded (store_hit_blocks)", ["tier"])
+    for label, t, _, _ in b_samples:
+        m.add_metric([label, "GPU"], t["reused_blocks"])
+        m.add_metric([label, "CPU"], t["onboarded_blocks"] - t["store_hit_blocks"])
+        m.add_metric([label, "STORE"], t["store_hit_blocks"])
+    yield m
+    m = counter("partial_reuse_blocks", "Partially matched blocks copied into a fresh block, "
+                "by source (BlockManagerStats.partial_copies: GPU, partial_onboards: CPU)",
+                ["source"])
+    for label, t, _, _ in b_samples:
+        m.add_metric([label, "GPU"], t["partial_copies"])
+        m.add_metric([label, "CPU"], t["partial_onboards"])
+    yield m
+    m = counter("evicted_blocks", "Cached blocks evicted, by tier and outcome: GPU "
+                "offloaded (BlockManagerStats.offloaded_blocks) or dropped "
+                "(dropped_primary_blocks), CPU dropped (dropped_secondary_blocks)",
+                ["tier", "outcome"])
+    for label, t, _, _ in b_samples:
+        m.add_metric([label, "GPU", "offloaded"], t["offloaded_blocks"])
+        m.add_metric([label, "GPU", "dropped"], t["dropped_primary_blocks"])
+        m.add_metric([label, "CPU", "dropped"], t["dropped_secondary_blocks"])
+    yield m
+    for name, doc, key in (
+            ("kv_cache_usage_perc", ("Fraction of the pool's blocks holding a block, cached or "
+             "in use (vllm:kv_cache_usage_perc; tier CPU: vllm:kv_offload_cpu_cache_usage_"
+             "perc)"), "usage"),
+            ("free_blocks", ("Blocks holding nothing (num_free_primary_blocks / "
+             "num_free_secondary_blocks)"), "free"),
+            ("reusable_blocks", ("Cached blocks no sequence uses: evictable "
+             "(len(reusable_blocks(primary)))"), "reusable")):
+        m = gauge(name, doc, ["tier"])
         for label, _, g, _ in b_samples:
-            for tier, used in g.get("stores", {}).items():
-                m.add_metric([label, tier], used)
+            for tier in ("GPU", "CPU"):
+                m.add_metric([label, tier], g[tier][key])
         yield m
-        for name, doc, field in _STORE_COUNTERS:
-            m = counter(name, doc, ["tier"])
-            for label, _, _, stores in b_samples:
-                for tier, t in stores.items():
-                    m.add_metric([label, tier], t[field])
-            yield m
-        for what, doc in (("blocks", ("Blocks moved by the transfer manager, by direction "
-                           "(TransferStats.offloaded_/onboarded_/copied_blocks)")),
-                          ("bytes", ("Bytes moved by the transfer manager, all pools, by "
-                           "direction (vllm:kv_offload_total_bytes; TransferStats.*_bytes)"))):
-            m = counter(f"kv_transfer_{what}", doc, ["transfer_type"])
-            for label, t in t_samples:
-                for ttype, kind in _TRANSFER_TYPES:
-                    m.add_metric([label, ttype], t[f"{kind}_{what}"])
-            yield m
-        m = counter("exposed_transfer_seconds", "GPU seconds compute waited for transfers or "
-                    "took offload snapshots (TransferStats.exposed_seconds; counted when "
-                    "get_and_reset_transfer_stats returns them)")
+    m = gauge("store_used_bytes", "Bytes a store's blocks take, where it tells "
+              "(FileStore.used_bytes)", ["tier"])
+    for label, _, g, _ in b_samples:
+        for tier, used in g.get("stores", {}).items():
+            m.add_metric([label, tier], used)
+    yield m
+    for name, doc, field in _STORE_COUNTERS:
+        m = counter(name, doc, ["tier"])
+        for label, _, _, stores in b_samples:
+            for tier, t in stores.items():
+                m.add_metric([label, tier], t[field])
+        yield m
+
+
+def _transfer_families(t_samples, counter):
+    """The transfer managers' metric families, from their (label, totals)."""
+    for what, doc in (("blocks", ("Blocks moved by the transfer manager, by direction "
+                       "(TransferStats.offloaded_/onboarded_/copied_blocks)")),
+                      ("bytes", ("Bytes moved by the transfer manager, all pools, by "
+                       "direction (vllm:kv_offload_total_bytes; TransferStats.*_bytes)"))):
+        m = counter(f"kv_transfer_{what}", doc, ["transfer_type"])
         for label, t in t_samples:
-            m.add_metric([label], t["exposed_seconds"])
+            for ttype, kind in _TRANSFER_TYPES:
+                m.add_metric([label, ttype], t[f"{kind}_{what}"])
         yield m
+    m = counter("exposed_transfer_seconds", "GPU seconds compute waited for transfers or "
+                "took offload snapshots (TransferStats.exposed_seconds; counted when "
+                "get_and_reset_transfer_stats returns them)")
+    for label, t in t_samples:
+        m.add_metric([label], t["exposed_seconds"])
+    yield m
