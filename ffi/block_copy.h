@@ -125,12 +125,6 @@ struct CopyOptions {
   bool hazard_free = true;  // no block is both read and written (a layered copy: always)
 };
 
-// The second half of a both-ways copy: a copy, and whether there is a first half to wait for.
-struct JoinOptions {
-  CopyOptions copy;
-  bool wait;
-};
-
 // A lane copy (the manager's copies beside compute; lanes_cuda.cu).
 struct LaneOptions {
   int64_t lane;              // 0: offloads, 1: onboards
@@ -170,26 +164,6 @@ auto BindCopy(Binding&& binding) {
   return BindResults(BindIndices(std::forward<Binding>(binding))).template Attrs<CopyOptions>();
 }
 
-// The first half of a both-ways copy (copy_blocks_both_ways): one copy, plus a ticket result
-// that the second half takes to find what to wait for.
-template <typename Binding>
-auto BindForkCopy(Binding&& binding) {
-  return BindResults(BindIndices(std::forward<Binding>(binding)))
-      .template Ret<ffi::AnyBuffer>()
-      .template Attrs<CopyOptions>();
-}
-
-// The second half: one copy, then the first half's ticket and, to keep them alive until the
-// first half's copy is done, its other operands and results. With `wait` false there is no
-// first half: the extra operands only order the copy after the work that made them.
-template <typename Binding>
-auto BindJoinCopy(Binding&& binding) {
-  return BindResults(BindIndices(std::forward<Binding>(binding))
-                         .template Arg<ffi::AnyBuffer>()
-                         .RemainingArgs())
-      .template Attrs<JoinOptions>();
-}
-
 template <typename Binding>
 auto BindLaneCopy(Binding&& binding) {
   return BindIndices(std::forward<Binding>(binding))
@@ -226,8 +200,6 @@ KVXFER_HOST_DEVICE inline int64_t TokensToCopy(int32_t n, const PoolGeometry& g)
   KVXFER_ATTR(bool, "offload"), KVXFER_ATTR(xla::ffi::Span<const int64_t>, "views")
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::CopyOptions, KVXFER_COPY_ATTRS,
                                       KVXFER_ATTR(bool, "hazard_free"));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::JoinOptions, KVXFER_COPY_ATTRS,
-                                      KVXFER_ATTR(bool, "hazard_free"), KVXFER_ATTR(bool, "wait"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::LaneOptions, KVXFER_LANE_ATTRS);
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::Layered<kvxfer::CopyOptions>, KVXFER_LAYER_ATTRS,
                                       KVXFER_COPY_ATTRS);

@@ -85,28 +85,6 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
                       options);
 }
 
-// The two halves of a both-ways copy. On the CPU they are two copies, one after the other (the
-// second reads the first's result, which the Python side allows only where that equals reading
-// the pool as it was); the ticket and the operands kept alive for the GPU are not used.
-ffi::Error BlockCopyForkCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
-                            ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                            ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                            ffi::Result<ffi::Buffer<ffi::U8>> staging,
-                            ffi::Result<ffi::AnyBuffer> /*ticket*/, CopyOptions options) {
-  return BlockCopyCpu(dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging, options);
-}
-
-ffi::Error BlockCopyJoinCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
-                            ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                            ffi::AnyBuffer /*ticket*/, ffi::RemainingArgs /*kept alive*/,
-                            ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                            ffi::Result<ffi::Buffer<ffi::U8>> staging, JoinOptions options) {
-  return BlockCopyCpu(dst, src, src_idx, dst_idx, num_tokens, out, superseded, staging,
-                      options.copy);
-}
-
 // The manager's lane copies (lanes_cuda.cu) and their join. The CPU has no lanes: a lane copy
 // is done when its call is, in pair order, which is what the manager's runs need (no pair reads
 // a slot that an earlier pair of the run writes), and the join only hands the array on.
@@ -178,8 +156,6 @@ ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
 #define KVXFER_POOLS_2 KVXFER_POOLS_1.Arg<ffi::AnyBuffer>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyCpu, BlockCopyCpu, BindCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyWithinCpu, BlockCopyWithinCpu, BindCopy(KVXFER_POOLS_1));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCpu, BlockCopyForkCpu, BindForkCopy(KVXFER_POOLS_2));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCpu, BlockCopyJoinCpu, BindJoinCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCpu, LaneCopyCpu, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCpu, LaneCopyWithinCpu, BindLaneCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu, BindLayerCopy(ffi::Ffi::Bind()));

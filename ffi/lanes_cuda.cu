@@ -1,5 +1,5 @@
 // The handlers on the library's own streams (streams.h): the transfer lanes' copies and their
-// join, and the both-ways fork and join. docs/design.md ("The native side") tells what each
+// join. docs/design.md ("The native side") tells what each
 // orders after what and what must outlive a call; the comments here say how.
 #include <tuple>
 #include <vector>
@@ -137,61 +137,11 @@ ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi:
   return CudaStatus(err, "join the transfer lanes");
 }
 
-ffi::Error Fork(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
-                ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
-                ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> out,
-                ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                ffi::Result<ffi::Buffer<ffi::U8>> staging, ffi::Result<ffi::AnyBuffer> ticket,
-                CopyOptions options) {
-  DeviceStreams* s = nullptr;
-  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &s));
-  ScopedDevice on_device(s->device);
-  std::lock_guard<std::mutex> lock(s->mu);
-  // Were the result not the destination's own buffer, the copy would first fill all of it,
-  // which the join (reading it) must not overlap: then the copy stays on XLA's stream.
-  const cudaStream_t side = out->untyped_data() == dst.untyped_data() ? s->lane[kForkLane] : stream;
-  // The fork's lane starts where XLA's stream is (after whatever produced the operands).
-  KVXFER_RETURN_IF_ERROR(CudaStatus(s->Follow(side, stream), "fork onto the side stream"));
-  KVXFER_RETURN_IF_ERROR(CopyOnStream(side, dst, src, src_idx, dst_idx, num_tokens, *out,
-                                      *superseded, *staging, options));
-  return CudaStatus(s->MarkFork(ticket->untyped_data(), side), "mark the fork's copy");
-}
-
-ffi::Error Join(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
-                ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_idx,
-                ffi::Buffer<ffi::S32> num_tokens, ffi::AnyBuffer ticket,
-                ffi::RemainingArgs /*kept alive*/, ffi::Result<ffi::AnyBuffer> out,
-                ffi::Result<ffi::Buffer<ffi::S32>> superseded,
-                ffi::Result<ffi::Buffer<ffi::U8>> staging, JoinOptions options) {
-  ffi::Error copy = CopyOnStream(stream, dst, src, src_idx, dst_idx, num_tokens, *out,
-                                 *superseded, *staging, options.copy);
-  if (!options.wait) return copy;  // ordered by its operands only
-  DeviceStreams* s = nullptr;
-  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &s));
-  cudaEvent_t join = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    join = s->TakeFork(ticket.untyped_data());
-  }
-  if (join == nullptr) {
-    return ffi::Error::InvalidArgument(
-        "jax_kvxfer both-ways copy: the second half found no first half to wait for (its "
-        "ticket operand must be the first half's ticket result)");
-  }
-  // Wait even if this half failed, so that nothing after it runs beside the first half.
-  cudaError_t err = cudaStreamWaitEvent(stream, join, 0);
-  (void)cudaEventDestroy(join);
-  if (copy.failure()) return copy;
-  return CudaStatus(err, "join the side stream");
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCuda, LaneCopy, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCuda, Within<LaneCopy>{}, BindLaneCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCuda, LayerLaneCopy, BindLayerLaneCopy(KVXFER_STREAM));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes, BindJoinLanes(KVXFER_POOLS_1));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyForkCuda, Fork, BindForkCopy(KVXFER_POOLS_2));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBlockCopyJoinCuda, Join, BindJoinCopy(KVXFER_POOLS_2));
 
 }  // namespace kvxfer

@@ -11,11 +11,9 @@ auto* by_device = new std::unordered_map<int, DeviceStreams*>;  // never destroy
 cudaError_t Create(int device, DeviceStreams* s) {
   s->device = device;
   cudaError_t err = cudaSuccess;
-  for (int i = 0; i <= kLanes && err == cudaSuccess; ++i) {
+  for (int i = 0; i < kLanes && err == cudaSuccess; ++i) {
     err = cudaStreamCreateWithFlags(&s->lane[i], cudaStreamNonBlocking);
-    if (err == cudaSuccess && i < kLanes) {
-      err = cudaEventCreateWithFlags(&s->done[i], cudaEventDisableTiming);
-    }
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&s->done[i], cudaEventDisableTiming);
   }
   if (err == cudaSuccess) err = cudaEventCreateWithFlags(&s->ready, cudaEventDisableTiming);
   if (err != cudaSuccess) return err;
@@ -52,28 +50,6 @@ ffi::Error StreamsFor(cudaStream_t stream, DeviceStreams** streams) {
   }
   *streams = entry;
   return ffi::Error::Success();
-}
-
-cudaError_t DeviceStreams::MarkFork(const void* ticket, cudaStream_t side) {
-  cudaEvent_t mark = nullptr;
-  cudaError_t err = cudaEventCreateWithFlags(&mark, cudaEventDisableTiming);
-  if (err == cudaSuccess && (err = cudaEventRecord(mark, side)) != cudaSuccess) {
-    (void)cudaEventDestroy(mark);
-  }
-  if (err != cudaSuccess) return err;
-  cudaEvent_t& slot = forks[ticket];
-  // A ticket buffer reused before its join ran (cannot happen through XLA): the later fork's.
-  if (slot != nullptr) (void)cudaEventDestroy(slot);
-  slot = mark;
-  return cudaSuccess;
-}
-
-cudaEvent_t DeviceStreams::TakeFork(const void* ticket) {
-  auto it = forks.find(ticket);
-  if (it == forks.end()) return nullptr;
-  cudaEvent_t mark = it->second;
-  forks.erase(it);
-  return mark;
 }
 
 void DeviceStreams::SumExposed() {

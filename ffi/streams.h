@@ -1,8 +1,7 @@
 // The library's own streams, one runtime per device: the transfer lanes (lanes_cuda.cu), two
-// for the manager's copies beside compute (0: offloads, 1: onboards), and a third for the first
-// half of a both-ways copy (the fork). A handler enqueues on a lane behind XLA's stream (an
-// event: the lane reads what earlier work wrote) and returns; XLA's stream waits for the lane
-// where a later call asks it to (an event again: the manager's join, the both-ways join).
+// for the manager's copies beside compute (0: offloads, 1: onboards). A handler enqueues on a
+// lane behind XLA's stream (an event: the lane reads what earlier work wrote) and returns; XLA's
+// stream waits for the lane where a later call asks it to (an event again: the manager's join).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,17 +16,15 @@
 
 namespace kvxfer {
 
-constexpr int kLanes = 2;          // the manager's lanes
-constexpr int kForkLane = kLanes;  // the both-ways fork's
+constexpr int kLanes = 2;  // the manager's lanes
 
 struct DeviceStreams {
   int device = 0;
   std::mutex mu;  // handlers for one device may run on several threads: held while enqueueing
-  cudaStream_t lane[kLanes + 1] = {};
+  cudaStream_t lane[kLanes] = {};
   cudaEvent_t done[kLanes] = {};  // the last copy enqueued on each of the manager's lanes
   cudaEvent_t ready = nullptr;    // where XLA's stream was when a lane last followed it
   cudaMemPool_t staging = nullptr;  // offload snapshots, freed in a lane's order
-  std::unordered_map<const void*, cudaEvent_t> forks;  // a fork's copy done, by its ticket
   // Timed event pairs around what the lanes cost XLA's stream (a join's wait, a snapshot),
   // recorded there and summed once both have completed (SumExposed).
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> exposed;
@@ -47,10 +44,6 @@ struct DeviceStreams {
     }
     return err;
   }
-  // A fork's copy, enqueued on `side` so far, marked done under its ticket buffer; the join
-  // takes the mark (null: no fork under that ticket) and destroys it once waited for.
-  cudaError_t MarkFork(const void* ticket, cudaStream_t side);
-  cudaEvent_t TakeFork(const void* ticket);
   // Times what is enqueued on `stream` between the two calls as the lanes' cost.
   std::pair<cudaEvent_t, cudaEvent_t> BeginExposed(cudaStream_t stream);
   void EndExposed(std::pair<cudaEvent_t, cudaEvent_t> timing, cudaStream_t stream);

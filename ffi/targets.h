@@ -11,8 +11,6 @@
   X("jax_kvxfer_block_copy_within", BlockCopyWithin, BlockCopyWithin)                \
   X("jax_kvxfer_block_copy_nograph", BlockCopyNoGraph, BlockCopy)                    \
   X("jax_kvxfer_block_copy_within_nograph", BlockCopyWithinNoGraph, BlockCopyWithin) \
-  X("jax_kvxfer_block_copy_fork", BlockCopyFork, BlockCopyFork)                      \
-  X("jax_kvxfer_block_copy_join", BlockCopyJoin, BlockCopyJoin)                      \
   X("jax_kvxfer_layer_copy", LayerCopy, LayerCopy)                                   \
   X("jax_kvxfer_layer_lane_copy", LayerLaneCopy, LayerLaneCopy)                      \
   X("jax_kvxfer_lane_copy", LaneCopy, LaneCopy)                                      \

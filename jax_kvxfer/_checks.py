@@ -255,14 +255,13 @@ def check_dma_choice(dma: Any) -> None:
         raise TypeError(f'dma must be True, False or "auto", got {dma!r}')
 
 
-def check_launch_options(max_ctas: int | None, stream: int | None) -> None:
-    for name, value in (("max_ctas", max_ctas), ("stream", stream)):
-        if value is None:
-            continue
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be None or a positive int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+def check_max_ctas(max_ctas: int | None) -> None:
+    if max_ctas is None:
+        return
+    if isinstance(max_ctas, (bool, np.bool_)) or not isinstance(max_ctas, (int, np.integer)):
+        raise TypeError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
+    if max_ctas < 1:
+        raise ValueError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
 
 
 def is_split(sharding: jax.sharding.Sharding) -> bool:

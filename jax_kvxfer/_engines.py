@@ -28,7 +28,6 @@ import jax
 import numpy as np
 
 from ._batch import PairBatch
-from ._both_ways import both_ways_plan
 from ._checks import IndexFacts, index_facts
 from ._hazards import OFFLOAD_LANE, ONBOARD_LANE, LaneHazards
 from ._jax_seams import pinned_by_external_reference
@@ -61,14 +60,6 @@ def _copy_within_impl(pools, plan, token, facts, mesh, storages, whole=False):
                  for p, st in zip(pools, storages)), token
 
 
-def _both_ways_impl(gpus, hosts, offload_plan, onboard_plan, tokens, facts, plan, mesh,
-                    storages):
-    """Per pool, an offload (GPU -> host) and an onboard (host -> GPU) in one custom call."""
-    results = [st.both_ways(g, h, offload_plan, onboard_plan, facts, plan, mesh)
-               for g, h, st in zip(gpus, hosts, storages)]
-    return tuple(r[0] for r in results), tuple(r[1] for r in results), tokens
-
-
 def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane, whole,
                       storages):
     lanes = {"lane": lane, "wait_lane": wait_lane, "stream_wait_lane": stream_wait_lane,
@@ -99,7 +90,6 @@ _STATIC = ("facts", "mesh", "storages", "whole")
 _LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole", "storages")
 COPY_ACROSS = _donated_and_not(_copy_across_impl, (0,), 3, _STATIC)
 COPY_WITHIN = _donated_and_not(_copy_within_impl, (0,), 2, _STATIC)
-BOTH_WAYS = _donated_and_not(_both_ways_impl, (0, 1), 4, ("facts", "plan", "mesh", "storages"))
 LANE_ACROSS = _donated_and_not(_lane_across_impl, (0,), 3, _LANE_STATIC)
 LANE_WITHIN = _donated_and_not(_lane_within_impl, (0,), 2, _LANE_STATIC)
 JOIN = _donated_and_not(_join_impl, (0,), 1, ("lanes",))
@@ -256,28 +246,6 @@ class InLineEngine(Engine):
         self.take(dst_primary, self.dispatch(fns, args, (slot,), static,
                                              "primary" if dst_primary else "secondary"))
 
-    def copy_both_ways(self, off: PairBatch, on: PairBatch) -> bool:
-        """Both runs in one custom call per pool, where that is exact and possible: every
-        offload primary -> secondary, every onboard secondary -> primary, no onboard reading a
-        secondary slot that an offload writes, and pools of one layout. False: not done."""
-        if (not all(st.copies_both_ways for st in self.storages)
-                or on.direction != (False, True)
-                or set(on.src.tolist()) & set(off.dst.tolist())):
-            return False
-        (off_plan, off_slot), (on_plan, on_slot) = self.plan_arrays(off), self.plan_arrays(on)
-        first = self.pools[0]
-        static = {"facts": (IndexFacts(hazard_free=True, unique_dst=off.unique_dst),
-                            IndexFacts(hazard_free=True, unique_dst=on.unique_dst)),
-                  "plan": both_ways_plan(off.src, off.dst, on.src, on.dst,
-                                         first.num_primary_blocks, first.num_secondary_blocks),
-                  "mesh": self.mesh, "storages": self.storages}
-        args = (self.current(True), self.current(False), tuple(off_plan), tuple(on_plan))
-        gpus, hosts = self.dispatch(BOTH_WAYS, args, (off_slot, on_slot), static,
-                                    "primary and secondary")
-        self.take(True, gpus)
-        self.take(False, hosts)
-        return True
-
     def join(self, everything: bool) -> None:
         """Nothing to join: every copy is on XLA's stream already."""
 
@@ -324,11 +292,6 @@ class LaneEngine(Engine):
             for pool in self.pools:
                 pool.hold_for_lanes(held, self._user_join)
         self.hazards.record(run.src, run.dst, src_primary, dst_primary)
-
-    def copy_both_ways(self, off: PairBatch, on: PairBatch) -> bool:
-        """On the lanes both directions run at once anyway: lane 1 waits for lane 0 only where
-        an onboard reads a slot that an offload writes."""
-        return False
 
     def join(self, everything: bool, through: tuple[bool, ...] | None = None) -> None:
         """XLA's stream waits for lane 1 (onboards and copies within the GPU pool: everything

@@ -7,7 +7,6 @@ changes it, and says what the plain path is where there is one.
 from __future__ import annotations
 
 import ctypes
-import inspect
 from typing import Any
 
 import jax
@@ -54,17 +53,3 @@ def memory_space(x: Any) -> Any:
     """
     return getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array) else None
 
-
-def function_form_compute_on() -> Any:
-    """JAX's function form of the stream annotation: `annotate(fn, compute_type=...,
-    out_memory_spaces=...)`, or None where this JAX has none.
-
-    Relies on: `jax.experimental.compute_on` (jax 0.10 calls the function form `compute_on2`;
-    0.11 renamed it `compute_on`). Without it, `stream=` raises NotImplementedError.
-    """
-    from jax.experimental import compute_on as mod
-
-    annotate = getattr(mod, "compute_on2", None)
-    if annotate is None and "out_memory_spaces" in inspect.signature(mod.compute_on).parameters:
-        annotate = mod.compute_on
-    return annotate

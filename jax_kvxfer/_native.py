@@ -19,14 +19,9 @@ BLOCK_COPY_TARGET = "jax_kvxfer_block_copy"  # (dst, src, src_idx, dst_idx, num_
 BLOCK_COPY_WITHIN_TARGET = "jax_kvxfer_block_copy_within"  # (pool, src_idx, dst_idx, num_tokens)
 # The same two without the command-buffer trait of the two above (which lets XLA replay chained
 # copies in a CUDA graph): for dma=True (the GPU handler reads the indices on the host as it
-# enqueues) and for copies on a stream of their own (a graph would put them on the compute one)
+# enqueues: a graph would replay them with the indices of its capture).
 BLOCK_COPY_NOGRAPH_TARGET = "jax_kvxfer_block_copy_nograph"
 BLOCK_COPY_WITHIN_NOGRAPH_TARGET = "jax_kvxfer_block_copy_within_nograph"
-
-# copy_blocks_both_ways (_both_ways.py): `new_b = fork(b, a)` on a side stream, then
-# `new_a = join(a, new_b)`, which makes XLA's stream wait for the fork.
-BLOCK_COPY_FORK_TARGET = "jax_kvxfer_block_copy_fork"
-BLOCK_COPY_JOIN_TARGET = "jax_kvxfer_block_copy_join"
 
 # Between an engine's per-layer arrays and a pool's host rows (_layers.py): (src_idx, dst_idx,
 # num_tokens, host, *layers)
@@ -40,8 +35,7 @@ JOIN_LANES_TARGET = "jax_kvxfer_join_lanes"
 
 TARGETS: tuple[str, ...] = (
     BLOCK_COPY_TARGET, BLOCK_COPY_WITHIN_TARGET, BLOCK_COPY_NOGRAPH_TARGET,
-    BLOCK_COPY_WITHIN_NOGRAPH_TARGET, BLOCK_COPY_FORK_TARGET, BLOCK_COPY_JOIN_TARGET,
-    LAYER_COPY_TARGET, LAYER_LANE_COPY_TARGET, LANE_COPY_TARGET, LANE_COPY_WITHIN_TARGET,
+    BLOCK_COPY_WITHIN_NOGRAPH_TARGET, LAYER_COPY_TARGET, LAYER_LANE_COPY_TARGET, LANE_COPY_TARGET, LANE_COPY_WITHIN_TARGET,
     JOIN_LANES_TARGET)
 """Every target above: both builds (CPU and CUDA) register exactly these."""
 
@@ -54,7 +48,6 @@ _LAYERED = frozenset({"offload", "views"})
 TARGET_ATTRIBUTES: dict[str, frozenset[str]] = {
     BLOCK_COPY_TARGET: _COPY, BLOCK_COPY_WITHIN_TARGET: _COPY,
     BLOCK_COPY_NOGRAPH_TARGET: _COPY, BLOCK_COPY_WITHIN_NOGRAPH_TARGET: _COPY,
-    BLOCK_COPY_FORK_TARGET: _COPY, BLOCK_COPY_JOIN_TARGET: _COPY | {"wait"},
     LAYER_COPY_TARGET: _LAYERED | _COPY - {"hazard_free"},
     LAYER_LANE_COPY_TARGET: _LAYERED | _LANE,
     LANE_COPY_TARGET: _LANE, LANE_COPY_WITHIN_TARGET: _LANE,

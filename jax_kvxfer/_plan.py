@@ -28,7 +28,7 @@ from ._checks import (
     check_dma,
     check_dma_choice,
     check_in_range,
-    check_launch_options,
+    check_max_ctas,
     check_platform,
     check_pool,
     check_same_blocks,
@@ -40,14 +40,7 @@ from ._checks import (
     is_tracer,
     may_copy_partial,
     normalize_tokens,
-    touches_host,
 )
-
-# CTAs (of 1024 threads) that a copy to or from pinned_host memory on a stream of its own uses
-# by default: on an H200, 8 fill PCIe in either direction for whole blocks, and the other SMs
-# stay free for the work running beside the copy. Without a stream of its own the copy takes
-# every SM it can use (the fastest for short partial runs, which need many requests in flight).
-HOST_COPY_CTAS = 8
 
 # dma="auto" (`copy_blocks` outside jit) takes the copy engines for whole blocks of at least this
 # many bytes between the two memories. Measured on the H200, one call at a time: the copy
@@ -67,7 +60,6 @@ class CopyPlan:
     whole_blocks: bool = False  # every pair copies a whole block, as known on the host
     dma: bool = False  # the GPU's copy engines, not the copy kernel
     max_ctas: int | None = None  # the kernel's grid cap (None: no cap)
-    stream: int | None = None  # inside jit: the XLA stream the copy runs on
     within: bool = False  # source and destination are one array
     # pools in an engine's own layout: their (block_axis, token_axis); the copy takes their 6-D
     # views (_layouts.py), reshaped back after
@@ -84,13 +76,13 @@ class CopyPlan:
 
 def plan_copy(dst_pool: Any, src_pool: Any, src_indices: IndexLike, dst_indices: IndexLike,
               num_tokens: TokensLike, *, token_axis: int | None, block_axis: int,
-              max_ctas: int | None, stream: int | None, dma: bool | str,
+              max_ctas: int | None, dma: bool | str,
               unique_dst_indices: bool, donate: bool) -> tuple[CopyPlan, tuple, bool]:
     """Checks a `copy_blocks` call (see its docstring for what raises) and plans it.
 
     Returns (plan, (src indices, dst indices, token counts) as the call takes them, whether any
     argument is traced). Outside jit with `dma`, the operands are in pinned_host memory."""
-    check_launch_options(max_ctas, stream)
+    check_max_ctas(max_ctas)
     check_dma_choice(dma)
     if not isinstance(unique_dst_indices, (bool, np.bool_)):
         raise TypeError(f"unique_dst_indices must be True or False, got {unique_dst_indices!r}")
@@ -131,8 +123,6 @@ def plan_copy(dst_pool: Any, src_pool: Any, src_indices: IndexLike, dst_indices:
         dma = (not traced and axes is None
                and _auto_dma(dst_pool, src_pool, dst_shape, whole, max_ctas))
     dma = bool(dma)
-    if max_ctas is None and stream is not None and touches_host(dst_pool, src_pool):
-        max_ctas = HOST_COPY_CTAS
     within = src_pool is dst_pool
     if dma:
         if not traced:
@@ -145,8 +135,6 @@ def plan_copy(dst_pool: Any, src_pool: Any, src_indices: IndexLike, dst_indices:
         raise ValueError("donate=True needs src_pool to be another array than dst_pool")
     plan = CopyPlan(facts=facts, whole_blocks=whole, dma=dma,
                     max_ctas=None if max_ctas is None else int(max_ctas),
-                    # outside jit a stream has no effect (the eager program is the copy alone)
-                    stream=None if stream is None or not traced else int(stream),
                     within=within, axes=axes)
     return plan, (si, di, tokens), traced
 

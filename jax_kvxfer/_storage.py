@@ -21,12 +21,11 @@ from typing import Any
 
 import jax
 
-from ._both_ways import both_ways_call
 from ._checks import check_byte_rows
 from ._lanes import lane_copy_call, layer_lane_copy_call
 from ._layers import LayerViews, check_layers, manager_copy, manager_copy_within
 from ._lowering import block_copy_call
-from ._plan import HOST_COPY_CTAS, CopyPlan
+from ._plan import CopyPlan
 
 
 def _on_shards(fn: Any, mesh: Any, spec: Any, num_pools: int) -> Any:
@@ -43,7 +42,6 @@ class PoolArrays:
 
     block_shape: tuple[int, ...]  # (num_layers, kv_factor, num_kv_heads, tokens, size_per_head)
     spec: jax.sharding.PartitionSpec | None = None  # both arrays' split over the mesh
-    copies_both_ways = True  # an offload and an onboard in one custom call
 
     @property
     def host_row_parts(self) -> None:
@@ -82,17 +80,6 @@ class PoolArrays:
         """On a transfer lane; within the array when `dst is src` (one traced value)."""
         return lane_copy_call(dst, src, plan[0], plan[1], plan[2], **lanes)
 
-    def both_ways(self, gpu: Any, host: Any, off: Any, on: Any, facts: Any, plan: Any,
-                  mesh: Any) -> Any:
-        def copy(g, h, o, i):
-            return both_ways_call(g, h, o, i, facts, plan, HOST_COPY_CTAS, dma=False)
-        if self.spec is not None:
-            replicated = jax.sharding.PartitionSpec()
-            copy = jax.shard_map(copy, mesh=mesh, in_specs=(self.spec, self.spec, replicated,
-                                                            replicated),
-                                 out_specs=(self.spec, self.spec))
-        return copy(gpu, host, off, on)
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerArrays:
@@ -100,7 +87,6 @@ class LayerArrays:
 
     views: LayerViews
     devices: int = 1  # devices the arrays are split over (one row part each)
-    copies_both_ways = False  # the layered copy has no both-ways form
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -149,9 +135,6 @@ class LayerArrays:
         host, arrays = (dst, src) if offload else (src, dst)
         return layer_lane_copy_call(host, arrays, plan[0], plan[1], plan[2], offload=offload,
                                     views=self.views, **lanes)
-
-    def both_ways(self, *args: Any) -> Any:
-        raise NotImplementedError("pools over per-layer arrays copy one direction at a time")
 
 
 def _lane_within_view(view: Any, src_idx: Any, dst_idx: Any, tokens: Any, facts: Any,

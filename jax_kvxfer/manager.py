@@ -220,15 +220,14 @@ class KVCacheTransferManager:
                             onboard_pairs: Sequence[tuple[KVCacheBlock, KVCacheBlock]],
                             offload_tokens: None | int | Sequence[int] = None,
                             onboard_tokens: None | int | Sequence[int] = None) -> None:
-        """`offload_blocks(offload_pairs)` then `onboard_blocks(onboard_pairs)`, with both
-        directions of PCIe busy at once where that gives the same result.
+        """`offload_blocks(offload_pairs)` then `onboard_blocks(onboard_pairs)`, both checked
+        before either is issued.
 
-        On a GPU the two run at the same time (`copy_blocks_both_ways` per pool) when every
-        offload goes primary -> secondary, every onboard secondary -> primary, no onboard reads
-        a secondary slot that an offload writes (it must then see the offloaded data, so the two
-        run one after the other) and no onboard writes a primary block that an offload reads
-        (the common case of reusing an evicted block at once: the offload then runs first, in
-        the same dispatch).
+        On the transfer lanes (a GPU, the default) the offloads (lane 0) and the onboards
+        (lane 1) use both directions of PCIe at once: an offload's sources are snapshotted
+        first, so an onboard may overwrite them, and an onboard reading a secondary slot that
+        an offload writes waits for that offload (_hazards.py). In line on XLA's stream
+        (sharded pools, dma=False, plan_ring=False) and on the CPU, one after the other.
 
         Args:
           offload_pairs, onboard_pairs, offload_tokens, onboard_tokens: as for
@@ -241,11 +240,6 @@ class KVCacheTransferManager:
         with self._lock:
             off = self._checked("offload", offload_pairs, offload_tokens, "offload_pairs")
             on = self._checked("onboard", onboard_pairs, onboard_tokens, "onboard_pairs")
-            if len(off) and len(on) and self._engine.copy_both_ways(off, on):
-                self._count(off)
-                self._count(on)
-                self._issued += [("offload", off), ("onboard", on)]
-                return
             for op, batch in (("offload", off), ("onboard", on)):
                 if len(batch):
                     self._issue(op, batch)

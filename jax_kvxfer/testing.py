@@ -20,10 +20,7 @@ from . import _engines, _kvxfer_cpu, _native
 # bench's host-speed reference.
 from ._batch import check_batch, split_runs
 
-# Both-ways plans, forced one by one: each mode's program must update both pools in place.
-from ._both_ways import BothWaysPlan, both_ways_call, both_ways_plan
-
-# What known indices prove (IndexFacts() proves nothing): for a CopyPlan and both_ways_call.
+# What known indices prove (IndexFacts() proves nothing): for a CopyPlan.
 from ._checks import IndexFacts
 
 # The lanes' hazard bookkeeping, pure NumPy: its unit test against a brute-force model.
@@ -36,13 +33,15 @@ from ._lanes import join_call, lane_copy_call, layer_lane_copy_call
 from ._layers import layer_copy_call
 
 # The jitted program an eager copy of a plan runs: the sharded tests lower it to look for
-# collectives.
-from ._lowering import eager_copy
+# collectives; the emitter of any plan: the targets' attributes.
+from ._lowering import eager_copy, emit
 
 # The table of FFI targets and their attributes: its checks against the compiled registrations,
-# the C++ decodings and the emitters, and the fork's name to look for in a both-ways program.
-from ._native import BLOCK_COPY_FORK_TARGET, TARGET_ATTRIBUTES, TARGETS
-from ._plan import CopyPlan
+# the C++ decodings and the emitters.
+from ._native import TARGET_ATTRIBUTES, TARGETS
+
+# The copy-engine policy's threshold: the test of dma="auto" picks block sizes around it.
+from ._plan import DMA_AUTO_MIN_BLOCK_BYTES, CopyPlan
 from ._plan_ring import PlanRing
 from .manager import KVCacheTransferManager
 
@@ -51,7 +50,7 @@ slot_columns = _kvxfer_cpu.slot_columns
 plan_tokens = _engines.plan_tokens  # the tokens a dispatch reading plan ring slots donates
 
 # The manager's jitted dispatchers by name: each is (donating the pools, not donating them).
-DISPATCHERS = ("COPY_ACROSS", "COPY_WITHIN", "BOTH_WAYS", "LANE_ACROSS", "LANE_WITHIN", "JOIN")
+DISPATCHERS = ("COPY_ACROSS", "COPY_WITHIN", "LANE_ACROSS", "LANE_WITHIN", "JOIN")
 
 
 def dma_batches() -> int | None:
@@ -108,9 +107,32 @@ def plan_ring(manager: KVCacheTransferManager) -> PlanRing | None:
     """The manager's plan ring (None: it passes indices as NumPy arrays)."""
     return manager._engine.plans
 
-__all__ = ["BLOCK_COPY_FORK_TARGET", "DISPATCHERS", "NO_LANE", "OFFLOAD_LANE", "ONBOARD_LANE",
-           "TARGETS", "TARGET_ATTRIBUTES", "BothWaysPlan", "CopyPlan", "IndexFacts", "LaneHazards", "LaneOrder",
-           "both_ways_call", "both_ways_plan", "check_batch", "copy_engine", "count_dispatches",
-           "dispatcher", "dma_batches", "eager_copy", "join_call", "lane_copy_call",
-           "layer_copy_call", "layer_lane_copy_call", "plan_ring",
-           "plan_tokens", "registered_targets", "slot_columns", "split_runs"]
+__all__ = [
+    "DISPATCHERS",
+    "DMA_AUTO_MIN_BLOCK_BYTES",
+    "NO_LANE",
+    "OFFLOAD_LANE",
+    "ONBOARD_LANE",
+    "TARGETS",
+    "TARGET_ATTRIBUTES",
+    "CopyPlan",
+    "IndexFacts",
+    "LaneHazards",
+    "LaneOrder",
+    "check_batch",
+    "copy_engine",
+    "count_dispatches",
+    "dispatcher",
+    "dma_batches",
+    "eager_copy",
+    "emit",
+    "join_call",
+    "lane_copy_call",
+    "layer_copy_call",
+    "layer_lane_copy_call",
+    "plan_ring",
+    "plan_tokens",
+    "registered_targets",
+    "slot_columns",
+    "split_runs",
+]

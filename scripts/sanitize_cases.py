@@ -40,7 +40,7 @@ import numpy as np
 import jax_kvxfer as kvx
 
 CASES: list[tuple[str, Callable[[np.random.Generator], None]]] = []
-OPTIONS = {"int4": True, "device_only": False, "xla_made_inputs": True}
+OPTIONS = {"int4": True, "device_only": False}
 
 
 def case(fn):
@@ -278,18 +278,16 @@ def large_blocks(rng):
 CAPPED = {cap: jax.jit(lambda d, s, si, di, nt, cap=cap: kvx.copy_blocks(d, s, si, di, nt,
                                                                        max_ctas=cap),
                        donate_argnums=0) for cap in (1, 2)}
-ON_STREAM = jax.jit(lambda d, s, si, di, nt: kvx.copy_blocks(d, s, si, di, nt, stream=1),
-                    donate_argnums=0)
 
 
 @case
-def capped_grid_and_stream(rng):
+def capped_grid(rng):
     # max_ctas: 1-2 CTAs of 1024 threads walk every work unit (several per 256 KiB block), with
-    # each vector width; stream=1: the copy inside a stream annotation (default cap there).
+    # each vector width.
     for dtype, block in ((jnp.bfloat16, (4, 2, 4, 32, 128)), (jnp.uint8, (1, 2, 3, 5, 3)),
                          (jnp.bfloat16, (1, 2, 3, 5, 2))):
         for src_kind, dst_kind in KINDS:
-            for name, fn in (("cap1", CAPPED[1]), ("cap2", CAPPED[2]), ("stream", ON_STREAM)):
+            for name, fn in (("cap1", CAPPED[1]), ("cap2", CAPPED[2])):
                 dst = random_pool(rng, (5, *block), dtype)
                 src = random_pool(rng, (5, *block), dtype)
                 si, di, nt = i32([0, 1, 2, 4]), i32([2, 0, 0, 4]), i32([0, 3, 1, -1])
@@ -311,44 +309,6 @@ def copy_engines(rng):
             out = kvx.copy_blocks(put(dst, dst_kind), put(src, src_kind), si, di, nt, dma=True)
             check(out, reference(dst, src, si, di, nt),
                   f"dma {jnp.dtype(dtype).name} {block} {src_kind}->{dst_kind}")
-
-
-BOTH_WAYS = jax.jit(lambda a, b, s1, d1, n1, s2, d2, n2: kvx.copy_blocks_both_ways(
-    a, b, s1, d1, s2, d2, a_to_b_tokens=n1, b_to_a_tokens=n2), donate_argnums=(0, 1))
-
-
-@case
-def both_ways(rng):
-    # Every plan of copy_blocks_both_ways: no clash (the fork on a side stream, the join on
-    # XLA's, with the kernel and with the copy engines), one-sided clashes (an order), both, and
-    # traced indices (staged); duplicates, padding and partial copies in each direction.
-    block = (2, 2, 2, 8, 16)
-    for a_kind, b_kind in (("device", "pinned_host"), ("pinned_host", "device"),
-                           ("device", "device")):
-        # "both" clashes and traced indices take the staged plan, whose slot and token vectors
-        # XLA's own code computes: initcheck (filtered to our kernels) cannot see those writes
-        for clashes in ("none", "a", "b") + (("both",) if OPTIONS["xla_made_inputs"] else ()):
-            a = random_pool(rng, (8, *block), jnp.bfloat16)
-            b = random_pool(rng, (8, *block), jnp.bfloat16)
-            ab = [i32([0, 1, 2, -1]), i32([4, 4, 5, 6]), i32([0, 3, 1, 0])]
-            ba = [i32([0, 1, 2]), i32([5, 6, 7]), i32([8, 2, -1])]
-            if clashes in ("a", "both"):
-                ba[1][0] = 1  # b->a writes a block that a->b reads
-            if clashes in ("b", "both"):
-                ba[0][1] = 5  # b->a reads a block that a->b writes
-            want_a, want_b = reference(a, b, *ba), reference(b, a, *ab)
-            what = f"both_ways {clashes} {a_kind}/{b_kind}"
-            for dma in (False, True) if clashes == "none" and a_kind != b_kind else (False,):
-                got_a, got_b = kvx.copy_blocks_both_ways(
-                    put(a, a_kind), put(b, b_kind), ab[0], ab[1], ba[0], ba[1],
-                    a_to_b_tokens=ab[2], b_to_a_tokens=ba[2], donate=True, dma=dma)
-                check(got_a, want_a, f"{what} a dma={dma}")
-                check(got_b, want_b, f"{what} b dma={dma}")
-            if not OPTIONS["xla_made_inputs"]:
-                continue
-            got_a, got_b = BOTH_WAYS(put(a, a_kind), put(b, b_kind), *ab, *ba)  # traced
-            check(got_a, want_a, what + " a traced")
-            check(got_b, want_b, what + " b traced")
 
 
 @case
@@ -483,8 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-int4", action="store_true", help="skip the packed int4 cases")
     parser.add_argument("--initcheck", action="store_true",
                         help="skip the cases whose inputs XLA's own device code may write (a "
-                             "non-donated destination's copy, packing int4, both_ways' staged "
-                             "plan): with the kernel "
+                             "non-donated destination's copy, packing int4): with the kernel "
                              "filter, initcheck does not track those writes")
     parser.add_argument("--device-only", action="store_true",
                         help="put every pool in device memory (for an initcheck that would "
@@ -501,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     OPTIONS["int4"] = not (args.no_int4 or args.initcheck)
     OPTIONS["device_only"] = args.device_only
-    OPTIONS["xla_made_inputs"] = not args.initcheck
     skip = {"destination_not_donated"} if args.initcheck else set()
     if args.device_only:
         skip.add("manager_transfers")  # its secondary pools are pinned_host by design

@@ -394,9 +394,6 @@ CASES: list[Case] = [
     Case("ops-max-ctas-zero", "copy_blocks", "max_ctas=0", ValueError,
          "max_ctas must be None or a positive int, got 0",
          lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], max_ctas=0)),
-    Case("ops-stream-float", "copy_blocks", "stream=1.5", TypeError,
-         "stream must be None or a positive int, got 1.5",
-         lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], stream=1.5)),
     Case("ops-unique-dst-not-bool", "copy_blocks", "unique_dst_indices=1", TypeError,
          "unique_dst_indices must be True or False, got 1",
          lambda c, mp: lambda: kvx.copy_blocks(c.dst, c.src, [0], [1], unique_dst_indices=1)),
@@ -420,21 +417,6 @@ CASES: list[Case] = [
          "it enqueues the copies; it is in …",
          lambda c, mp: lambda: jax.jit(lambda d, s, i, j: kvx.copy_blocks(d, s, i, j, dma=True))(
              c.dst, c.src, jnp.array([0], jnp.int32), jnp.array([1], jnp.int32))),
-    Case("both-ways-one-pool", "copy_blocks_both_ways", "one array as pool_a and pool_b",
-         ValueError, "pool_a and pool_b must be two different arrays; to copy within one pool "
-         "use copy_blocks(pool, pool, ...)",
-         lambda c, mp: lambda: kvx.copy_blocks_both_ways(c.dst, c.dst, [0], [1], [2], [3])),
-    Case("both-ways-index-out-of-range", "copy_blocks_both_ways",
-         "b_to_a_src 5 of a 5-block pool_b (known)", IndexError,
-         "b_to_a_src holds block index 5, but pool_b has 5 blocks (valid: 0..num_blocks-1, or "
-         "negative to skip the pair)",
-         lambda c, mp: lambda: kvx.copy_blocks_both_ways(c.dst, c.src, [0], [1], [5], [3])),
-    Case("both-ways-disjoint-broken", "copy_blocks_both_ways",
-         "disjoint=True with b->a writing a block that a->b reads", ValueError,
-         "disjoint=True, but a block is written by one direction and read by the other (the "
-         "copy would need plan 'a_to_b_first')",
-         lambda c, mp: lambda: kvx.copy_blocks_both_ways(c.dst, c.src, [0], [1], [2], [0],
-                                                         disjoint=True)),
     Case("ops-num-tokens-float", "copy_blocks", "num_tokens=1.5", TypeError,
          "num_tokens must hold integers, got dtype float64",
          lambda c, mp: _copy(c, nt=1.5)),

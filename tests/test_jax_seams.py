@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,12 +53,6 @@ def test_the_memory_space_is_in_the_type_inside_and_outside_jit(kind, space):
     jax.jit(lambda a: seen.append(seams.memory_space(a)) or a)(array)
     assert seen == [getattr(jax.memory.Space, space)]
     assert seams.memory_space(np.zeros(2)) is None
-
-
-def test_the_stream_annotation_has_a_function_form():
-    annotate = seams.function_form_compute_on()
-    assert callable(annotate)
-    assert {"compute_type", "out_memory_spaces"} <= set(inspect.signature(annotate).parameters)
 
 
 @requires_gpu

@@ -47,7 +47,7 @@ def _decodings() -> dict[str, frozenset[str]]:
 
 def test_the_attribute_table_is_what_the_handlers_decode():
     decoded = _decodings()
-    assert set(decoded) == {"CopyOptions", "JoinOptions", "LaneOptions", "Layered<CopyOptions>",
+    assert set(decoded) == {"CopyOptions", "LaneOptions", "Layered<CopyOptions>",
                             "Layered<LaneOptions>"}, decoded
     assert set(testing.TARGET_ATTRIBUTES) == set(testing.TARGETS)
     # the join of the lanes decodes one scalar attribute of its own ("lanes"), not a struct
@@ -78,13 +78,9 @@ def test_the_emitters_pass_the_table_s_attributes():
 
     lower(lambda a, b, s: kvx.copy_blocks(a, b, s, s + 2, 3), pool, pool, i)
     lower(lambda a, s: kvx.copy_blocks(a, a, s, s + 2, 3), pool, i)
-    for src in (None, 1):  # nograph: inside a stream annotation, between pools and within one
-        lower(kvx.on_stream(lambda a, b, s, src=src: kvx.copy_blocks(
-            a, a if src is None else b, s, s + 2), 1, jax.memory.Space.Device), pool, pool, i)
-    for plan in ("together", "staged"):  # the fork and the join; the join without a fork
-        lower(lambda a, b, s, plan=plan: testing.both_ways_call(
-            a, b, (s, s, s), (s, s, s), (testing.IndexFacts(),) * 2, testing.BothWaysPlan(plan),
-            None, False), pool, pool, i)
+    for within in (True, False):  # nograph: the plan dma=True takes (lowered on the CPU)
+        lower(lambda a, b, s, w=within: testing.emit(
+            testing.CopyPlan(dma=True, within=w), a, a if w else b, s, s + 2, s), pool, pool, i)
     lanes = {"lane": 1}
     lower(lambda a, b, s: testing.lane_copy_call(a, b, s, s, s, **lanes), pool, pool, i)
     lower(lambda a, s: testing.lane_copy_call(a, a, s, s, s, **lanes), pool, i)

@@ -71,9 +71,9 @@ def test_dma_copies_exactly(dst_kind, src_kind, case, rng):
     assert_bitwise_equal(eager, expected, f"eager, {case}")
     check_dma_used(before, 1)
 
-    # inside jit: the indices are jit arguments in pinned_host memory, the copy on a stream
+    # inside jit: the indices are jit arguments in pinned_host memory
     tokens = () if nt is None else (pinned(nt),)
-    fn = jax.jit(lambda d, s, a, b, *n: kvx.copy_blocks(d, s, a, b, *n, dma=True, stream=1),
+    fn = jax.jit(lambda d, s, a, b, *n: kvx.copy_blocks(d, s, a, b, *n, dma=True),
                  donate_argnums=0)
     before = dma_batches()
     out = fn(put(dst, dst_kind), put(src, src_kind), pinned(si), pinned(di), *tokens)
@@ -82,16 +82,16 @@ def test_dma_copies_exactly(dst_kind, src_kind, case, rng):
     check_dma_used(before, 1)
 
 
-def test_dma_offload_beside_compute_in_one_jit(rng):
-    """The use it exists for: an offload on stream 1 while the step runs, both exact."""
+def test_dma_offload_and_compute_in_one_jit(rng):
+    """An offload on the copy engines in the jit of a step, both exact."""
     host, dev = make_pools(rng, SHAPE, jnp.bfloat16)
     si = rng.permutation(SHAPE[0])[:16].astype(np.int32)
     di = rng.permutation(SHAPE[0])[:16].astype(np.int32)
     x = rng.integers(-50, 50, (64, 64)).astype(np.int32)
 
     def step(h, d, a, b, x):
-        y = kvx.on_stream(lambda x: jnp.cumsum(x @ x, axis=0), 2, jax.memory.Space.Device)(x)
-        return kvx.copy_blocks(h, d, a, b, dma=True, stream=1), y
+        y = jnp.cumsum(x @ x, axis=0)
+        return kvx.copy_blocks(h, d, a, b, dma=True), y
 
     before = dma_batches()
     out, y = jax.jit(step, donate_argnums=0)(put(host, "pinned_host"), put(dev), pinned(si),
@@ -140,7 +140,7 @@ def test_dma_auto_picks_copy_engines_for_large_whole_blocks_outside_jit(case, en
     >= DMA_AUTO_MIN_BLOCK_BYTES between device and pinned_host memory (on a GPU), the kernel
     otherwise; exact either way."""
     shape = SHAPE if case == "eager_small_blocks" else BIG
-    assert (math.prod(shape[1:]) * 4 >= kvx.DMA_AUTO_MIN_BLOCK_BYTES) == (shape == BIG)
+    assert (math.prod(shape[1:]) * 4 >= testing.DMA_AUTO_MIN_BLOCK_BYTES) == (shape == BIG)
     dst, src = make_pools(rng, shape, jnp.float32)
     dst_kind, src_kind = {"eager_whole_onboard": ("device", "pinned_host"),
                           "eager_device_to_device": ("device", "device")}.get(

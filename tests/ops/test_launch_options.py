@@ -1,9 +1,9 @@
-"""Tests of copy_blocks' launch options: `max_ctas` (the GPU grid cap) and `stream` (the copy on
-an XLA GPU stream of its own), against the NumPy reference on fresh random data.
+"""Tests of copy_blocks' launch option `max_ctas` (the GPU grid cap), and of copies beside other
+work in one jit, against the NumPy reference on fresh random data.
 
-On CPU both options change nothing but must still copy exactly; on a GPU the capped grid walks
-many work units per CTA and the stream annotation moves the custom call to another stream, so
-these tests then exercise those paths.
+On CPU `max_ctas` changes nothing but the copy must still be exact; on a GPU the capped grid
+walks many work units per CTA, so these tests then exercise that path. (Copies beside compute
+on streams of their own are the manager's transfer lanes: tests/manager.)
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def test_max_ctas_within_one_pool_reads_the_old_blocks(max_ctas, rng):
 
 @pytest.mark.parametrize("src_kind", KINDS)
 @pytest.mark.parametrize("dst_kind", KINDS)
-def test_copy_on_a_stream_of_its_own(dst_kind, src_kind, rng):
+def test_copy_beside_other_work_in_one_jit(dst_kind, src_kind, rng):
     dst, src = make_pools(rng, SHAPE, jnp.float32)
     si, di, nt = random_batch(rng, 12, SHAPE[0], duplicates=False)
 
     def step(d, s, a, b, n, x):
-        y = jnp.tanh(x @ x)  # other work in the same jit, on the compute stream
-        return kvx.copy_blocks(d, s, a, b, n, stream=1), y
+        y = jnp.tanh(x @ x)  # other work in the same jit
+        return kvx.copy_blocks(d, s, a, b, n), y
 
     x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
     out, y = jax.jit(step, donate_argnums=0)(put(dst, dst_kind), put(src, src_kind), si, di, nt, x)
@@ -86,17 +86,17 @@ def test_copy_on_a_stream_of_its_own(dst_kind, src_kind, rng):
                                rtol=2e-2, atol=2e-2)
 
 
-def test_offload_and_onboard_on_two_streams_then_used(rng):
-    """Both directions at once on streams 1 and 2, then a read of each result in the same jit:
-    XLA must make the reads wait for their copies."""
+def test_offload_and_onboard_then_used(rng):
+    """Both directions in one jit, then a read of each result in the same jit: XLA must make
+    the reads wait for their copies."""
     dev, host_src = make_pools(rng, SHAPE, jnp.int32)
     host, dev_src = make_pools(rng, SHAPE, jnp.int32)
     off_s, off_d, off_n = random_batch(rng, 10, SHAPE[0], duplicates=False)
     on_s, on_d, on_n = random_batch(rng, 10, SHAPE[0], duplicates=True)
 
     def both(host, dev, dev_src, host_src):
-        host = kvx.copy_blocks(host, dev_src, off_s, off_d, off_n, stream=1)
-        dev = kvx.copy_blocks(dev, host_src, on_s, on_d, on_n, stream=2)
+        host = kvx.copy_blocks(host, dev_src, off_s, off_d, off_n)
+        dev = kvx.copy_blocks(dev, host_src, on_s, on_d, on_n)
         return host, dev, dev.astype(jnp.uint32).sum(dtype=jnp.uint32)  # wraps like NumPy
 
     host_out, dev_out, total = jax.jit(both, donate_argnums=(0, 1))(
@@ -108,30 +108,20 @@ def test_offload_and_onboard_on_two_streams_then_used(rng):
     assert int(total) == int(expected_dev.astype(np.uint32).sum(dtype=np.uint32))
 
 
-def test_on_stream_runs_a_function_on_another_stream(rng):
-    """The helper users wrap their own step in, so that XLA starts it beside the copy."""
-    x = rng.integers(-1000, 1000, (32, 32)).astype(np.int32)  # exact on every backend
-    f = kvx.on_stream(lambda a: jnp.cumsum(a, axis=0) * 3 + 1, 2, jax.memory.Space.Device)
-    np.testing.assert_array_equal(np.asarray(jax.jit(f)(jnp.asarray(x))),
-                                  np.cumsum(x, axis=0) * 3 + 1)
-
-
-@pytest.mark.parametrize("name", ["max_ctas", "stream"])
 @pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
                                         (True, TypeError), ("1", TypeError)])
-def test_bad_launch_options_raise_and_leave_pools_unchanged(name, bad, error, rng):
+def test_bad_max_ctas_raise_and_leave_pools_unchanged(bad, error, rng):
     dst, src = make_pools(rng, SHAPE, jnp.float32)
     d, s = put(dst), put(src)
-    with pytest.raises(error, match=f"{name} must be None or a positive int, got {bad!r}"):
-        kvx.copy_blocks(d, s, [0, 1], [2, 3], **{name: bad})
+    with pytest.raises(error, match=f"max_ctas must be None or a positive int, got {bad!r}"):
+        kvx.copy_blocks(d, s, [0, 1], [2, 3], max_ctas=bad)
     assert_unchanged(d, dst, "dst_pool")
     assert_unchanged(s, src, "src_pool")
 
 
-def test_offload_and_onboard_between_the_same_two_pools_on_two_streams(rng):
-    """The serving pattern in one jit: evict GPU blocks to the host pool on stream 1 while
-    bringing other host blocks back into the GPU pool on stream 2. Each copy reads the pool the
-    other one writes, so XLA must order (or copy) them: every read sees the pools as they were
+def test_offload_and_onboard_between_the_same_two_pools(rng):
+    """The serving pattern in one jit: evict GPU blocks to the host pool and bring other host
+    blocks back into the GPU pool. Each copy reads the pool the other one writes, so XLA must order (or copy) them: every read sees the pools as they were
     before the call."""
     gpu, host = make_pools(rng, SHAPE, jnp.bfloat16)
     evict_from = np.array([0, 5, 9, 13], np.int32)   # GPU blocks to save
@@ -140,8 +130,8 @@ def test_offload_and_onboard_between_the_same_two_pools_on_two_streams(rng):
     reuse_to = np.array([5, 1, 20], np.int32)        # also written by the eviction above)
 
     def serve(host, gpu):
-        new_host = kvx.copy_blocks(host, gpu, evict_from, evict_to, stream=1)
-        new_gpu = kvx.copy_blocks(gpu, host, reuse_from, reuse_to, stream=2)
+        new_host = kvx.copy_blocks(host, gpu, evict_from, evict_to)
+        new_gpu = kvx.copy_blocks(gpu, host, reuse_from, reuse_to)
         return new_host, new_gpu
 
     new_host, new_gpu = jax.jit(serve, donate_argnums=(0, 1))(put(host, "pinned_host"), put(gpu))
