@@ -8,11 +8,16 @@
 - `BlockManager`: a prefix cache over a pool, with stores behind it.
 """
 
-from ._native import HAS_CUDA_HANDLERS
 from .cache import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
-from .manager import DonationWarning, KVCacheTransferManager, PendingTransfer, TransferStats
 from .ops import copy_blocks, partial_block_copy
-from .pool import KVCacheBlock, KVCacheBlockPool, to_numpy
+from .ops._native import HAS_CUDA_HANDLERS
+from .transfer.manager import (
+    DonationWarning,
+    KVCacheTransferManager,
+    PendingTransfer,
+    TransferStats,
+)
+from .transfer.pool import KVCacheBlock, KVCacheBlockPool, to_numpy
 
 __all__ = [
     "HAS_CUDA_HANDLERS",

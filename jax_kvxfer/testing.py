@@ -12,38 +12,41 @@ from typing import Any
 
 import jax
 
-# Besides the hooks defined below, the internals that tests (and scripts, and the bench) call
-# or read directly, each for one reason.
-from . import _engines, _kvxfer_cpu, _native
-
-# The manager's batch check (pairs -> NumPy columns): its test against plain Python, and the
-# bench's host-speed reference.
-from ._batch import check_batch, split_runs
+from . import _kvxfer_cpu
+from .ops import _native
 
 # What known indices prove (IndexFacts() proves nothing): for a CopyPlan.
-from ._checks import IndexFacts
-
-# The lanes' hazard bookkeeping, pure NumPy: its unit test against a brute-force model.
-from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, LaneHazards, LaneOrder
-
-# The lane copies' and the join's custom calls: their attributes against the table.
-from ._lanes import join_call, lane_copy_call, layer_lane_copy_call
-
-# The layered copy's custom call: the sanitizer traces it in a jit of its own.
-from ._layers import layer_copy_call
+from .ops._checks import IndexFacts
 
 # The jitted program an eager copy of a plan runs: the sharded tests lower it to look for
 # collectives; the emitter of any plan: the targets' attributes.
-from ._lowering import eager_copy, emit
+from .ops._lowering import eager_copy, emit
 
 # The table of FFI targets and their attributes: its checks against the compiled registrations,
 # the C++ decodings and the emitters.
-from ._native import TARGET_ATTRIBUTES, TARGETS
+from .ops._native import TARGET_ATTRIBUTES, TARGETS
 
 # The copy-engine policy's threshold: the test of dma="auto" picks block sizes around it.
-from ._plan import DMA_AUTO_MIN_BLOCK_BYTES, CopyPlan
-from ._plan_ring import PlanRing
-from .manager import KVCacheTransferManager
+from .ops._plan import DMA_AUTO_MIN_BLOCK_BYTES, CopyPlan
+
+# Besides the hooks defined below, the internals that tests (and scripts, and the bench) call
+# or read directly, each for one reason.
+from .transfer import _engines
+
+# The manager's batch check (pairs -> NumPy columns): its test against plain Python, and the
+# bench's host-speed reference.
+from .transfer._batch import check_batch, split_runs
+
+# The lanes' hazard bookkeeping, pure NumPy: its unit test against a brute-force model.
+from .transfer._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, LaneHazards, LaneOrder
+
+# The lane copies' and the join's custom calls: their attributes against the table.
+from .transfer._lanes import join_call, lane_copy_call, layer_lane_copy_call
+
+# The layered copy's custom call: the sanitizer traces it in a jit of its own.
+from .transfer._layers import layer_copy_call
+from .transfer._plan_ring import PlanRing
+from .transfer.manager import KVCacheTransferManager
 
 # The native pass behind check_batch: its own edge cases (bad column shapes, odd blocks).
 slot_columns = _kvxfer_cpu.slot_columns

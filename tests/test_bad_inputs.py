@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 
 import jax_kvxfer as kvx
-from jax_kvxfer import events as kv_events
-from jax_kvxfer import limits
-from jax_kvxfer import metrics as kv_metrics
+from jax_kvxfer.observe import events as kv_events
+from jax_kvxfer.observe import metrics as kv_metrics
+from jax_kvxfer.transfer import limits
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
 BEGIN, END = "<!-- BEGIN bad-input table (generated) -->", "<!-- END bad-input table -->"
@@ -736,7 +736,7 @@ CASES: list[Case] = [
          "indices from the plan ring's pinned_host arrays",
          lambda c, mp: lambda: kvx.KVCacheTransferManager(c.pair, dma=True, plan_ring=False)),
     Case("block-manager-events-not-a-publisher", "BlockManager", "events='tcp://*:5557'",
-         TypeError, "events must be a jax_kvxfer.events.KVEventPublisher or None, got str",
+         TypeError, "events must be a jax_kvxfer.observe.events.KVEventPublisher or None, got str",
          lambda c, mp: lambda: kvx.BlockManager(c.pair, events="tcp://*:5557")),
     Case("block-manager-metrics-not-bool", "BlockManager", "metrics='yes'", TypeError,
          "metrics must be True, False or None (report once a metrics server runs), got 'yes'",

@@ -1,5 +1,5 @@
 """Canaries for what the library relies on in JAX beyond its documented behaviour
-(`jax_kvxfer/_jax_seams.py`): each fails loudly when a JAX version changes it."""
+(`jax_kvxfer/ops/_jax_seams.py`): each fails loudly when a JAX version changes it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import requires_gpu
 
 import jax_kvxfer as kvx
-from jax_kvxfer import _jax_seams as seams
+from jax_kvxfer.ops import _jax_seams as seams
 
 
 def _sharding(memory_kind: str) -> jax.sharding.Sharding:

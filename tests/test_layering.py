@@ -277,9 +277,9 @@ def test_the_check_sees_private_use_outside_the_package(tmp_path):
     (tmp_path / "tests" / "test_x.py").write_text(
         "import jax_kvxfer as kvx\n"
         "from jax_kvxfer import _native, testing\n"
-        "from jax_kvxfer._checks import IndexFacts\n"
+        "from jax_kvxfer.ops._checks import IndexFacts\n"
         "from jax_kvxfer.ops import _checked_view\n"
-        "from jax_kvxfer._jax_seams import host_byte_views\n"
+        "from jax_kvxfer.ops._jax_seams import host_byte_views\n"
         "from jax_kvxfer.demo import cli\n"
         "kvx._lowering.eager_fn\n"
         "cli._private_helper\n"
@@ -307,4 +307,4 @@ def test_the_check_sees_a_target_spelled_outside_the_table(tmp_path):
     cuda.write_text(cuda.read_text() + '\n// d["jax_kvxfer_extra"] = nullptr;\n')
     found = spelled_targets(copy, ffi)
     assert len(found) == 2, found
-    assert "jax_kvxfer/manager.py" in found[0] and "ffi/block_copy_cuda.cu" in found[1], found
+    assert "jax_kvxfer/transfer/manager.py" in found[0] and "ffi/block_copy_cuda.cu" in found[1], found

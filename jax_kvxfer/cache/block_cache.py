@@ -10,7 +10,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from ..connector.lru import DEFAULT_PRIORITY, MAX_PRIORITY
-from ..pool import KVCacheBlock, KVCacheBlockPool
+from ..transfer.pool import KVCacheBlock, KVCacheBlockPool
 
 ROOT_KEY = bytes(16)
 """The parent key of a sequence's first block."""

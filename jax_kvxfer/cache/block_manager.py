@@ -20,7 +20,6 @@ import math
 import time
 from collections.abc import Hashable, Sequence
 
-from .. import events as kv_events
 from ..connector import LoadSpec, OffloadingManager, OffloadingWorker, StoreSpec
 from ..connector.admission import AdmissionPolicy, admission_policy
 from ..connector.lru import (
@@ -29,10 +28,11 @@ from ..connector.lru import (
     EvictionQueue,
     check_priority,
 )
-from ..manager import KVCacheTransferManager
-from ..metrics import BlockManagerReport, check_metrics_choice
-from ..pool import KVCacheBlockPool
+from ..observe import events as kv_events
+from ..observe.metrics import BlockManagerReport, check_metrics_choice
 from ..stores.base import Store, StoreStats
+from ..transfer.manager import KVCacheTransferManager
+from ..transfer.pool import KVCacheBlockPool
 from .block_cache import (
     ROOT_KEY,
     BlockIndex,
@@ -145,15 +145,15 @@ class BlockManager:
             rows, not only once evicted to the host: replicas sharing a store find a finished
             turn's blocks while this one still holds them on the GPU.
           events: publishes the cache's KV events (blocks stored and removed, per medium)
-            in vLLM's format, one batch per `sync_transfers` (jax_kvxfer.events); None: the
+            in vLLM's format, one batch per `sync_transfers` (jax_kvxfer.observe.events); None: the
             publisher of `events.publish_by_default`, if one is set.
           metrics: report the statistics to the process-wide Prometheus registry
-            (jax_kvxfer.metrics); None: when a metrics server has been started.
+            (jax_kvxfer.observe.metrics); None: when a metrics server has been started.
         """
         if isinstance(stores, Store):  # one store where a sequence is expected: one tier
             stores = (stores,)
         if events is not None and not isinstance(events, kv_events.KVEventPublisher):
-            raise TypeError("events must be a jax_kvxfer.events.KVEventPublisher or None, got "
+            raise TypeError("events must be a jax_kvxfer.observe.events.KVEventPublisher or None, got "
                             f"{type(events).__name__}")
         events = events if events is not None else kv_events.default_publisher()
         report = check_metrics_choice(metrics)

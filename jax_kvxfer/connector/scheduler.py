@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 
-from .. import events as kv_events
+from ..observe import events as kv_events
 from ..stores.base import Store
 from .admission import AdmissionPolicy, AlwaysAdmit, admission_policy
 from .lru import (
@@ -79,7 +79,7 @@ class OffloadingManager:
             host pool is written through to each; a block found only in a store is read into a
             host row when loaded.
           events: publishes each `take_events` batch in vLLM's KV-event format
-            (`jax_kvxfer.events`).
+            (`jax_kvxfer.observe.events`).
           admission: which blocks `prepare_store` stores (`jax_kvxfer.cache.admission_policy`:
             "always", "reuse[:rate]", "second-sighting[:k]" or a policy; a sighting is a
             `touch`). Default "always", as vLLM's offloading connector.
@@ -103,7 +103,7 @@ class OffloadingManager:
                                  "OffloadingWorker with these stores first and pass "
                                  "stores=worker.stores")
         if events is not None and not isinstance(events, kv_events.KVEventPublisher):
-            raise TypeError("events must be a jax_kvxfer.events.KVEventPublisher or None, got "
+            raise TypeError("events must be a jax_kvxfer.observe.events.KVEventPublisher or None, got "
                             f"{type(events).__name__}")
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..manager import KVCacheTransferManager
-from ..pool import KVCacheBlockPool
 from ..stores.base import Store, StoreStats
+from ..transfer.manager import KVCacheTransferManager
+from ..transfer.pool import KVCacheBlockPool
 
 
 def longest_stored(stores: Sequence[Store], keys: Sequence[bytes]) -> tuple[int, int]:

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..manager import KVCacheTransferManager
-from ..pool import KVCacheBlockPool
 from ..stores.base import Store, StoreStats
+from ..transfer.manager import KVCacheTransferManager
+from ..transfer.pool import KVCacheBlockPool
 from .specs import HostSpec, JobId, LoadSpec, StoreSpec, store_key
 from .tiers import StoreTiers
 

@@ -42,13 +42,13 @@ import time
 import jax
 
 from ..cache import PoolExhaustedError, admission_policy
-from ..limits import (
+from ..stores import FileStore
+from ..transfer.limits import (
     HOST_LIMIT_ENV,
     available_host_bytes,
     free_device_bytes,
     pinned_host_limit_bytes,
 )
-from ..stores import FileStore
 from . import observe, serving, store_servers, workloads
 from . import replicas as replica_runs
 from .model import ModelConfig, kv_block_nbytes

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..pool import KVCacheBlockPool
+from ..transfer.pool import KVCacheBlockPool
 
 # float32 models multiply at full precision (no TF32 on GPUs: the exactness check compares
 # logits at 1e-4); bfloat16 ones at the default, as inference does.

@@ -11,8 +11,8 @@ import sys
 import threading
 import urllib.request
 
-from .. import events as kv_events
-from .. import metrics as kv_metrics
+from ..observe import events as kv_events
+from ..observe import metrics as kv_metrics
 from . import serving
 
 

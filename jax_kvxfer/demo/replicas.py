@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..cache import BlockManagerStats
-from ..manager import TransferStats
 from ..stores import StoreStats
+from ..transfer.manager import TransferStats
 from . import store_servers
 from .model import ModelConfig
 from .serving import RunResult, TurnResult

@@ -44,9 +44,9 @@ import jax
 import numpy as np
 
 from ..cache import BlockManager, BlockManagerStats, PoolExhaustedError
-from ..manager import KVCacheTransferManager, TransferStats
-from ..pool import KVCacheBlock
 from ..stores import Store, StoreStats
+from ..transfer.manager import KVCacheTransferManager, TransferStats
+from ..transfer.pool import KVCacheBlock
 from .model import ModelConfig, Rows, budget_chunks, create_pool, make_step, pack_prefill
 from .workloads import Conversation
 

@@ -144,7 +144,7 @@ def test_tensor_parallel_demo_is_exact(capsys):
 
 def _result(turns, primary_blocks=1, secondary_blocks=0):
     from jax_kvxfer.cache import BlockManagerStats
-    from jax_kvxfer.manager import TransferStats
+    from jax_kvxfer.transfer.manager import TransferStats
 
     return serving.RunResult(
         {key: serving.TurnResult(0.0, 0.1, 0.2, 4, 0, 0, 0, tokens, logits)

@@ -15,7 +15,7 @@ import pytest
 from jax_kvxfer.cache import BlockManagerStats
 from jax_kvxfer.demo import cli as demo
 from jax_kvxfer.demo import serving
-from jax_kvxfer.manager import TransferStats
+from jax_kvxfer.transfer.manager import TransferStats
 
 TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--d-ff", "64", "--conversations", "8", "--turns", "3", "--batch", "2",

@@ -200,7 +200,7 @@ def test_memory_is_checked_on_every_device_of_this_process(monkeypatch):
     import numpy as np
 
     import jax_kvxfer as kvx
-    from jax_kvxfer import pool as pool_module
+    from jax_kvxfer.transfer import pool as pool_module
 
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 or more devices")

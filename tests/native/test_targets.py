@@ -1,4 +1,4 @@
-"""The table of FFI targets (jax_kvxfer/_native.py, read through jax_kvxfer.testing) against
+"""The table of FFI targets (jax_kvxfer/ops/_native.py, read through jax_kvxfer.testing) against
 what the compiled modules register with XLA: the CPU module always, the CUDA one where this
 build has it. Both read ffi/targets.h, which tests/test_layering.py checks against the table
 in the sources, so a CUDA build is covered there even where it is not built. The attributes

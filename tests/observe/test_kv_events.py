@@ -23,15 +23,15 @@ zmq = pytest.importorskip("zmq")
 import itertools
 
 import jax_kvxfer as kvx
-from jax_kvxfer import events as kv_events
 from jax_kvxfer.cache import BlockManager
+from jax_kvxfer.observe import events as kv_events
 from jax_kvxfer.stores import FileStore
 
 T = 4  # tokens per block
 
 
 # vLLM's documented schema (vllm/distributed/kv_events.py; examples/online_serving/
-# kv_events_subscriber.py), written here independently of jax_kvxfer.events.
+# kv_events_subscriber.py), written here independently of jax_kvxfer.observe.events.
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]

@@ -15,8 +15,8 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
 
 import jax_kvxfer as kvx
-from jax_kvxfer import metrics
 from jax_kvxfer.cache import BlockManager
+from jax_kvxfer.observe import metrics
 from jax_kvxfer.stores import FileStore, StoreStats
 
 T = 4

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from ..observe.metrics import TransferManagerReport, check_metrics_choice
+from ..ops._checks import check_dma_choice
 from ._batch import PairBatch, check_batch, check_direction, check_index_batch, split_runs
-from ._checks import check_dma_choice
 from ._engines import DonationWarning, Fence, InLineEngine, LaneEngine
 from ._lanes import take_exposed_seconds
 from ._plan_ring import PlanRing
-from .metrics import TransferManagerReport, check_metrics_choice
 from .pool import KVCacheBlock, KVCacheBlockPool
 
 __all__ = ["DonationWarning", "KVCacheTransferManager", "PendingTransfer", "TransferStats"]
@@ -91,7 +91,7 @@ class KVCacheTransferManager:
             stream for sharded pools or plan_ring=False, True raises there. False: the copy
             kernel on XLA's stream, in line with compute (no lanes).
           metrics: report the statistics to the process-wide Prometheus registry
-            (jax_kvxfer.metrics); None: when a metrics server has been started.
+            (jax_kvxfer.observe.metrics); None: when a metrics server has been started.
         """
         check_dma_choice(dma)
         report = check_metrics_choice(metrics)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 
-from . import _kvxfer_cpu
+from .. import _kvxfer_cpu
 
 try:  # built only where a CUDA compiler was found
-    from . import _kvxfer_cuda
+    from .. import _kvxfer_cuda
 except ImportError:  # pragma: no cover - depends on the build
     _kvxfer_cuda = None
 

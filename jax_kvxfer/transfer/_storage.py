@@ -21,11 +21,11 @@ from typing import Any
 
 import jax
 
-from ._checks import check_byte_rows
+from ..ops._checks import check_byte_rows
+from ..ops._lowering import block_copy_call
+from ..ops._plan import CopyPlan
 from ._lanes import lane_copy_call, layer_lane_copy_call
 from ._layers import LayerViews, check_layers, manager_copy, manager_copy_within
-from ._lowering import block_copy_call
-from ._plan import CopyPlan
 
 
 def _on_shards(fn: Any, mesh: Any, spec: Any, num_pools: int) -> Any:

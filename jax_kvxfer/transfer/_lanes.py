@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import _native
+from ..ops import _native
 from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE
 from ._layers import LayerViews, layer_call
 

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import check_byte_rows, check_memory_space, dtype_bits
-from ._jax_seams import host_byte_views
+from ..ops._checks import check_byte_rows, check_memory_space, dtype_bits
+from ..ops._jax_seams import host_byte_views
 from ._lanes import wait_lanes
 from ._layers import check_layers, layer_views
 from ._storage import LayerArrays, PoolArrays, PoolStorage

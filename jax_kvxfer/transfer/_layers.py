@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _layouts as layouts
-from . import _native
-from ._checks import dtype_bits, is_split
-from ._lowering import block_copy_call
-from ._plan import CopyPlan
+from ..ops import _layouts as layouts
+from ..ops import _native
+from ..ops._checks import dtype_bits, is_split
+from ..ops._lowering import block_copy_call
+from ..ops._plan import CopyPlan
 
 
 class LayerViews(NamedTuple):

@@ -27,10 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..ops._checks import IndexFacts, index_facts
+from ..ops._jax_seams import pinned_by_external_reference
 from ._batch import PairBatch
-from ._checks import IndexFacts, index_facts
 from ._hazards import OFFLOAD_LANE, ONBOARD_LANE, LaneHazards
-from ._jax_seams import pinned_by_external_reference
 from ._lanes import join_call, lanes_idle, wait_lanes
 from ._plan_ring import PlanRing, PlanSlot
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _kvxfer_cpu
+from .. import _kvxfer_cpu
 from .pool import KVCacheBlock
 
 _INT32_MAX = np.iinfo(np.int32).max

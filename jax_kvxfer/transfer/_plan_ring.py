@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jax_seams import host_byte_views
+from ..ops._jax_seams import host_byte_views
 from .pool import local_zeros
 
 
