@@ -9,8 +9,7 @@
 """
 
 from .cache import BlockManager, BlockManagerStats, PoolExhaustedError, PrefixMatch
-from .ops import copy_blocks, partial_block_copy
-from .ops._native import HAS_CUDA_HANDLERS
+from .ops import HAS_CUDA_HANDLERS, copy_blocks, partial_block_copy
 from .transfer.manager import (
     DonationWarning,
     KVCacheTransferManager,

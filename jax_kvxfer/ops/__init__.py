@@ -1,11 +1,13 @@
 """The block-copy op: `copy_blocks` and `partial_block_copy` (`copy.py`), XLA FFI custom calls
 usable inside `jax.jit`, and what they stand on: the argument checks (`_checks.py`), the
-engines' own layouts (`_layouts.py`), `plan_copy` and its frozen `CopyPlan` (`_plan.py`), the
-one emitter of the custom calls (`_lowering.py`), the compiled modules and the table of FFI
-targets (`_native.py`, the one place that loads `_kvxfer_cpu` / `_kvxfer_cuda`), and what the
-library relies on in JAX (`_jax_seams.py`).
+engines' own layouts (`_layouts.py`), `plan_copy`, which decides a frozen `CopyPlan`
+(`_plan.py`), `CopyPlan` and the one emitter of the custom calls (`_lowering.py`), the compiled
+modules with the table of FFI targets (`_native.py`, the one place that loads `_kvxfer_cpu` /
+`_kvxfer_cuda` and registers their handlers with XLA), and what the library relies on in JAX
+(`_jax_seams.py`).
 """
 
+from ._native import HAS_CUDA_HANDLERS
 from .copy import copy_blocks, partial_block_copy
 
-__all__ = ["copy_blocks", "partial_block_copy"]
+__all__ = ["HAS_CUDA_HANDLERS", "copy_blocks", "partial_block_copy"]

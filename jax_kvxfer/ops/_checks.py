@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _native
 from ._jax_seams import memory_space
 
 IndexLike = jax.Array | np.ndarray | Sequence[int]
@@ -282,12 +281,3 @@ def check_split(dst: jax.Array, src: jax.Array, dst_name: str, src_name: str) ->
             dst.sharding.memory_kind).is_equivalent_to(dst.sharding, dst.ndim):
         raise ValueError(f"{src_name} must be split over the devices like {dst_name} "
                          f"({dst.sharding.spec}), got {getattr(src, 'sharding', None)}")
-
-
-def check_platform(*arrays: Any) -> None:
-    platforms = {d.platform for a in arrays if isinstance(a, jax.Array) and not is_tracer(a)
-                 for d in a.devices()}
-    if not platforms and any(is_tracer(a) for a in arrays):
-        platforms = {jax.default_backend()}
-    if "gpu" in platforms or "cuda" in platforms:
-        _native.require_cuda_handlers()

@@ -1,19 +1,45 @@
-"""How a planned block copy becomes a custom call (`emit`, the one emitter): the FFI target
-and its operands, the views of pools in another layout, and the jitted functions of eager
-calls."""
+"""How a planned block copy becomes a custom call: `CopyPlan`, what the call is told (the plan
+`_plan.plan_copy` decides for `copy_blocks`, or the transfer manager's own), and `emit`, the one
+emitter: the FFI target and its operands, the views of pools in another layout, and the jitted
+functions of eager calls."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _layouts as layouts
 from . import _native
-from ._checks import dtype_bits, is_split
-from ._plan import CopyPlan
+from ._checks import UNKNOWN, IndexFacts, dtype_bits, is_split
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """One block copy as the custom call will do it (hashable: eager calls cache their jitted
+    function by plan)."""
+
+    facts: IndexFacts = UNKNOWN  # what known indices prove
+    whole_blocks: bool = False  # every pair copies a whole block, as known on the host
+    dma: bool = False  # the GPU's copy engines, not the copy kernel
+    max_ctas: int | None = None  # the kernel's grid cap (None: no cap)
+    within: bool = False  # source and destination are one array
+    # pools in an engine's own layout: their (block_axis, token_axis); the copy takes their 6-D
+    # views (_layouts.py), reshaped back after
+    axes: tuple[int, int] | None = None
+    one_block: bool = False  # the arrays are single blocks: the copy sees pools of one block
+
+    def attributes(self) -> dict[str, Any]:
+        """The custom call's attributes (ffi/block_copy.h, CopyOptions)."""
+        return {"hazard_free": np.bool_(self.facts.hazard_free),
+                "unique_dst": np.bool_(self.facts.unique_dst),
+                "max_ctas": np.int64(min(self.max_ctas or 0, 1 << 30)),
+                "dma": np.bool_(self.dma), "whole_blocks": np.bool_(self.whole_blocks)}
 
 
 def copy_results(dst_pool, batch: int, staging_bytes: int = 0) -> tuple:

@@ -1,4 +1,7 @@
-"""Loads the compiled FFI handlers and registers them with XLA, once, at import."""
+"""The compiled modules (`_kvxfer_cpu`, `_kvxfer_cuda`, which the build puts at the package's
+top level): loaded here and nowhere else (tests/test_layering.py checks), their FFI handlers
+registered with XLA once, at import, and the table of the targets they register. What else the
+rest of the library calls in them goes through the functions at the end."""
 
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ JOIN_LANES_TARGET = "jax_kvxfer_join_lanes"
 
 TARGETS: tuple[str, ...] = (
     BLOCK_COPY_TARGET, BLOCK_COPY_WITHIN_TARGET, BLOCK_COPY_NOGRAPH_TARGET,
-    BLOCK_COPY_WITHIN_NOGRAPH_TARGET, LAYER_COPY_TARGET, LAYER_LANE_COPY_TARGET, LANE_COPY_TARGET, LANE_COPY_WITHIN_TARGET,
-    JOIN_LANES_TARGET)
+    BLOCK_COPY_WITHIN_NOGRAPH_TARGET, LAYER_COPY_TARGET, LAYER_LANE_COPY_TARGET,
+    LANE_COPY_TARGET, LANE_COPY_WITHIN_TARGET, JOIN_LANES_TARGET)
 """Every target above: both builds (CPU and CUDA) register exactly these."""
 
 # The attributes each target's handler decodes (ffi/block_copy.h: the option structs and their
@@ -71,3 +74,46 @@ def require_cuda_handlers() -> None:
             "jax_kvxfer was built without its CUDA handlers, so it cannot run on a GPU. Rebuild "
             "on a machine with nvcc: pip install --no-build-isolation -C cmake.define.KVXFER_CUDA=ON ."
         )
+
+
+# -- the compiled modules' other functions --------------------------------------------------
+
+def slot_columns(pairs, block_type, num_primary, num_secondary, index, primary):
+    """A batch of (src, dst) blocks read and checked in one native pass (ffi/slot_columns.cc):
+    fills `index` and `primary` ([2, n]: sources, destinations) and returns (direction,
+    unique_dst), or None where some pair is not two in-range blocks of `block_type`."""
+    return _kvxfer_cpu.slot_columns(pairs, block_type, num_primary, num_secondary, index,
+                                    primary)
+
+
+def wait_lanes() -> None:
+    """Blocks the host until every copy enqueued on the transfer lanes so far is done (no-op
+    without the CUDA handlers)."""
+    if _kvxfer_cuda is not None:
+        _kvxfer_cuda.wait_lanes()
+
+
+def lanes_idle() -> bool:
+    """Whether every copy enqueued on the transfer lanes so far is done, without waiting."""
+    return _kvxfer_cuda is None or _kvxfer_cuda.lanes_idle()
+
+
+def take_exposed_seconds() -> float:
+    """GPU seconds XLA's streams spent on the lanes' account since the last call (0.0
+    without the CUDA handlers)."""
+    return _kvxfer_cuda.take_exposed_seconds() if _kvxfer_cuda is not None else 0.0
+
+
+def dma_batches() -> int | None:
+    """Batches the CUDA handlers have copied with the copy engines so far, in this process
+    (None without the CUDA handlers)."""
+    return None if _kvxfer_cuda is None else _kvxfer_cuda.dma_batches()
+
+
+def registered_targets() -> dict[str, list[str]]:
+    """The target names each compiled module registers, by platform ("cpu", and "cuda" where
+    this build has the CUDA handlers), sorted."""
+    found = {"cpu": sorted(_kvxfer_cpu.registrations())}
+    if _kvxfer_cuda is not None:
+        found["cuda"] = sorted(_kvxfer_cuda.registrations())
+    return found

@@ -9,7 +9,6 @@ here, so that the rest of the path sees one geometry.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -17,10 +16,9 @@ import jax
 import numpy as np
 
 from . import _layouts as layouts
+from . import _native
 from ._checks import (
     POOL_RANK,
-    UNKNOWN,
-    IndexFacts,
     IndexLike,
     TokensLike,
     as_index_array,
@@ -29,7 +27,6 @@ from ._checks import (
     check_dma_choice,
     check_in_range,
     check_max_ctas,
-    check_platform,
     check_pool,
     check_same_blocks,
     check_split,
@@ -41,6 +38,7 @@ from ._checks import (
     may_copy_partial,
     normalize_tokens,
 )
+from ._lowering import CopyPlan
 
 # dma="auto" (`copy_blocks` outside jit) takes the copy engines for whole blocks of at least this
 # many bytes between the two memories. Measured on the H200, one call at a time: the copy
@@ -51,27 +49,15 @@ from ._checks import (
 DMA_AUTO_MIN_BLOCK_BYTES = 256 * 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class CopyPlan:
-    """One block copy as the custom call will do it (hashable: eager calls cache their jitted
-    function by plan)."""
-
-    facts: IndexFacts = UNKNOWN  # what known indices prove
-    whole_blocks: bool = False  # every pair copies a whole block, as known on the host
-    dma: bool = False  # the GPU's copy engines, not the copy kernel
-    max_ctas: int | None = None  # the kernel's grid cap (None: no cap)
-    within: bool = False  # source and destination are one array
-    # pools in an engine's own layout: their (block_axis, token_axis); the copy takes their 6-D
-    # views (_layouts.py), reshaped back after
-    axes: tuple[int, int] | None = None
-    one_block: bool = False  # the arrays are single blocks: the copy sees pools of one block
-
-    def attributes(self) -> dict[str, Any]:
-        """The custom call's attributes (ffi/block_copy.h, CopyOptions)."""
-        return {"hazard_free": np.bool_(self.facts.hazard_free),
-                "unique_dst": np.bool_(self.facts.unique_dst),
-                "max_ctas": np.int64(min(self.max_ctas or 0, 1 << 30)),
-                "dma": np.bool_(self.dma), "whole_blocks": np.bool_(self.whole_blocks)}
+def check_platform(*arrays: Any) -> None:
+    """Arrays on a GPU need this build's CUDA handlers (a RuntimeError saying how to build
+    them, before anything is traced)."""
+    platforms = {d.platform for a in arrays if isinstance(a, jax.Array) and not is_tracer(a)
+                 for d in a.devices()}
+    if not platforms and any(is_tracer(a) for a in arrays):
+        platforms = {jax.default_backend()}
+    if "gpu" in platforms or "cuda" in platforms:
+        _native.require_cuda_handlers()
 
 
 def plan_copy(dst_pool: Any, src_pool: Any, src_indices: IndexLike, dst_indices: IndexLike,

@@ -20,7 +20,6 @@ from ._checks import (
     IndexLike,
     TokensLike,
     check_byte_rows,
-    check_platform,
     check_pool,
     check_same_blocks,
     check_split,
@@ -29,8 +28,8 @@ from ._checks import (
     may_copy_partial,
     normalize_tokens,
 )
-from ._lowering import eager_copy, emit
-from ._plan import CopyPlan, plan_copy
+from ._lowering import CopyPlan, eager_copy, emit
+from ._plan import check_platform, plan_copy
 
 
 def copy_blocks(

@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _kvxfer_cpu
-from .pool import KVCacheBlock
+from ..ops import _native
+from .block import KVCacheBlock
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -63,8 +63,8 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
     # Read and checked in one native pass (slot_columns.cc): rows 0 / 1 hold the sources /
     # destinations.
     index, primary = np.empty((2, n), np.int64), np.empty((2, n), np.bool_)
-    found = _kvxfer_cpu.slot_columns(pairs, KVCacheBlock, num_primary, num_secondary, index,
-                                     primary)
+    found = _native.slot_columns(pairs, KVCacheBlock, num_primary, num_secondary, index,
+                                 primary)
     if found is None:  # some pair is not two blocks in range
         _explain_bad_pair(pairs, num_primary, num_secondary)
         # Only a block whose slot code is missing or disagrees gets here (not made by

@@ -30,7 +30,6 @@ import numpy as np
 
 from ..ops import _native
 from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE
-from ._layers import LayerViews, layer_call
 
 
 def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
@@ -50,18 +49,6 @@ def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
                 whole_blocks=np.bool_(whole_blocks))
 
 
-def layer_lane_copy_call(host, layers, src_idx, dst_idx, tokens, *, offload: bool, views: LayerViews,
-                         lane: int, wait_lane: int = NO_LANE, stream_wait_lane: int = NO_LANE,
-                         whole_blocks: bool = False):
-    """The layered copy (_layers.py: between a pool's per-layer arrays and its host rows)
-    enqueued on `lane`, as `lane_copy_call`. Returns the new host array (offload) or the new
-    list of arrays (onboard)."""
-    return layer_call(_native.LAYER_LANE_COPY_TARGET, host, layers, src_idx, dst_idx, tokens,
-                      offload=offload, views=views, workspace=False, lane=np.int64(lane),
-                      wait_lane=np.int64(wait_lane), stream_wait_lane=np.int64(stream_wait_lane),
-                      whole_blocks=np.bool_(whole_blocks))
-
-
 def join_call(array, lanes: tuple[int, ...] = (OFFLOAD_LANE, ONBOARD_LANE)):
     """`array`, handed on once XLA's stream has waited for these lanes of its device."""
     call = jax.ffi.ffi_call(_native.JOIN_LANES_TARGET, jax.typeof(array),
@@ -69,18 +56,7 @@ def join_call(array, lanes: tuple[int, ...] = (OFFLOAD_LANE, ONBOARD_LANE)):
     return call(array, lanes=np.int64(sum(1 << lane for lane in lanes)))
 
 
-def wait_lanes() -> None:
-    """Blocks the host until every copy enqueued on the lanes so far is done (no-op on CPU)."""
-    if _native.HAS_CUDA_HANDLERS:
-        _native._kvxfer_cuda.wait_lanes()
-
-
-def lanes_idle() -> bool:
-    """Whether every copy enqueued on the lanes so far is done, without waiting."""
-    return not _native.HAS_CUDA_HANDLERS or _native._kvxfer_cuda.lanes_idle()
-
-
-def take_exposed_seconds() -> float:
-    """GPU seconds XLA's streams spent on the lanes' account since the last call: waiting at
-    joins for copies still running, and taking offload snapshots (0.0 on the CPU)."""
-    return _native._kvxfer_cuda.take_exposed_seconds() if _native.HAS_CUDA_HANDLERS else 0.0
+# The host's side of the lanes, in the compiled module (ffi/streams.h).
+wait_lanes = _native.wait_lanes
+lanes_idle = _native.lanes_idle
+take_exposed_seconds = _native.take_exposed_seconds

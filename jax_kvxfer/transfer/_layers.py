@@ -21,8 +21,8 @@ import numpy as np
 from ..ops import _layouts as layouts
 from ..ops import _native
 from ..ops._checks import dtype_bits, is_split
-from ..ops._lowering import block_copy_call
-from ..ops._plan import CopyPlan
+from ..ops._lowering import CopyPlan, block_copy_call
+from ._hazards import NO_LANE
 
 
 class LayerViews(NamedTuple):
@@ -194,6 +194,17 @@ def layer_copy_call(host: Any, layers: Sequence[Any], src_idx: Any, dst_idx: Any
                       offload=offload, views=views, workspace=True,
                       unique_dst=np.bool_(unique_dst),
                       max_ctas=np.int64(min(max_ctas or 0, 1 << 30)), dma=np.bool_(dma),
+                      whole_blocks=np.bool_(whole_blocks))
+
+
+def layer_lane_copy_call(host, layers, src_idx, dst_idx, tokens, *, offload: bool,
+                         views: LayerViews, lane: int, wait_lane: int = NO_LANE,
+                         stream_wait_lane: int = NO_LANE, whole_blocks: bool = False):
+    """The layered copy enqueued on transfer lane `lane`, as `_lanes.lane_copy_call`. Returns
+    the new host array (offload) or the new list of arrays (onboard)."""
+    return layer_call(_native.LAYER_LANE_COPY_TARGET, host, layers, src_idx, dst_idx, tokens,
+                      offload=offload, views=views, workspace=False, lane=np.int64(lane),
+                      wait_lane=np.int64(wait_lane), stream_wait_lane=np.int64(stream_wait_lane),
                       whole_blocks=np.bool_(whole_blocks))
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ops._jax_seams import host_byte_views
-from .pool import local_zeros
+from .block import local_zeros
 
 
 class PlanSlot:

@@ -22,10 +22,15 @@ from typing import Any
 import jax
 
 from ..ops._checks import check_byte_rows
-from ..ops._lowering import block_copy_call
-from ..ops._plan import CopyPlan
-from ._lanes import lane_copy_call, layer_lane_copy_call
-from ._layers import LayerViews, check_layers, manager_copy, manager_copy_within
+from ..ops._lowering import CopyPlan, block_copy_call
+from ._lanes import lane_copy_call
+from ._layers import (
+    LayerViews,
+    check_layers,
+    layer_lane_copy_call,
+    manager_copy,
+    manager_copy_within,
+)
 
 
 def _on_shards(fn: Any, mesh: Any, spec: Any, num_pools: int) -> Any:
