@@ -391,7 +391,7 @@ def layer_pool_transfers(rng):
     # and slab in one kernel launch, whole and partial, both ways, on the lanes and in line; then
     # the copy traced inside jit with duplicate host rows (one scan for later writers serves
     # every part).
-    from jax_kvxfer.testing import layer_copy_call
+    from jax_kvxfer.transfer._layers import layer_copy_call
     nb, rows, t = 6, 5, 8
     host_arrays = [random_pool(rng, (2, nb, t, 3, 16), jnp.bfloat16) for _ in range(3)]
     pool = kvx.KVCacheBlockPool.from_layers([put(a, "device") for a in host_arrays],

@@ -6,7 +6,8 @@ import collections
 import numpy as np
 import pytest
 
-from jax_kvxfer.testing import check_batch, slot_columns, split_runs
+from jax_kvxfer.ops._native import slot_columns
+from jax_kvxfer.transfer._batch import check_batch, split_runs
 from jax_kvxfer.transfer.pool import KVCacheBlock
 
 NUM_PRIMARY, NUM_SECONDARY, TOKENS = 7, 5, 8

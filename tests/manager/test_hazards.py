@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_kvxfer.testing import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE, LaneHazards, LaneOrder
+from jax_kvxfer.transfer._hazards import (
+    NO_LANE,
+    OFFLOAD_LANE,
+    ONBOARD_LANE,
+    LaneHazards,
+    LaneOrder,
+)
 
 
 class BruteForce:

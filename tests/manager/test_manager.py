@@ -13,6 +13,7 @@ from jax import lax
 
 import jax_kvxfer as kvx
 from jax_kvxfer import testing
+from jax_kvxfer.transfer._engines import plan_tokens
 
 T = 4  # tokens per block
 
@@ -511,7 +512,7 @@ def test_plan_slots_wait_for_the_dispatch_that_read_them(rng, verb):
 
 
 def test_plan_slot_gets_a_fresh_token_only_where_a_failed_dispatch_consumed_it(rng):
-    """A dispatch retried after a failed donation (testing.plan_tokens(..., retry=True)) must not
+    """A dispatch retried after a failed donation (plan_tokens(..., retry=True)) must not
     pass a deleted token, nor replace one still live (its readiness is what the ring waits on)."""
     pools = make_pools(rng)
     m = kvx.KVCacheTransferManager(pools)
@@ -519,9 +520,9 @@ def test_plan_slot_gets_a_fresh_token_only_where_a_failed_dispatch_consumed_it(r
         pytest.skip("no pinned_host memory: no plan ring")
     slot = testing.plan_ring(m).next_slot(2)
     live = slot.token
-    assert testing.plan_tokens((slot, None), retry=True) == (live, None)
+    assert plan_tokens((slot, None), retry=True) == (live, None)
     live.delete()
-    (fresh,) = testing.plan_tokens((slot,), retry=True)
+    (fresh,) = plan_tokens((slot,), retry=True)
     assert fresh is slot.token and fresh is not live and not fresh.is_deleted()
     assert fresh.sharding == live.sharding and np.asarray(fresh).tolist() == [0]
 

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_kvxfer as kvx
 from jax_kvxfer import testing
+from jax_kvxfer.ops._checks import IndexFacts
+from jax_kvxfer.ops._lowering import CopyPlan, eager_copy
 
 DEVICES = jax.devices()
 multi_device = pytest.mark.skipif(len(DEVICES) < 2, reason="needs 2 or more devices")
@@ -77,7 +79,7 @@ def test_copy_blocks_on_sharded_pools(devices, direction):
 @multi_device
 def test_sharded_copy_compiles_without_collectives():
     pool = sharded_pool(mesh_of(MULTI))
-    facts = testing.IndexFacts(hazard_free=True, unique_dst=True)
+    facts = IndexFacts(hazard_free=True, unique_dst=True)
     plan = np.zeros((3, 4), np.int32)
     # the plan ring slot's token, replicated as the ring makes it
     token = (jnp.zeros((1,), jnp.int32, device=NamedSharding(pool.mesh, P())),)
@@ -88,7 +90,7 @@ def test_sharded_copy_compiles_without_collectives():
                        storages=(pool.storage,)).compile().as_text()
         assert "jax_kvxfer_block_copy" in hlo
         assert not [c for c in COLLECTIVES if c in hlo], "a sharded copy moved data between devices"
-    eager = testing.eager_copy(testing.CopyPlan(facts), pool.secondary.sharding)
+    eager = eager_copy(CopyPlan(facts), pool.secondary.sharding)
     idx = np.zeros(4, np.int32)
     hlo = eager.lower(pool.secondary, pool.primary, idx, idx, idx).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]

@@ -13,20 +13,24 @@ import jax.numpy as jnp
 
 import jax_kvxfer as kvx
 from jax_kvxfer import testing
+from jax_kvxfer.ops._lowering import CopyPlan, emit
+from jax_kvxfer.ops._native import TARGET_ATTRIBUTES, TARGETS
+from jax_kvxfer.transfer._lanes import join_call, lane_copy_call
+from jax_kvxfer.transfer._layers import layer_copy_call, layer_lane_copy_call
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_every_target_in_the_table_once():
-    assert len(testing.TARGETS) == len(set(testing.TARGETS)), testing.TARGETS
-    assert all(name.startswith("jax_kvxfer_") for name in testing.TARGETS), testing.TARGETS
+    assert len(TARGETS) == len(set(TARGETS)), TARGETS
+    assert all(name.startswith("jax_kvxfer_") for name in TARGETS), TARGETS
 
 
 def test_the_compiled_registrations_are_the_table():
     registered = testing.registered_targets()
     assert set(registered) == ({"cpu", "cuda"} if kvx.HAS_CUDA_HANDLERS else {"cpu"})
     for platform, names in registered.items():
-        assert names == sorted(testing.TARGETS), platform
+        assert names == sorted(TARGETS), platform
 
 
 def _decodings() -> dict[str, frozenset[str]]:
@@ -49,10 +53,10 @@ def test_the_attribute_table_is_what_the_handlers_decode():
     decoded = _decodings()
     assert set(decoded) == {"CopyOptions", "LaneOptions", "Layered<CopyOptions>",
                             "Layered<LaneOptions>"}, decoded
-    assert set(testing.TARGET_ATTRIBUTES) == set(testing.TARGETS)
+    assert set(TARGET_ATTRIBUTES) == set(TARGETS)
     # the join of the lanes decodes one scalar attribute of its own ("lanes"), not a struct
     structs = set(decoded.values()) | {frozenset({"lanes"})}
-    for target, names in testing.TARGET_ATTRIBUTES.items():
+    for target, names in TARGET_ATTRIBUTES.items():
         assert names in structs, (target, sorted(names))
 
 
@@ -79,21 +83,21 @@ def test_the_emitters_pass_the_table_s_attributes():
     lower(lambda a, b, s: kvx.copy_blocks(a, b, s, s + 2, 3), pool, pool, i)
     lower(lambda a, s: kvx.copy_blocks(a, a, s, s + 2, 3), pool, i)
     for within in (True, False):  # nograph: the plan dma=True takes (lowered on the CPU)
-        lower(lambda a, b, s, w=within: testing.emit(
-            testing.CopyPlan(dma=True, within=w), a, a if w else b, s, s + 2, s), pool, pool, i)
+        lower(lambda a, b, s, w=within: emit(
+            CopyPlan(dma=True, within=w), a, a if w else b, s, s + 2, s), pool, pool, i)
     lanes = {"lane": 1}
-    lower(lambda a, b, s: testing.lane_copy_call(a, b, s, s, s, **lanes), pool, pool, i)
-    lower(lambda a, s: testing.lane_copy_call(a, a, s, s, s, **lanes), pool, i)
-    lower(lambda a: testing.join_call(a), pool)
+    lower(lambda a, b, s: lane_copy_call(a, b, s, s, s, **lanes), pool, pool, i)
+    lower(lambda a, s: lane_copy_call(a, a, s, s, s, **lanes), pool, i)
+    lower(lambda a: join_call(a), pool)
     layers = [jnp.zeros((4, 4, 2, 8), jnp.float32) for _ in range(2)]
     views = kvx.KVCacheBlockPool.from_layers(layers, token_axis=1,
                                              num_secondary_blocks=0).storage.views
     host = jnp.zeros((4, views.row_nbytes // 4), jnp.float32)
     for offload in (True, False):
-        lower(lambda h, ls, s, o=offload: testing.layer_copy_call(h, ls, s, s, s, offload=o,
+        lower(lambda h, ls, s, o=offload: layer_copy_call(h, ls, s, s, s, offload=o,
                                                                   views=views), host, layers, i)
-        lower(lambda h, ls, s, o=offload: testing.layer_lane_copy_call(
+        lower(lambda h, ls, s, o=offload: layer_lane_copy_call(
             h, ls, s, s, s, offload=o, views=views, **lanes), host, layers, i)
-    assert set(seen) == set(testing.TARGETS), sorted(set(testing.TARGETS) - set(seen))
+    assert set(seen) == set(TARGETS), sorted(set(TARGETS) - set(seen))
     for target, name_sets in seen.items():
-        assert name_sets == {testing.TARGET_ATTRIBUTES[target]}, (target, name_sets)
+        assert name_sets == {TARGET_ATTRIBUTES[target]}, (target, name_sets)

@@ -27,6 +27,7 @@ from conftest import (
 
 import jax_kvxfer as kvx
 from jax_kvxfer import testing
+from jax_kvxfer.ops._plan import DMA_AUTO_MIN_BLOCK_BYTES
 
 SHAPE = (24, 2, 2, 4, 16, 64)  # 24 blocks of 64 KiB (float32)
 T = SHAPE[4]
@@ -140,7 +141,7 @@ def test_dma_auto_picks_copy_engines_for_large_whole_blocks_outside_jit(case, en
     >= DMA_AUTO_MIN_BLOCK_BYTES between device and pinned_host memory (on a GPU), the kernel
     otherwise; exact either way."""
     shape = SHAPE if case == "eager_small_blocks" else BIG
-    assert (math.prod(shape[1:]) * 4 >= testing.DMA_AUTO_MIN_BLOCK_BYTES) == (shape == BIG)
+    assert (math.prod(shape[1:]) * 4 >= DMA_AUTO_MIN_BLOCK_BYTES) == (shape == BIG)
     dst, src = make_pools(rng, shape, jnp.float32)
     dst_kind, src_kind = {"eager_whole_onboard": ("device", "pinned_host"),
                           "eager_device_to_device": ("device", "device")}.get(

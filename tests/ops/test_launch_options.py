@@ -121,8 +121,8 @@ def test_bad_max_ctas_raise_and_leave_pools_unchanged(bad, error, rng):
 
 def test_offload_and_onboard_between_the_same_two_pools(rng):
     """The serving pattern in one jit: evict GPU blocks to the host pool and bring other host
-    blocks back into the GPU pool. Each copy reads the pool the other one writes, so XLA must order (or copy) them: every read sees the pools as they were
-    before the call."""
+    blocks back into the GPU pool. Each copy reads the pool the other one writes, so XLA must
+    order (or copy) them: every read sees the pools as they were before the call."""
     gpu, host = make_pools(rng, SHAPE, jnp.bfloat16)
     evict_from = np.array([0, 5, 9, 13], np.int32)   # GPU blocks to save
     evict_to = np.array([2, 3, 4, 6], np.int32)      # host slots they go to
