@@ -1,16 +1,21 @@
 """The package's layers and boundary, checked from its sources (docs/design.md describes the
 same).
 
-From the bottom up: core (the top-level modules: ops, pools, the transfer manager) <- stores
-(the tiers below the host) <- connector (the host pool and stores for an engine's own pages)
-<- cache (the block manager) <- the package's API (its `__init__`) <- the integrations with
-engines, the demo and the bench, which use that API and do not import each other <- `__main__`.
-A module imports only from its own layer and the layers below it; no module imports another
-module's private name (`_name`), nor a private module (`_module`) of another folder.
+From the bottom up, one folder a layer: ops (the block-copy op, with the compiled modules'
+loader) <- observe (events, metrics) <- transfer (pools, the transfer manager) <- stores (the
+tiers below the host) <- connector (the host pool and stores for an engine's own pages) <- cache
+(the block manager) <- the package's API (its `__init__`) and `testing` (hooks for tests) <- the
+integrations with engines, the demo and the bench, which use that API and do not import each
+other <- `__main__`. ops, observe and transfer are the core. A module imports only from its own
+layer and the layers below it; no module imports another module's private name (`_name`), nor a
+private module (`_module`) of another folder, except that the core's folders (and `testing`)
+share their private modules; no module lies outside a layer; the compiled modules
+(`_kvxfer_cpu`, `_kvxfer_cuda`) are imported by `ops/_native.py` alone; and no chain of imports
+inside the core is longer than MAX_CHAIN modules (the compiled ones counted).
 
-Outside the package (tests/, scripts/, examples/), no file imports a private module or a private
-name of the package, nor reaches one as an attribute of a module it imported (`kvx._lowering`):
-they reach the insides through `jax_kvxfer.testing`. OUTSIDE_EXCEPTIONS names the exceptions.
+Examples, which users copy, import no private module or name of the package, nor reach one as
+an attribute of a module it imported (`kvx._lowering`). Tests and scripts may: they test and
+check the insides, importing each from its own module (`jax_kvxfer.testing` holds hooks only).
 
 The FFI target names are spelled in one table, `_native.py` (the `*_TARGET` constants), for
 Python, and in `ffi/targets.h` for both compiled modules' registrations: the two lists are
@@ -30,19 +35,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "jax_kvxfer"
 # A module may import from a layer of lower rank, or from its own.
-RANKS = {"core": 0, "stores": 1, "connector": 2, "cache": 3, "api": 4, "integrations": 5,
-         "demo": 5, "bench": 5, "main": 6}
-# The compiled extensions, which the build puts beside the package's modules.
+RANKS = {"native": 0, "ops": 1, "observe": 2, "transfer": 3, "stores": 4, "connector": 5,
+         "cache": 6, "api": 7, "testing": 7, "integrations": 8, "demo": 8, "bench": 8, "main": 9}
+CORE = ("ops", "observe", "transfer")
+SHARE_INSIDES = {*CORE, "testing"}  # layers that may import each other's private modules
+MAX_CHAIN = 7  # modules in the core's deepest chain of imports (issue 56)
+# The compiled extensions, which the build puts beside the package's modules, and the one module
+# that imports them.
 NATIVE = set(re.findall(r"nanobind_add_module\(\s*(\w+)",
                         (PACKAGE.parent / "CMakeLists.txt").read_text(encoding="utf-8")))
+NATIVE_LOADER = "ops._native"
+TOP_LEVEL = {"__init__": "api", "__main__": "main", "testing": "testing"}
 
 
 def layer_of(module: str) -> str:
-    """`module`: dotted, under jax_kvxfer ("manager", "cache.block_manager", "__init__")."""
+    """`module`: dotted, under jax_kvxfer ("transfer.manager", "cache.block_manager",
+    "__init__"); "unplaced" for a module in no layer (a new top-level module)."""
     parts = module.split(".")
-    if len(parts) == 1 and parts[0] in ("__init__", "__main__"):
-        return {"__init__": "api", "__main__": "main"}[parts[0]]
-    return parts[0] if len(parts) > 1 and parts[0] in RANKS else "core"
+    if len(parts) == 1:
+        return "native" if parts[0] in NATIVE else TOP_LEVEL.get(parts[0], "unplaced")
+    return parts[0] if parts[0] in RANKS else "unplaced"
 
 
 def _is_module(root: Path, module: str) -> bool:
@@ -97,18 +109,33 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+def _package_modules(root: Path) -> list[tuple[str, Path]]:
+    return [(".".join(p.relative_to(root).with_suffix("").parts), p)
+            for p in sorted(root.rglob("*.py"))]
+
+
 def violations(root: Path = PACKAGE) -> list[str]:
     """What runs against the layering in the package at `root`, one line each."""
     found = []
-    for path in sorted(root.rglob("*.py")):
-        module = ".".join(path.relative_to(root).with_suffix("").parts)
+    for module, path in _package_modules(root):
         here = layer_of(module)
+        if here == "unplaced":
+            found.append(f"jax_kvxfer/{path.relative_to(root)}: in no layer (put it in a folder "
+                         "of one)")
+            continue
         for line, target, names in imports(root, module, path):
             there = layer_of(target)
             where = f"jax_kvxfer/{path.relative_to(root)}:{line}"
+            if there == "unplaced":
+                continue  # reported where it lies
             if here != there and RANKS[there] >= RANKS[here]:
                 found.append(f"{where}: {here} imports {target}, of layer {there}")
-            if _private(target.split(".")[-1]) and folder(target) != folder(module):
+            if there == "native" and module != NATIVE_LOADER:
+                found.append(f"{where}: imports the compiled module {target}; only "
+                             f"{NATIVE_LOADER} does")
+            shared = here in SHARE_INSIDES and there in SHARE_INSIDES
+            if (_private(target.split(".")[-1]) and folder(target) != folder(module)
+                    and not shared and there != "native"):
                 found.append(f"{where}: imports {target}, a private module of another folder")
             private = [n for n in names if _private(n)]
             if private and target != module:
@@ -121,15 +148,36 @@ def test_no_import_runs_against_the_layers():
     assert not found, "imports against the layering:\n  " + "\n  ".join(found)
 
 
+def deepest_chain(root: Path = PACKAGE) -> list[str]:
+    """The longest chain of imports among the core's modules (the compiled modules counted),
+    as the modules along it. A package's `__init__` counts only where a module imports it."""
+    inside = {m for m, _ in _package_modules(root) if layer_of(m) in CORE} | NATIVE
+    edges = {m: set() for m in inside}
+    for module, path in _package_modules(root):
+        if module in inside:
+            edges[module] = {t for _, t, _ in imports(root, module, path)
+                             if t in inside and t != module}
+    memo: dict[str, list[str]] = {}
+
+    def longest(m: str) -> list[str]:
+        if m not in memo:
+            memo[m] = [m] + max((longest(t) for t in edges[m]), key=len, default=[])
+        return memo[m]
+
+    return max((longest(m) for m in inside), key=len)
+
+
+def test_the_core_s_imports_are_at_most_max_chain_deep():
+    chain = deepest_chain()
+    assert len(chain) <= MAX_CHAIN, " -> ".join(chain)
+
+
 # ---------------------------------------------------------------------------------------------
 # Outside the package: tests, scripts and examples use its public modules and names only.
 
-OUTSIDE = ("tests", "scripts", "examples")
+OUTSIDE = ("examples",)
 # (file, private module or name it may use) -> why.
-OUTSIDE_EXCEPTIONS = {
-    ("tests/test_jax_seams.py", "_jax_seams"):
-        "the seams' canaries test what the library relies on in JAX, module by module",
-}
+OUTSIDE_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _private_part(dotted: str) -> str | None:
@@ -173,19 +221,19 @@ def outside_violations(root: Path = REPO, package: Path = PACKAGE) -> list[str]:
             part = _private_part(what)
             if part is not None and (rel, part) not in OUTSIDE_EXCEPTIONS:
                 found.append(f"{rel}:{line}: uses jax_kvxfer.{what}, private ({part}); use a "
-                             "public name (jax_kvxfer.testing for the insides)")
+                             "public name")
     return found
 
 
-def test_tests_scripts_and_examples_use_no_private_module_or_name():
+def test_examples_use_no_private_module_or_name():
     found = outside_violations()
-    assert not found, "private imports outside the package:\n  " + "\n  ".join(found)
+    assert not found, "private imports in the examples:\n  " + "\n  ".join(found)
 
 
 # ---------------------------------------------------------------------------------------------
 # The table of FFI targets.
 
-TABLE = "_native.py"  # the one module that spells the targets
+TABLE = "ops/_native.py"  # the one module that spells the targets
 NATIVE_TABLE = REPO / "ffi" / "targets.h"  # the one C++ file that does
 TARGET_NAME = re.compile(r"\bjax_kvxfer_\w+")
 
@@ -246,53 +294,96 @@ def test_the_python_and_native_tables_agree():
 # The checks themselves.
 
 @pytest.mark.parametrize("module, expected", [
-    ("manager", "core"), ("_native", "core"), ("events", "core"), ("metrics", "core"),
+    ("transfer.manager", "transfer"), ("ops._native", "ops"), ("ops.__init__", "ops"),
+    ("observe.events", "observe"), ("observe.metrics", "observe"), ("_kvxfer_cpu", "native"),
     ("cache.block_manager", "cache"), ("connector.worker", "connector"),
-    ("integrations.easydel", "integrations"),
+    ("integrations.easydel", "integrations"), ("testing", "testing"),
     ("cache.__init__", "cache"), ("demo.cli", "demo"), ("bench.sweep", "bench"),
-    ("__init__", "api"), ("__main__", "main")])
+    ("__init__", "api"), ("__main__", "main"), ("manager", "unplaced")])
 def test_layer_of(module, expected):
     assert layer_of(module) == expected
 
 
-def test_the_check_sees_a_wrong_import(tmp_path):
-    """A copy of the package with an import added against the layering, and a private name
-    imported across modules: both found."""
+def test_the_layers_are_ordered_as_the_core_is_built():
+    assert RANKS["native"] < RANKS["ops"] < RANKS["observe"] < RANKS["transfer"] < RANKS["stores"]
+    assert RANKS["cache"] < RANKS["api"] < RANKS["demo"] < RANKS["main"]
+
+
+def _plant(copy: Path, module: str, source: str) -> None:
+    """Appends `source` to `module`'s file (dotted, under the copy), or makes the file."""
+    path = copy.joinpath(*module.split(".")).with_suffix(".py")
+    path.write_text((path.read_text() if path.exists() else "") + "\n" + source + "\n")
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    # the core's own order: ops below observe below transfer
+    ("ops._plan", "from ..transfer.pool import KVCacheBlockPool",
+     "ops imports transfer.pool, of layer transfer"),
+    ("ops.copy", "from ..observe import metrics", "ops imports observe.metrics, of layer observe"),
+    ("observe.metrics", "from ..transfer.manager import TransferStats",
+     "observe imports transfer.manager, of layer transfer"),
+    # the core against the layers above it, and the layers above against each other
+    ("transfer.manager", "from ..cache import BlockManager",
+     "transfer imports cache.__init__, of layer cache"),
+    ("connector.worker", "from ..cache.block_manager import BlockManager",
+     "connector imports cache.block_manager, of layer cache"),
+    ("demo.cli", "from ..bench import config", "demo imports bench.config, of layer bench"),
+    # privacy: a private name; a private module of the core from above it
+    ("transfer.manager", "from ..ops.copy import _one_count",
+     "imports the private name(s) ['_one_count'] of ops.copy"),
+    ("cache.block_manager", "from ..transfer._engines import Fence",
+     "imports transfer._engines, a private module of another folder"),
+    # the compiled modules: ops/_native.py alone loads them
+    ("transfer._batch", "from .. import _kvxfer_cpu",
+     "imports the compiled module _kvxfer_cpu; only ops._native does"),
+    # a module in no layer
+    ("helpers", "import numpy", "helpers.py: in no layer"),
+])
+def test_the_check_sees_a_planted_arrow(tmp_path, module, source, expected):
+    """A copy of the package with one import planted against the layering: found, and nothing
+    else is."""
     copy = tmp_path / "jax_kvxfer"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    manager = copy / "manager.py"
-    manager.write_text(manager.read_text() + "\nfrom .cache import BlockManager\n"
-                       "from .ops import _checked_view\n")
-    worker = copy / "connector" / "worker.py"
-    worker.write_text(worker.read_text() + "\nfrom ..cache.block_manager import BlockManager\n")
+    assert violations(copy) == []
+    _plant(copy, module, source)
     found = violations(copy)
-    assert any("manager.py" in f and "cache.__init__, of layer cache" in f for f in found), found
-    assert any("connector/worker.py" in f and "connector imports cache.block_manager" in f
-               for f in found), found
-    assert any("private name(s) ['_checked_view'] of ops" in f for f in found), found
+    assert len(found) == 1 and expected in found[0], found
 
 
-def test_the_check_sees_private_use_outside_the_package(tmp_path):
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_x.py").write_text(
+def test_the_chain_check_sees_a_chain_too_deep(tmp_path):
+    """A synthetic core of MAX_CHAIN + 1 modules importing one another in a row."""
+    root = tmp_path / "jax_kvxfer"
+    (root / "ops").mkdir(parents=True)
+    (root / "ops" / "__init__.py").write_text('"""ops."""\n')
+    names = [f"_m{k}" for k in range(MAX_CHAIN + 1)]
+    for name, below in zip(names, names[1:] + [None]):
+        (root / "ops" / f"{name}.py").write_text(
+            "" if below is None else f"from .{below} import X\n")
+    chain = deepest_chain(root)
+    assert chain == [f"ops.{n}" for n in names], chain
+    (root / "ops" / f"{names[0]}.py").write_text("")  # cut the first link: MAX_CHAIN deep
+    assert len(deepest_chain(root)) == MAX_CHAIN
+
+
+def test_the_check_sees_private_use_in_the_examples(tmp_path):
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "x.py").write_text(
         "import jax_kvxfer as kvx\n"
-        "from jax_kvxfer import _native, testing\n"
+        "from jax_kvxfer.ops import _native, copy_blocks\n"
         "from jax_kvxfer.ops._checks import IndexFacts\n"
-        "from jax_kvxfer.ops import _checked_view\n"
-        "from jax_kvxfer.ops._jax_seams import host_byte_views\n"
+        "from jax_kvxfer.ops.copy import _one_count\n"
+        "from jax_kvxfer.transfer import pool\n"
         "from jax_kvxfer.demo import cli\n"
         "kvx._lowering.eager_fn\n"
         "cli._private_helper\n"
-        "testing.dma_batches()\n")
-    (tmp_path / "tests" / "test_jax_seams.py").write_text(
-        "from jax_kvxfer import _jax_seams as seams\n")
+        "pool.KVCacheBlockPool\n")
     found = outside_violations(tmp_path)
-    for line, what in [(2, "_native"), (3, "_checks.IndexFacts"), (4, "ops._checked_view"),
-                       (5, "_jax_seams.host_byte_views"),
-                       (7, "_lowering"), (8, "demo.cli._private_helper")]:
-        assert any(f.startswith(f"tests/test_x.py:{line}: uses jax_kvxfer.{what},")
+    for line, what in [(2, "ops._native"), (3, "ops._checks.IndexFacts"),
+                       (4, "ops.copy._one_count"), (7, "_lowering"),
+                       (8, "demo.cli._private_helper")]:
+        assert any(f.startswith(f"examples/x.py:{line}: uses jax_kvxfer.{what},")
                    for f in found), (what, found)
-    assert len(found) == 6, found  # the seams' own test may import them; public names pass
+    assert len(found) == 5, found  # public modules and names pass
 
 
 def test_the_check_sees_a_target_spelled_outside_the_table(tmp_path):
@@ -300,11 +391,12 @@ def test_the_check_sees_a_target_spelled_outside_the_table(tmp_path):
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "ffi", ffi)
     assert spelled_targets(copy, ffi) == []
-    manager = copy / "manager.py"
+    manager = copy / "transfer" / "manager.py"
     manager.write_text(manager.read_text() + '\nTARGET = "jax_kvxfer_block_copy"\n'
                        'def f():\n    """Docs may name `jax_kvxfer_block_copy`."""\n')
     cuda = ffi / "block_copy_cuda.cu"
     cuda.write_text(cuda.read_text() + '\n// d["jax_kvxfer_extra"] = nullptr;\n')
     found = spelled_targets(copy, ffi)
     assert len(found) == 2, found
-    assert "jax_kvxfer/transfer/manager.py" in found[0] and "ffi/block_copy_cuda.cu" in found[1], found
+    assert "jax_kvxfer/transfer/manager.py" in found[0], found
+    assert "ffi/block_copy_cuda.cu" in found[1], found
