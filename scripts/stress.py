@@ -118,8 +118,8 @@ def sample_memory(manager: kvx.KVCacheTransferManager, collect: bool = False) ->
     """Live arrays and bytes now. Arrays are freed by reference counting the moment the last
     reference goes; `collect` also runs the cycle collector (30 ms: only when needed).
 
-    The manager's plan ring (jax_kvxfer/transfer/_plan_ring.py) is left out: a bounded set of small
-    pinned-host arrays, 16 per batch bucket, allocated when a bucket is first used."""
+    The manager's plan ring (jax_kvxfer/transfer/_plan_ring.py) is left out: a bounded set of
+    small pinned-host arrays, 16 per batch bucket, allocated when a bucket is first used."""
     if collect:
         gc.collect()
     plans = testing.plan_ring(manager)
