@@ -69,7 +69,7 @@ PRESETS = {
     "h200": {"vocab": 128256, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8,
              "head_dim": 128, "d_ff": 14336, "rope_theta": 500000.0, "dtype": "bfloat16",
              "conversations": 48, "turns": 5, "batch": 16, "prefill_rows": 4,
-             "prefill_budget": 2048,  # one packed segment [8, 256] a step
+             "prefill_budget": 2048,  # a packed segment of up to [8, 256] a step
              "system_tokens": 1024, "user_tokens": 1024, "gen_tokens": 32,
              "tokens_per_block": 16, "chunk": 256, "primary_blocks": 3840,
              "secondary_blocks": 16384, "arrival_rate": 4.0, "think_s": 1.0,
@@ -86,6 +86,17 @@ WORKLOADS = {
                 "gen_tokens": 6, "arrival_rate": 100.0, "low_priority_every": 0},
         "h200": {"conversations": 20, "turns": 4, "doc_tokens": (8192, 16384),
                  "user_tokens": 32, "gen_tokens": 32, "arrival_rate": 1.0, "batch": 8},
+    },
+    # bursts: short chats (a short system prompt, prompts of a few hundred tokens by the last
+    # turn) that arrive `burst` at a time, as a service's traffic does after a pause: many
+    # short prompts waiting at once, then mostly decode.
+    "bursts": {
+        "cpu": {"conversations": 32, "turns": 2, "system_tokens": 8, "user_tokens": 12,
+                "gen_tokens": 6, "think_s": 0.02, "arrival_rate": 200.0, "burst": 8,
+                "low_priority_every": 0},
+        "h200": {"conversations": 192, "turns": 3, "system_tokens": 64, "user_tokens": 128,
+                 "gen_tokens": 32, "think_s": 0.5, "arrival_rate": 16.0, "burst": 16,
+                 "low_priority_every": 0},
     },
     "lowreuse": {
         "cpu": {"conversations": 32, "turns": 2, "system_tokens": 16, "user_tokens": 24,
@@ -221,11 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
              ("gen-tokens", 1, "mean tokens of a reply (log-normal)"),
              ("tokens-per-block", 1, "tokens per KV block"),
              ("chunk", 1, "prompt tokens a request computes per model step"),
-             ("prefill-budget", 0, ("prompt tokens one step computes, packed across requests "
-                                    "(chunked prefill): one segment [budget / chunk, chunk], "
+             ("prefill-budget", 0, ("prompt tokens one step computes at most, packed across "
+                                    "requests (chunked prefill) in one segment [rows, chunk], "
                                     "each row one chunk-aligned piece of one request's prompt; "
-                                    "a multiple of --chunk, or 0: a segment [1, chunk] for "
-                                    "each of up to --prefill-rows requests")),
+                                    "not given: the preset's, each step's rows the fewest of 1, "
+                                    "2, 4, ... that hold what waits; given: always budget / "
+                                    "chunk rows; a multiple of --chunk, or 0: a segment "
+                                    "[1, chunk] for each of up to --prefill-rows requests")),
              ("prefill-rows", 1, "with --prefill-budget 0: requests computing chunks in a step"),
              ("primary-blocks", 1, "device pool blocks of the offloading run"),
              ("secondary-blocks", 0, "pinned-host pool blocks of the offloading run")]
@@ -237,13 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "precision, bfloat16 at the default")
     p.add_argument("--rope-theta", type=_float_at_least(1.0), default=None,
                    help="RoPE base (preset's value by default)")
-    p.add_argument("--workload", choices=("chats", "docqa", "lowreuse"), default="chats",
+    p.add_argument("--workload", choices=("chats", "docqa", "lowreuse", "bursts"),
+                   default="chats",
                    help="chats: multi-turn chats sharing a system prompt; docqa: --conversations "
                         "documents of --doc-tokens tokens, each asked --turns short questions "
                         "(--user-tokens, answered in --gen-tokens), the questions of different "
                         "documents interleaved, --arrival-rate questions a second; lowreuse: "
                         "short chats whose reuse the GPU pool holds (the case where offloading "
-                        "can only cost). Each has sizes per --preset")
+                        "can only cost); bursts: short chats arriving 16 at a time (8 on the "
+                        "cpu preset). Each has sizes per --preset")
     p.add_argument("--doc-tokens", type=_token_range, default=None, metavar="LOW-HIGH",
                    help="docqa: document lengths, uniform in [LOW, HIGH] (or one length)")
     p.add_argument("--arrival-rate", type=_rates, default=None, metavar="RATE[,RATE...]",
@@ -255,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mean seconds between a reply and the next turn (preset's value by "
                         "default)")
     p.add_argument("--gpu-fraction", type=_fraction, default=None, metavar="F",
-                   help=f"pools sized from the workload (--trace, docqa, lowreuse, unless "
+                   help=f"pools sized from the workload (--trace, docqa, lowreuse, bursts, unless "
                         f"--primary-blocks / --secondary-blocks are given): the GPU pool holds F "
                         f"of the working set (the blocks the workload stores), the host pool all "
                         f"of it; {GPU_FRACTION:g} by default")
@@ -384,7 +399,8 @@ def synthetic_chats(cfg: dict, vocab_size: int, seed: int) -> list[workloads.Con
         conversations=cfg["conversations"], turns=cfg["turns"],
         system_tokens=cfg["system_tokens"], user_tokens=cfg["user_tokens"],
         assistant_tokens=cfg["gen_tokens"], think_s=cfg["think_s"],
-        arrival_rate=cfg["arrival_rate"] or 1e9, vocab_size=vocab_size, seed=seed)
+        arrival_rate=cfg["arrival_rate"] or 1e9, vocab_size=vocab_size,
+        burst=cfg.get("burst", 1), seed=seed)
 
 
 def workload(name: str, cfg: dict, vocab_size: int, seed: int) -> list[workloads.Conversation]:
@@ -823,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.update(WORKLOADS[args.workload][args.preset])
     cfg.setdefault("doc_tokens", None)
     for key in cfg:
-        value = getattr(args, key)
+        value = getattr(args, key, None)  # (a workload's own sizes, burst, have no option)
         if value is not None:
             cfg[key] = value
     rates = args.arrival_rate or [cfg["arrival_rate"]]
@@ -879,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
                                           kv_block_nbytes(model, cfg["tokens_per_block"])))),
               file=sys.stderr)
     budget = cfg["prefill_budget"]
+    cfg["prefill_shapes"] = "fixed" if args.prefill_budget is not None else "auto"
     if budget % cfg["chunk"]:
         given = "" if args.prefill_budget is not None else f" (--preset {args.preset}'s)"
         parser.error(f"--prefill-budget {budget}{given} must be a multiple of --chunk "
@@ -1040,7 +1057,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
             if args.devices > 1 else None)
     params = None  # made after the replica runs (their processes take the GPU's memory first)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
-              "prefill_budget": cfg["prefill_budget"],
+              "prefill_budget": cfg["prefill_budget"], "prefill_shapes": cfg["prefill_shapes"],
               "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
               "priorities": priorities,
               "stop_token": None if real is None else real[1].eos_id,
@@ -1127,7 +1144,7 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
     n = cfg["replicas"]
     server = {"max_blocks": serving.max_request_blocks(convs, cfg["tokens_per_block"]),
               "batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
-              "prefill_budget": cfg["prefill_budget"],
+              "prefill_budget": cfg["prefill_budget"], "prefill_shapes": cfg["prefill_shapes"],
               "tokens_per_block": cfg["tokens_per_block"], "primary_blocks": primary,
               "secondary_blocks": secondary, "dma": common["dma"],
               "stop_token": common["stop_token"]}
@@ -1265,8 +1282,8 @@ def _source(args: argparse.Namespace, cfg: dict) -> str:
         low, high = cfg["doc_tokens"]
         return (f"docqa: {cfg['conversations']} documents of {low:,}-{high:,} tokens × "
                 f"{cfg['turns']} questions")
-    return (f"{'low reuse: ' if args.workload == 'lowreuse' else ''}{cfg['conversations']} chats "
-            f"× {cfg['turns']} turns")
+    kind = {"lowreuse": "low reuse: ", "bursts": f"bursts of {cfg.get('burst', 1)}: "}
+    return (f"{kind.get(args.workload, '')}{cfg['conversations']} chats × {cfg['turns']} turns")
 
 
 def _times(ratio: float | None, above: str, below: str) -> str:

@@ -57,12 +57,13 @@ def _lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, n: i
 
 def chat_workload(*, conversations: int, turns: int, system_tokens: int, user_tokens: float,
                   assistant_tokens: float, think_s: float, arrival_rate: float, vocab_size: int,
-                  length_sigma: float = 0.5, seed: int = 0) -> list[Conversation]:
+                  length_sigma: float = 0.5, burst: int = 1, seed: int = 0) -> list[Conversation]:
     """Synthetic multi-turn chats.
 
     Args:
       conversations: how many; their starts are a Poisson process of `arrival_rate` per
-        second (the first at 0).
+        second (the first at 0), in groups of `burst` that start at the same instant (the
+        groups a Poisson process of `arrival_rate / burst` a second: the same mean rate).
       turns: turns per conversation.
       system_tokens: the shared system prompt every conversation starts with.
       user_tokens, assistant_tokens: mean tokens a user message adds and a reply generates
@@ -75,6 +76,7 @@ def chat_workload(*, conversations: int, turns: int, system_tokens: int, user_to
       ValueError: a count below 1 (system_tokens below 0), a rate, mean or time not positive.
     """
     for name, value, low in (("conversations", conversations, 1), ("turns", turns, 1),
+                             ("burst", burst, 1),
                              ("system_tokens", system_tokens, 0), ("vocab_size", vocab_size, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -86,7 +88,8 @@ def chat_workload(*, conversations: int, turns: int, system_tokens: int, user_to
         raise ValueError(f"think_s must be >= 0, got {think_s!r}")
     rng = np.random.default_rng(seed)
     system = tuple(int(t) for t in rng.integers(0, vocab_size, system_tokens))
-    gaps = rng.exponential(1.0 / arrival_rate, conversations)
+    gaps = rng.exponential(burst / arrival_rate, conversations)
+    gaps[np.arange(conversations) % burst != 0] = 0.0  # a burst's conversations start together
     starts = np.concatenate([[0.0], np.cumsum(gaps[1:])])
     user_lens = _lognormal_lengths(rng, user_tokens, length_sigma, conversations * turns)
     out_lens = _lognormal_lengths(rng, assistant_tokens, length_sigma, conversations * turns)

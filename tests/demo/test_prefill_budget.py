@@ -128,10 +128,49 @@ def test_the_demo_passes_the_budget_to_every_run(monkeypatch, capsys):
     real_run = serving.run
 
     def run(*args, **kwargs):
-        budgets.append((kwargs["prefill_budget"], kwargs["prefill_rows"]))
+        budgets.append((kwargs["prefill_budget"], kwargs["prefill_rows"],
+                        kwargs["prefill_shapes"]))
         return real_run(*args, **kwargs)
 
     monkeypatch.setattr(serving, "run", run)
     assert demo.main(TINY + ["--prefill-budget", "8"]) == 0
-    assert budgets == [(8, 2)] * 3  # the offload, drop and never_evict runs
+    assert budgets == [(8, 2, "fixed")] * 3  # the offload, drop and never_evict runs
     assert "exactness offload vs never_evict: PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget_rows", range(20))
+def test_auto_shapes_are_powers_of_two_then_the_budget_and_the_fewest_that_hold(budget_rows):
+    choices = serving.segment_row_choices(budget_rows)
+    # brute force: every power of two below the budget's rows, then the budget's own
+    want = sorted({2 ** k for k in range(8) if 2 ** k < budget_rows} | {budget_rows} - {0})
+    assert list(choices) == want
+    for needed in range(budget_rows + 3):
+        got = serving.fewest_rows(choices, needed)
+        holding = [c for c in want if c >= needed]
+        assert got == (min(holding) if holding else max(want, default=0))
+
+
+@pytest.mark.slow
+def test_auto_shapes_keep_tokens_and_logits_within_the_demos_tolerance(chats):
+    """Each step's segment the fewest rows that hold its prompts: smaller steps when little
+    waits. A chunk may then run in another shape in another run, whose matrix products round
+    differently: offload and never_evict (both auto) and a fixed budget agree on every token,
+    their logits within the demo's tolerance, and auto runs fewer padded rows."""
+    params = init_params(MODEL, seed=2)
+    need = serving.max_request_blocks(chats, T)
+    never = serving.blocks_to_never_evict(chats, BATCH, T)
+    runs = {}
+    for name, shapes, primary, secondary in (("offload", "auto", need + 2, 200),
+                                             ("never_evict", "auto", never, 0),
+                                             ("fixed", "fixed", never, 0)):
+        runs[name] = serving.run(MODEL, params, chats, batch=BATCH, chunk=CHUNK,
+                                 tokens_per_block=T, primary_blocks=primary,
+                                 secondary_blocks=secondary, prefill_budget=8 * CHUNK,
+                                 prefill_shapes=shapes, fixed_step_s=0.01)
+    assert runs["offload"].block_stats.onboarded_blocks > 0
+    tol = demo.TOLERANCE["float32"]
+    for name in ("offload", "fixed"):
+        exact, max_diff, first_bad = serving.compare(runs[name], runs["never_evict"],
+                                                     atol=tol, rtol=tol)
+        assert exact, (name, max_diff, first_bad)
+    assert runs["never_evict"].prefill_rows_run < runs["fixed"].prefill_rows_run
