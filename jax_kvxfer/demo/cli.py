@@ -69,7 +69,7 @@ PRESETS = {
     "h200": {"vocab": 128256, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8,
              "head_dim": 128, "d_ff": 14336, "rope_theta": 500000.0, "dtype": "bfloat16",
              "conversations": 48, "turns": 5, "batch": 16, "prefill_rows": 4,
-             "prefill_budget": 2048,  # a packed segment of up to [8, 256] a step
+             "prefill_budget": 2048,  # one packed segment [8, 256] a step (long prompts)
              "system_tokens": 1024, "user_tokens": 1024, "gen_tokens": 32,
              "tokens_per_block": 16, "chunk": 256, "primary_blocks": 3840,
              "secondary_blocks": 16384, "arrival_rate": 4.0, "think_s": 1.0,
@@ -233,12 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
              ("tokens-per-block", 1, "tokens per KV block"),
              ("chunk", 1, "prompt tokens a request computes per model step"),
              ("prefill-budget", 0, ("prompt tokens one step computes at most, packed across "
-                                    "requests (chunked prefill) in one segment [rows, chunk], "
-                                    "each row one chunk-aligned piece of one request's prompt; "
-                                    "not given: the preset's, each step's rows the fewest of 1, "
-                                    "2, 4, ... that hold what waits; given: always budget / "
-                                    "chunk rows; a multiple of --chunk, or 0: a segment "
-                                    "[1, chunk] for each of up to --prefill-rows requests")),
+                                    "requests (chunked prefill) in one segment [budget / chunk, "
+                                    "chunk], each row one chunk-aligned piece of one request's "
+                                    "prompt; a multiple of --chunk, or 0: a segment [1, chunk] "
+                                    "for each of up to --prefill-rows requests. Not given: the "
+                                    "preset's where the workload's prompts average at least "
+                                    "half of it, else 0")),
              ("prefill-rows", 1, "with --prefill-budget 0: requests computing chunks in a step"),
              ("primary-blocks", 1, "device pool blocks of the offloading run"),
              ("secondary-blocks", 0, "pinned-host pool blocks of the offloading run")]
@@ -895,11 +895,15 @@ def main(argv: list[str] | None = None) -> int:
                                           kv_block_nbytes(model, cfg["tokens_per_block"])))),
               file=sys.stderr)
     budget = cfg["prefill_budget"]
-    cfg["prefill_shapes"] = "fixed" if args.prefill_budget is not None else "auto"
     if budget % cfg["chunk"]:
         given = "" if args.prefill_budget is not None else f" (--preset {args.preset}'s)"
         parser.error(f"--prefill-budget {budget}{given} must be a multiple of --chunk "
                      f"{cfg['chunk']} (or 0: a segment [1, chunk] per request)")
+    if args.prefill_budget is None:  # the preset's packed budget, or 0 for short prompts
+        budget, why = serving.prefill_budget_for(convs, budget) if args.prefill_rows is None \
+            else (0, "a segment [1, chunk] for each of --prefill-rows requests")
+        cfg["prefill_budget"] = budget
+        print(f"prefill: {why} (--prefill-budget N forces one)", file=sys.stderr)
     if budget and args.prefill_rows is not None:
         parser.error(f"--prefill-rows needs --prefill-budget 0 (the budget, {budget} tokens, "
                      f"packs {budget // cfg['chunk']} rows of --chunk {cfg['chunk']} into one "
@@ -1057,7 +1061,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
             if args.devices > 1 else None)
     params = None  # made after the replica runs (their processes take the GPU's memory first)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
-              "prefill_budget": cfg["prefill_budget"], "prefill_shapes": cfg["prefill_shapes"],
+              "prefill_budget": cfg["prefill_budget"],
               "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
               "priorities": priorities,
               "stop_token": None if real is None else real[1].eos_id,
@@ -1144,7 +1148,7 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
     n = cfg["replicas"]
     server = {"max_blocks": serving.max_request_blocks(convs, cfg["tokens_per_block"]),
               "batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
-              "prefill_budget": cfg["prefill_budget"], "prefill_shapes": cfg["prefill_shapes"],
+              "prefill_budget": cfg["prefill_budget"],
               "tokens_per_block": cfg["tokens_per_block"], "primary_blocks": primary,
               "secondary_blocks": secondary, "dma": common["dma"],
               "stop_token": common["stop_token"]}

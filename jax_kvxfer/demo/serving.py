@@ -136,10 +136,6 @@ class RunResult:
     # Where the steps' wall time went, in seconds over the run (STEP_PHASES, and "step": the
     # steps' wall time in all, so that what is not in a phase is the serving loop's own).
     step_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    # Rows of `chunk` prompt tokens the steps' prefill segments held, padding included (the
-    # prefill compute a schedule paid), and the prompt tokens they computed.
-    prefill_rows_run: int = 0
-    prefill_tokens_run: int = 0
 
     def metrics(self) -> dict[str, object]:
         """TTFT, TPOT, throughput and cache figures, as the demo reports them."""
@@ -227,10 +223,30 @@ def blocks_to_never_evict(conversations: Sequence[Conversation], batch: int,
             + batch * max_request_blocks(conversations, tokens_per_block))
 
 
+def prefill_budget_for(conversations: Sequence[Conversation], budget: int) -> tuple[int, str]:
+    """The prefill schedule for a workload, and why: `budget` tokens packed in one segment a
+    step where its prompts average at least half of it, else 0 (a segment `[1, chunk]` per
+    prefilling request). A packed segment costs its full size whenever a prompt waits, so short
+    prompts leave it mostly padding: on the H200 a public conversation trace of ~400-token
+    prompts ran 1.5x slower to first token with a 2,048-token budget than with 0, and the
+    bursts workload (prompts of 200-450 tokens) 1.5x; the chats (prompts of 2-6k tokens) and a
+    trace of 0.7-2k-token prompts ran faster packed (docs/performance.md). The choice is the
+    same for every run of a workload, so that each run computes a token in the same shape of
+    segment, and runs agree bit for bit."""
+    lengths = [len(c.prefix) + sum(len(u.user) + u.output_len for u in c.turns[:t])
+               + len(c.turns[t].user) for c in conversations for t in range(len(c.turns))]
+    mean = sum(lengths) / max(len(lengths), 1)
+    if not budget or mean >= budget / 2:
+        return budget, f"{budget} prompt tokens a step in one packed segment (prompts average " \
+                       f"{mean:,.0f} tokens)" if budget else "a segment [1, chunk] per request"
+    return 0, (f"a segment [1, chunk] per request, not the preset's {budget}-token packed "
+               f"segment (prompts average {mean:,.0f} tokens, under half of it)")
+
+
 def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation], *,
         batch: int, chunk: int, tokens_per_block: int, primary_blocks: int,
         secondary_blocks: int, prefill_rows: int = 1, prefill_budget: int = 0,
-        prefill_shapes: str = "fixed", priorities: Sequence[int] | None = None,
+        priorities: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
         stop_token: int | None = None, fixed_step_s: float | None = None,
@@ -239,7 +255,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     `batch` requests run at once; a step decodes those whose prompt is computed and prefills
     the others: up to `prefill_budget` prompt tokens packed across them in rows of `chunk`
     (a multiple of `chunk`), or, with a budget of 0, `chunk` tokens of up to `prefill_rows` of
-    them, a segment each; `prefill_shapes`: `Server`'s. A turn's reply ends after its `output_len` tokens, or once it
+    them, a segment each. A turn's reply ends after its `output_len` tokens, or once it
     generates `stop_token` (kept).
     `fixed_step_s`: the clock advances by this much per step instead of the wall time, so
     that the schedule is the same on every machine and in every run (tests).
@@ -254,8 +270,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     server = Server(model, params, max_blocks=max_request_blocks(conversations, tokens_per_block),
                     batch=batch, chunk=chunk, tokens_per_block=tokens_per_block,
                     primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
-                    prefill_rows=prefill_rows, prefill_budget=prefill_budget,
-                    prefill_shapes=prefill_shapes, mesh=mesh,
+                    prefill_rows=prefill_rows, prefill_budget=prefill_budget, mesh=mesh,
                     dma=dma, stop_token=stop_token,
                     stores=stores, admission=admission)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
@@ -295,24 +310,19 @@ class Server:
     def __init__(self, model: ModelConfig, params: dict, *, max_blocks: int, batch: int,
                  chunk: int, tokens_per_block: int, primary_blocks: int,
                  secondary_blocks: int, prefill_rows: int = 1, prefill_budget: int = 0,
-                 prefill_shapes: str = "fixed", mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
+                 mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
                  stop_token: int | None = None, stores: Sequence[Store] = (),
                  store_on_release: bool = False, admission: str | None = None) -> None:
         """`max_blocks`: the most primary blocks one request needs (block tables' width);
         `prefill_budget`: prompt tokens a step computes, packed across requests in one segment
         `[prefill_budget / chunk, chunk]` (a multiple of `chunk`; 0: a segment `[1, chunk]`
-        for each of up to `prefill_rows` requests); `prefill_shapes`: with a budget, "fixed"
-        (every step's segment has the budget's rows) or "auto" (each step's has the fewest
-        rows of `segment_row_choices` that hold what the budget gives the waiting prompts);
-        `store_on_release`: the block manager
+        for each of up to `prefill_rows` requests); `store_on_release`: the block manager
         writes a finished turn's blocks to the stores at once (replicas sharing a store), not
         only once they are evicted to the host."""
         if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or \
                 prefill_budget < 0 or prefill_budget % chunk:
             raise ValueError(f"prefill_budget must be 0 or a positive multiple of chunk "
                              f"({chunk}), got {prefill_budget!r}")
-        if prefill_shapes not in ("fixed", "auto"):
-            raise ValueError(f"prefill_shapes must be 'fixed' or 'auto', got {prefill_shapes!r}")
         if max_blocks > primary_blocks:
             raise PoolExhaustedError(f"a request may need {max_blocks} primary blocks, but the "
                                      f"pool has {primary_blocks}")
@@ -329,9 +339,6 @@ class Server:
         self.prefill_rows = min(prefill_rows, batch)
         self.prefill_budget = prefill_budget
         self.budget_rows = prefill_budget // chunk  # rows of the packed segment (0: none)
-        # the packed segment's shapes, each compiled once
-        self.row_choices = (segment_row_choices(self.budget_rows) if prefill_shapes == "auto"
-                            else (self.budget_rows,) if self.budget_rows else ())
         self.stop_token, self.stores = stop_token, tuple(stores)
         self.bm: BlockManager | None = None  # made once the transfers are compiled
         self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # host wall time, summed
@@ -354,16 +361,16 @@ class Server:
                 tables[r, :len(table)] = table
             return Rows(tok, pos, tables, last)
 
-        def forward(prefills: list, decodes: list, *, segments: int,
-                    rows: int = 0) -> tuple[list, np.ndarray]:
+        def forward(prefills: list, decodes: list, *, segments: int) -> tuple[list, np.ndarray]:
             """One step of `segments` prefill segments and the decode segment: the logits of
             each prefill's last token and of each decode. With a budget, at most one prefill
-            segment of `rows` rows, packing every prefill (aligned rows); without, one
-            request's chunk each, the first `len(prefills)` of them real."""
+            segment, packing every prefill (aligned rows); without, one request's chunk each,
+            the first `len(prefills)` of them real."""
             if self.budget_rows:
                 packed, last_rows = pack_prefill(
                     [(toks, start, self.bm.block_table(sid)) for sid, toks, start in prefills],
-                    rows=rows, row_tokens=chunk, max_blocks=max_blocks, aligned=True)
+                    rows=self.budget_rows, row_tokens=chunk, max_blocks=max_blocks,
+                    aligned=True)
                 logits, pool.primary = step(params, pool.primary,
                                             (packed,) * segments + (segment(decodes, batch, 1),))
                 out = wait(logits)
@@ -383,12 +390,10 @@ class Server:
             return out
 
         self._forward = forward
-        # compiles every kind of step (no writes): with a budget, without the packed segment
-        # and with each of its shapes; without, with 0 to prefill_rows segments
-        for k in range(self.prefill_rows + 1 if not self.budget_rows else 1):
+        # compiles every kind of step (no writes): with a budget, with and without the packed
+        # segment; without, with 0 to prefill_rows segments
+        for k in range(2 if self.budget_rows else self.prefill_rows + 1):
             forward([], [], segments=k)
-        for rows in self.row_choices:
-            forward([], [], segments=1, rows=rows)
         t1 = time.perf_counter()
         _warm_up_transfers(transfers, pool, min(primary_blocks, batch * max_blocks))
         self.compile_seconds = time.perf_counter() - t0
@@ -406,7 +411,6 @@ class Server:
         self._reading: set[tuple[int, int]] = set()
         self._step: tuple | None = None  # the last step's rows and logits, for collect
         self.full_step_flops = 0  # the last step's, when its prefill segment was full
-        self.prefill_rows_run = self.prefill_tokens_run = 0
         self._closed = False
         self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # (the compiles' waits not counted)
         self.transfer_stats: TransferStats | None = None
@@ -548,19 +552,14 @@ class Server:
         bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
         t2 = time.perf_counter()
         segments = min(len(prefills), 1) if self.budget_rows else len(prefills)
-        rows = fewest_rows(self.row_choices, sum(_aligned_rows(start, len(toks), chunk)
-                                                 for _, toks, start in prefills))
-        self.prefill_rows_run += rows * segments if self.budget_rows else segments
-        self.prefill_tokens_run += sum(len(toks) for _, toks, _ in prefills)
         waited = self.step_seconds["model wait"]
-        prefill_logits, decode_logits = self._forward(prefills, decodes, segments=segments,
-                                                      rows=rows)
+        prefill_logits, decode_logits = self._forward(prefills, decodes, segments=segments)
         phases = self.step_seconds
         phases["block manager"] += t1 - t0
         phases["transfers"] += t2 - t1
         phases["model dispatch"] += (time.perf_counter() - t2) - (phases["model wait"] - waited)
         self.full_step_flops = 0
-        if self.budget_rows:  # full: every row of the budget's segment holds tokens
+        if self.budget_rows:  # full: every row of the packed segment holds tokens
             full = prefills and sum(_aligned_rows(start, len(toks), chunk)
                                     for _, toks, start in prefills) == self.budget_rows
         else:  # full: prefill_rows segments, each a whole chunk
@@ -655,30 +654,7 @@ class Server:
             full_prefill_flops=full_flops, full_prefill_seconds=full_seconds,
             store_stats=store_stats, store_close_seconds=self.close_seconds if self.stores
             else 0.0, offloads_declined=bm.admission.declined, admission=bm.admission.name,
-            step_seconds={**self.step_seconds, "step": step_seconds},
-            prefill_rows_run=self.prefill_rows_run, prefill_tokens_run=self.prefill_tokens_run)
-
-
-def segment_row_choices(budget_rows: int) -> tuple[int, ...]:
-    """The packed prefill segment's shapes under `prefill_shapes="auto"`: 1, 2, 4, ... rows up
-    to the budget's (its own count last). On the H200 (Llama-8B shapes, 256-token rows) a step's
-    prefill costs about 6 ms + 7 ms a row (docs/performance.md), so a step that has two rows of
-    prompt to compute runs them in a segment of two rather than the budget's eight."""
-    if budget_rows <= 0:
-        return ()
-    choices = [1]
-    while choices[-1] * 2 < budget_rows:
-        choices.append(choices[-1] * 2)
-    return tuple(choices) if choices[-1] == budget_rows else (*choices, budget_rows)
-
-
-def fewest_rows(choices: Sequence[int], needed: int) -> int:
-    """The smallest of `choices` (ascending) that holds `needed` rows, the largest when none
-    does; 0 without choices."""
-    for rows in choices:
-        if rows >= needed:
-            return rows
-    return choices[-1] if choices else 0
+            step_seconds={**self.step_seconds, "step": step_seconds})
 
 
 def _aligned_rows(start: int, n: int, row_tokens: int) -> int:

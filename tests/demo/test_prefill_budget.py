@@ -112,7 +112,8 @@ TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--
     (["--prefill-budget", "6"], "--prefill-budget 6 must be a multiple of --chunk 4"),
     (["--prefill-budget", "-4"], "--prefill-budget: must be >= 0"),
     (["--chunk", "5"], "--prefill-budget 32 (--preset cpu's) must be a multiple of --chunk 5"),
-    (["--prefill-rows", "2"], "--prefill-rows needs --prefill-budget 0"),
+    (["--prefill-budget", "8", "--prefill-rows", "2"],
+     "--prefill-rows needs --prefill-budget 0"),
 ])
 def test_bad_budgets_one_line_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -128,49 +129,50 @@ def test_the_demo_passes_the_budget_to_every_run(monkeypatch, capsys):
     real_run = serving.run
 
     def run(*args, **kwargs):
-        budgets.append((kwargs["prefill_budget"], kwargs["prefill_rows"],
-                        kwargs["prefill_shapes"]))
+        budgets.append((kwargs["prefill_budget"], kwargs["prefill_rows"]))
         return real_run(*args, **kwargs)
 
     monkeypatch.setattr(serving, "run", run)
     assert demo.main(TINY + ["--prefill-budget", "8"]) == 0
-    assert budgets == [(8, 2, "fixed")] * 3  # the offload, drop and never_evict runs
+    assert budgets == [(8, 2)] * 3  # the offload, drop and never_evict runs
     assert "exactness offload vs never_evict: PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("budget_rows", range(20))
-def test_auto_shapes_are_powers_of_two_then_the_budget_and_the_fewest_that_hold(budget_rows):
-    choices = serving.segment_row_choices(budget_rows)
-    # brute force: every power of two below the budget's rows, then the budget's own
-    want = sorted({2 ** k for k in range(8) if 2 ** k < budget_rows} | {budget_rows} - {0})
-    assert list(choices) == want
-    for needed in range(budget_rows + 3):
-        got = serving.fewest_rows(choices, needed)
-        holding = [c for c in want if c >= needed]
-        assert got == (min(holding) if holding else max(want, default=0))
+@pytest.mark.parametrize("seed", range(6))
+def test_the_budget_packs_long_prompts_and_gives_short_ones_a_segment_each(seed):
+    rng = np.random.default_rng(seed)
+    convs = workloads.chat_workload(
+        conversations=int(rng.integers(1, 6)), turns=int(rng.integers(1, 4)),
+        system_tokens=int(rng.integers(0, 40)), user_tokens=float(rng.uniform(2, 30)),
+        assistant_tokens=float(rng.uniform(2, 10)), think_s=0.0, arrival_rate=10.0,
+        vocab_size=64, seed=seed)
+    # reference: each turn's whole prompt, built as the serving loop sees it (the prefix, the
+    # earlier turns with their replies, the new message), then its mean length
+    prompts = []
+    for c in convs:
+        history = list(c.prefix)
+        for turn in c.turns:
+            prompts.append(history + list(turn.user))
+            history = prompts[-1] + [0] * turn.output_len
+    mean = np.mean([len(p) for p in prompts])
+    for budget in (0, 8, 16, 32, 64, 128):
+        got, why = serving.prefill_budget_for(convs, budget)
+        assert got == (budget if mean >= budget / 2 else 0), (budget, mean)
+        assert (f"{mean:,.0f} tokens" in why) == bool(budget)
 
 
-@pytest.mark.slow
-def test_auto_shapes_keep_tokens_and_logits_within_the_demos_tolerance(chats):
-    """Each step's segment the fewest rows that hold its prompts: smaller steps when little
-    waits. A chunk may then run in another shape in another run, whose matrix products round
-    differently: offload and never_evict (both auto) and a fixed budget agree on every token,
-    their logits within the demo's tolerance, and auto runs fewer padded rows."""
-    params = init_params(MODEL, seed=2)
-    need = serving.max_request_blocks(chats, T)
-    never = serving.blocks_to_never_evict(chats, BATCH, T)
-    runs = {}
-    for name, shapes, primary, secondary in (("offload", "auto", need + 2, 200),
-                                             ("never_evict", "auto", never, 0),
-                                             ("fixed", "fixed", never, 0)):
-        runs[name] = serving.run(MODEL, params, chats, batch=BATCH, chunk=CHUNK,
-                                 tokens_per_block=T, primary_blocks=primary,
-                                 secondary_blocks=secondary, prefill_budget=8 * CHUNK,
-                                 prefill_shapes=shapes, fixed_step_s=0.01)
-    assert runs["offload"].block_stats.onboarded_blocks > 0
-    tol = demo.TOLERANCE["float32"]
-    for name in ("offload", "fixed"):
-        exact, max_diff, first_bad = serving.compare(runs[name], runs["never_evict"],
-                                                     atol=tol, rtol=tol)
-        assert exact, (name, max_diff, first_bad)
-    assert runs["never_evict"].prefill_rows_run < runs["fixed"].prefill_rows_run
+def test_an_unforced_budget_follows_the_prompts(monkeypatch, capsys):
+    budgets = []
+
+    def run(*args, **kwargs):
+        budgets.append(kwargs["prefill_budget"])
+        raise SystemExit(0)  # the budget is all this test needs
+
+    monkeypatch.setattr(serving, "run", run)
+    for sizes, want in ((["--system-tokens", "60", "--user-tokens", "20"], 32),
+                        (["--system-tokens", "0", "--user-tokens", "3", "--gen-tokens", "2"], 0)):
+        budgets.clear()
+        with pytest.raises(SystemExit):
+            demo.main(TINY + sizes)
+        assert budgets[:1] == [want]
+        assert "(--prefill-budget N forces one)" in capsys.readouterr().err
