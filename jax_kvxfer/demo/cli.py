@@ -903,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
         budget, why = serving.prefill_budget_for(convs, budget) if args.prefill_rows is None \
             else (0, "a segment [1, chunk] for each of --prefill-rows requests")
         cfg["prefill_budget"] = budget
-        print(f"prefill: {why} (--prefill-budget N forces one)", file=sys.stderr)
+        cfg["prefill_why"] = f"prefill: {why} (--prefill-budget N forces one)"
     if budget and args.prefill_rows is not None:
         parser.error(f"--prefill-rows needs --prefill-budget 0 (the budget, {budget} tokens, "
                      f"packs {budget // cfg['chunk']} rows of --chunk {cfg['chunk']} into one "
@@ -1057,6 +1057,8 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     if shortfall is not None:
         print(f"jax-kvxfer demo: error: {shortfall}", file=sys.stderr)
         return 2
+    if "prefill_why" in cfg:
+        print(cfg["prefill_why"], file=sys.stderr)
     mesh = (jax.sharding.Mesh(np.array(devices[:args.devices]), (TP_AXIS,))
             if args.devices > 1 else None)
     params = None  # made after the replica runs (their processes take the GPU's memory first)
