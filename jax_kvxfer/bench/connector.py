@@ -6,7 +6,8 @@ holds but for its last block (`lookup`, `prepare_load`, `touch`, `complete_load`
 blocks that the step's 2,048-token prefill budget computes stored (`prepare_store`, each
 evicting one stored the step before, and `complete_store`), then `take_events`. The engine's hashes are ints. No
 device is involved: this is the Python the engine's scheduler runs each step. Reported: the
-median and 90th percentile of a step over many, and each call's median.
+median and 90th percentile of a step over many, and each call's median. Then the host case
+(host_step.py): the block manager's calls of a whole demo step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from ..connector import OffloadingManager
 from .helpers import median
+from .host_step import host_line, run_host
 
 TARGET_S = 0.3e-3  # a step's scheduler-side calls, at most
 DECODED_PRIORITY = 20  # the step's new blocks: below the prompts' default 35
@@ -76,6 +78,8 @@ class ConnectorMixin:
                     "step_p90_s": totals[int(0.9 * (len(totals) - 1))],
                     "calls_s": {k: median(v) for k, v in calls.items()}, "target_s": TARGET_S})
         self.log("connector: " + connector_line(sec))
+        sec["host"] = run_host(self.cfg.quick)  # the block manager's calls a demo step makes
+        self.log("connector: " + host_line(sec["host"]))
         self.save()
 
 
@@ -89,4 +93,5 @@ def connector_line(sec: dict[str, Any]) -> str:
 
 
 def connector_summary(sec: dict[str, Any]) -> list[str]:
-    return [f"connector: {connector_line(sec)}"] if "step_s" in sec else []
+    return (([f"connector: {connector_line(sec)}"] if "step_s" in sec else [])
+            + ([f"connector: {host_line(sec['host'])}"] if "host" in sec else []))

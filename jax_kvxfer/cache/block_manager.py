@@ -29,7 +29,7 @@ from ..connector.lru import (
     check_priority,
 )
 from ..observe import events as kv_events
-from ..observe.metrics import BlockManagerReport, check_metrics_choice
+from ..observe.metrics import BlockManagerReport, check_metrics_choice, check_name
 from ..stores.base import Store, StoreStats
 from ..transfer.manager import KVCacheTransferManager
 from ..transfer.pool import KVCacheBlockPool
@@ -38,6 +38,7 @@ from .block_cache import (
     BlockIndex,
     BlockManagerStats,
     CachedBlock,
+    KeyChains,
     PoolExhaustedError,
     PrefixMatch,
     StepTransfers,
@@ -122,7 +123,7 @@ class BlockManager:
                  admission: str | AdmissionPolicy | None = None,
                  stores: Sequence[Store] = (), store_on_release: bool = False,
                  events: kv_events.KVEventPublisher | None = None,
-                 metrics: bool | None = None) -> None:
+                 metrics: bool | None = None, name: str | None = None) -> None:
         """Args:
           pools: the pool(s) a block spans (their block counts and tokens per block agree).
           transfer_manager: moves the blocks (default: `KVCacheTransferManager(pools)`).
@@ -149,6 +150,8 @@ class BlockManager:
             publisher of `events.publish_by_default`, if one is set.
           metrics: report the statistics to the process-wide Prometheus registry
             (jax_kvxfer.observe.metrics); None: when a metrics server has been started.
+          name: the `manager` label of its metrics and its transfer manager's (None: a
+            number); a name a live manager has gets "#2", "#3", ... (see `metrics_label`).
         """
         if isinstance(stores, Store):  # one store where a sequence is expected: one tier
             stores = (stores,)
@@ -157,6 +160,7 @@ class BlockManager:
                             f"{type(events).__name__}")
         events = events if events is not None else kv_events.default_publisher()
         report = check_metrics_choice(metrics)
+        self.name = check_name(name)
         pools = checked_pools(pools)
         first = pools[0]
         self.tokens_per_block = first.tokens_per_block
@@ -169,6 +173,7 @@ class BlockManager:
         self._free = collections.deque(range(self.num_primary_blocks))  # GPU pages unused
         self._reusable = EvictionQueue()  # cached GPU blocks no sequence uses
         self._index = BlockIndex()  # cached blocks on the GPU and on the host
+        self._key_chains = KeyChains(self.tokens_per_block)  # recent prompts' block keys
         self._seqs: dict[Hashable, _Sequence] = {}
         self._next_block_id = 0
         self._stats = BlockManagerStats()
@@ -190,10 +195,7 @@ class BlockManager:
         # KV events: this step's raw events (events.STORED, ...), published at the boundary
         self._publisher = events
         self._events: list[tuple] | None = [(kv_events.CLEARED,)] if events is not None else None
-        self._report = (BlockManagerReport(lambda: self._stats, self._metric_gauges,
-                                           self._worker.store_stats if self._has_stores
-                                           else None)
-                        if report else None)
+        self._report = self._metrics_report() if report else None
 
     def _connect(self, pools: list[KVCacheBlockPool], stores: Sequence[Store],
                  admission: str | AdmissionPolicy | None
@@ -394,9 +396,9 @@ class BlockManager:
         if not self._prefetching:
             return False
         self._collect_finished()
-        t, key = self.tokens_per_block, ROOT_KEY
-        for start in range(0, len(tokens) - t, t):  # the last token is never matched
-            key = block_key(key, tokens[start:start + t])
+        t = self.tokens_per_block
+        chains, full = self._key_chains, (len(tokens) - 1) // t
+        for key in chains.extend(tokens, chains.chain(tokens), full)[:full]:  # the last token is never matched
             read = self._prefetching.get(key)
             if read is not None and read.success is None:
                 return True
@@ -489,17 +491,19 @@ class BlockManager:
         of an earlier turn, say: its reply's tail)."""
         t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
         self._offer_evicted()  # evicted blocks are matched where the host pool put them
+        chains = self._key_chains
+        keys = chains.chain(tokens)  # block i's key: keys[i], once extended that far
         if self._prefetching:  # the prompt's blocks being prefetched join the index first
-            key = ROOT_KEY
-            for start in range(0, limit - t + 1, t):
-                key = block_key(key, tokens[start:start + t])
+            for key in chains.extend(tokens, keys, limit // t)[:limit // t]:
                 self._finish_prefetch(key)
         runs: list[list[CachedBlock] | _StoreRun] = []
         parent, n = ROOT_KEY, 0
         while n + t <= limit:
             run = []  # blocks the pools hold
             while n + t <= limit:
-                block = self._index.full_block(parent, tokens[n:n + t])
+                if n // t >= len(keys):  # hashed as far as the match goes (a miss: once)
+                    chains.extend(tokens, keys, n // t + 1)
+                block = self._index.block_of(keys[n // t], tokens[n:n + t])
                 if block is None:
                     break
                 run.append(block)
@@ -509,9 +513,10 @@ class BlockManager:
             if not self._has_stores or n + t > limit:
                 break
             chain, key = [], parent  # blocks only a store may hold: up to one the pools hold
+            chains.extend(tokens, keys, limit // t)
             for start in range(n, limit - t + 1, t):
                 chunk = tokens[start:start + t]
-                child = block_key(key, chunk)
+                child = keys[start // t]
                 if child in self._index.by_key:
                     break
                 chain.append((child, key, chunk))
@@ -964,6 +969,12 @@ class BlockManager:
     def _publish_events(self) -> None:
         events, self._events = self._events, []
         self._publisher.publish(events)
+
+    def _metrics_report(self) -> BlockManagerReport:
+        """Reports to the metrics under `name`, with its transfer manager's counters."""
+        return BlockManagerReport(lambda: self._stats, self._metric_gauges,
+                                  self._worker.store_stats if self._has_stores else None,
+                                  name=self.name, transfers=self.transfer_manager.metrics_report)
 
     def _metric_gauges(self) -> dict:
         """The pools' use (and the stores' where they tell), read by a metrics scrape."""

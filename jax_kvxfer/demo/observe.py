@@ -16,11 +16,11 @@ from ..observe import metrics as kv_metrics
 from . import serving
 
 
-def add_options(p: argparse.ArgumentParser) -> None:
+def add_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish every run's KV events in vLLM's format on this ZMQ endpoint "
                         "(tcp://*:5557 binds; pip install \"jax_kvxfer[events]\")")
-    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+    p.add_argument("--kv-events-replay", default=None, metavar="URL",
                    help="with --kv-events: the replay (ROUTER) endpoint, e.g. tcp://*:5558")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics "
@@ -107,7 +107,7 @@ def overhead(args: argparse.Namespace, model, convs, pool_sizes: tuple[int, int]
             consumers = _Consumers(pub.endpoint, server.url)
         try:
             results[name] = serving.run(model, params, convs, primary_blocks=primary,
-                                        secondary_blocks=secondary, **common)
+                                        secondary_blocks=secondary, name=name, **common)
         finally:
             if pub is not None:
                 kv_events.publish_by_default(None)

@@ -250,7 +250,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         progress: Callable[[int, int], None] | None = None,
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
         stop_token: int | None = None, fixed_step_s: float | None = None,
-        stores: Sequence[Store] = (), admission: str | None = None) -> RunResult:
+        stores: Sequence[Store] = (), admission: str | None = None,
+        name: str | None = None) -> RunResult:
     """Serves the conversations once on fresh pools; `dma`: the transfer manager's. Up to
     `batch` requests run at once; a step decodes those whose prompt is computed and prefills
     the others: up to `prefill_budget` prompt tokens packed across them in rows of `chunk`
@@ -263,6 +264,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     a host pool (`secondary_blocks` > 0) on one device (no `mesh`). They stay open (the
     caller's to close); the block manager is closed at the end, so their writes are durable.
     `admission`: the block manager's admission policy for offloads (None: always).
+    `name`: the block manager's, its label in the metrics (the demo's: the run's name).
 
     Raises:
       PoolExhaustedError: the primary pool cannot hold one request.
@@ -272,7 +274,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
                     primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
                     prefill_rows=prefill_rows, prefill_budget=prefill_budget, mesh=mesh,
                     dma=dma, stop_token=stop_token,
-                    stores=stores, admission=admission)
+                    stores=stores, admission=admission, name=name)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
     try:
         loop = _serve(server, conversations, priorities=priorities, progress=progress,
@@ -312,13 +314,14 @@ class Server:
                  secondary_blocks: int, prefill_rows: int = 1, prefill_budget: int = 0,
                  mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
                  stop_token: int | None = None, stores: Sequence[Store] = (),
-                 store_on_release: bool = False, admission: str | None = None) -> None:
+                 store_on_release: bool = False, admission: str | None = None,
+                 name: str | None = None) -> None:
         """`max_blocks`: the most primary blocks one request needs (block tables' width);
         `prefill_budget`: prompt tokens a step computes, packed across requests in one segment
         `[prefill_budget / chunk, chunk]` (a multiple of `chunk`; 0: a segment `[1, chunk]`
         for each of up to `prefill_rows` requests); `store_on_release`: the block manager
         writes a finished turn's blocks to the stores at once (replicas sharing a store), not
-        only once they are evicted to the host."""
+        only once they are evicted to the host; `name`: the block manager's (`run`'s)."""
         if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or \
                 prefill_budget < 0 or prefill_budget % chunk:
             raise ValueError(f"prefill_budget must be 0 or a positive multiple of chunk "
@@ -400,7 +403,8 @@ class Server:
         print(f"compiled: model step {t1 - t0:.1f} s, transfer buckets "
               f"{self.compile_seconds - t1 + t0:.1f} s", file=sys.stderr)
         self.bm = BlockManager(pool, transfer_manager=transfers, stores=stores,
-                               store_on_release=store_on_release, admission=admission)
+                               store_on_release=store_on_release, admission=admission,
+                               name=name)
         self.waiting: list[Request] = []  # arrived, not admitted yet, in arrival order
         self.running: list[_Running] = []
         self._reserved = 0

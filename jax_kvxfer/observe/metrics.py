@@ -3,7 +3,10 @@
 `start_metrics_server(port)` serves them over HTTP (`/metrics`). The registry is process-wide
 (`registry()`): every `BlockManager` and `KVCacheTransferManager` made after it exists (a
 server started, or `registry()` called), or made with `metrics=True`, reports to it with a
-`manager` label ("0", "1", ... in creation order, per kind) that tells several apart.
+`manager` label: the block manager's `name` (`BlockManager(..., name="offload")`), else a
+number in creation order ("0", "1", ...). A transfer manager reports under the label of the
+block manager made over it, counting from that block manager's making (what it moved before,
+a warm-up say, is not that block manager's); one made alone has a number of its own.
 
 The figures are the managers' own statistics, cumulative (Prometheus counters never reset):
 a counter is what every `get_and_reset_*` call returned so far plus what the live statistics
@@ -33,7 +36,7 @@ PREFIX = "kvxfer:"
 _lock = threading.RLock()
 _registry: Any = None  # prometheus_client.CollectorRegistry, once asked for
 _reports: list[weakref.ref] = []  # the reporting managers' reports
-_labels = {"block": itertools.count(), "transfer": itertools.count()}
+_numbers = itertools.count()  # the labels of managers without a name
 
 
 def enabled() -> bool:
@@ -111,9 +114,26 @@ def start_metrics_server(port: int, addr: str = "127.0.0.1") -> MetricsServer:
     return MetricsServer(addr, server.server_address[1], server, thread)
 
 
-def _label(kind: str) -> str:
+def check_name(name: Any) -> str | None:
+    """A block manager's `name` argument, checked: None or a non-empty str (its label)."""
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise TypeError(f"name must be None or a non-empty str (the manager label of its "
+                        f"metrics), got {name!r}")
+    return name
+
+
+def _label(name: str | None = None) -> str:
+    """`name`, made unique among the live reports ("offload", then "offload#2", ...: Prometheus
+    takes one series per label set), or the next number."""
     with _lock:
-        return str(next(_labels[kind]))
+        if name is None:
+            return str(next(_numbers))
+        taken = {r().label for r in _reports if r() is not None}
+        label, k = name, 1
+        while label in taken:
+            k += 1
+            label = f"{name}#{k}"
+        return label
 
 
 def _add(total: dict, stats: Any) -> None:
@@ -126,9 +146,12 @@ class BlockManagerReport:
     stores' statistics (see the module's docstring)."""
 
     def __init__(self, live: Callable[[], Any], gauges: Callable[[], dict],
-                 store_stats: Callable[[], dict] | None) -> None:
+                 store_stats: Callable[[], dict] | None, name: str | None = None,
+                 transfers: TransferManagerReport | None = None) -> None:
+        """transfers: the report of the block manager's transfer manager, which reports under
+        this label from now on (`TransferManagerReport.adopt`)."""
         registry()
-        self.label = _label("block")
+        self.label = _label(check_name(name))
         self.lock = threading.Lock()
         self._live, self._gauges, self._fetch_stores = live, gauges, store_stats
         self._base: dict[str, float] = {}
@@ -136,6 +159,8 @@ class BlockManagerReport:
         self._store_pending: dict[str, Any] = {}  # taken by scrapes, for store_stats()
         with _lock:
             _reports.append(weakref.ref(self))
+        if transfers is not None:
+            transfers.adopt(self.label)
 
     def reset(self, swap: Callable[[], Any]) -> Any:
         """`swap()` takes the statistics and starts new ones; they are kept in the totals."""
@@ -184,9 +209,10 @@ class TransferManagerReport:
     def __init__(self, live: Callable[[], Any], lock: Any) -> None:
         """live: the manager's live statistics, read under `lock` (the manager's)."""
         registry()
-        self.label = _label("transfer")
+        self.label = _label()
         self._live, self._lock = live, lock
         self._base: dict[str, float] = {}
+        self._start: dict[str, float] = {}  # the totals when a block manager adopted it
         with _lock:
             _reports.append(weakref.ref(self))
 
@@ -194,10 +220,24 @@ class TransferManagerReport:
         """Called under the manager's lock with the statistics it returns."""
         _add(self._base, stats)
 
+    def adopt(self, label: str) -> None:
+        """Reports under `label` (a block manager's) from now on, counting from now: a new
+        series, so no counter goes back."""
+        with self._lock:
+            self._start = self._totals()
+            self.label = label
+
+    def _totals(self) -> dict:
+        """Everything counted since the manager was made (under the manager's lock)."""
+        totals = dict(self._base)
+        _add(totals, self._live())
+        return totals
+
     def samples(self) -> dict:
         with self._lock:
-            totals = dict(self._base)
-            _add(totals, self._live())
+            totals = self._totals()
+        for key, start in self._start.items():
+            totals[key] -= start
         return totals
 
 

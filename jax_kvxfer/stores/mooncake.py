@@ -39,7 +39,6 @@ import logging
 import os
 import queue
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -684,14 +683,6 @@ class LocalMooncake(LocalServer):
                        self.holder)
         return self
 
-    def restart_master(self, timeout: float = 30.0) -> None:
-        """Starts the master again on the same port (after `kill_master()`: empty); waits
-        until the holder has mounted its segment into it again."""
-        self._start_master(timeout)
-        if self.holder is not None:
-            self._wait(lambda: (self.capacity() or 0) >= self.segment_bytes, timeout,
-                       "the holder's segment after a master restart", self.master)
-
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str,
               proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + timeout
@@ -708,25 +699,6 @@ class LocalMooncake(LocalServer):
                                    f"{proc.poll()}): " + (" | ".join(tail) or "no log"))
             time.sleep(0.05)
 
-    def kill_master(self) -> None:
-        """SIGKILL the master (its metadata goes: a restarted master starts empty)."""
-        if self.master is not None and self.master.poll() is None:
-            self.master.kill()
-            self.master.wait()
-
-    def signal_master(self, sig: int) -> None:
-        """Sends `sig` to the master (SIGSTOP / SIGCONT: a master that stops answering). After
-        SIGSTOP, returns once the master has stopped (at most 5 s): a signal is delivered when
-        the process next runs, and on a loaded machine a request sent at once could still be
-        answered."""
-        if self.master is None or self.master.poll() is not None:
-            return
-        self.master.send_signal(sig)
-        if sig == signal.SIGSTOP:
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and _process_state(self.master.pid) not in ("T", "t", "?"):
-                time.sleep(0.005)
-
     def stop(self) -> None:
         """Ends the holder and the master (SIGTERM, then SIGKILL after 5 s)."""
         for proc in (self.holder, self.master):
@@ -735,15 +707,6 @@ class LocalMooncake(LocalServer):
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self._own_dir = False
         self._stopped()
-
-
-def _process_state(pid: int) -> str:
-    """The state letter of `pid` in /proc (R, S, T for stopped, ...); "?" where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return "?"
 
 
 def start_local_master(segment_bytes: int = DEFAULT_HOLDER_BYTES, *, port: int | None = None,

@@ -263,37 +263,37 @@ class RedisStore(SharedStore):
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError,
                         redis.exceptions.ClusterError, RedisClusterException)
         self._response_error = redis.ResponseError
-        # one retry on a connection error (a pooled connection the server closed while idle),
-        # with no backoff and none on timeouts: every call's wait stays near timeout_s
-        self._options: dict[str, Any] = {
-            "socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
-            "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-            "health_check_interval": 0}
-        if self._url.scheme != "unix":  # a dead peer's connection noticed by TCP keepalive
-            self._options["socket_keepalive"] = True
-        try:  # redis >= 7 asks each new connection for maintenance notifications: not needed
-            from redis.maint_notifications import MaintNotificationsConfig
-            self._options["maint_notifications_config"] = MaintNotificationsConfig(
-                enabled=False)
-        except ImportError:
-            pass
+        self._options = self._client_options(redis, Retry, NoBackoff)
         self._client: Any = None
         self._make_lock = threading.Lock()
-        if not self.cluster:  # no connection yet: a standalone pool connects on first use
-            try:
-                self._options["connection_class"] = connection_class(url)
-                pool = redis.ConnectionPool.from_url(url, **self._options)
-            except Exception as e:  # noqa: BLE001 - shown without the password, unchained
-                raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
-            self._client = redis.Redis(connection_pool=pool)
-        else:
-            try:  # the URL's options, checked without a server
-                self._options["connection_class"] = connection_class(url)
-            except Exception as e:  # noqa: BLE001 - shown without the password, unchained
-                raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
+        try:  # the URL's options, checked without a server
+            self._options["connection_class"] = connection_class(url)
+            if not self.cluster:  # no connection yet: a standalone pool connects on first use
+                self._client = redis.Redis(
+                    connection_pool=redis.ConnectionPool.from_url(url, **self._options))
+        except Exception as e:  # noqa: BLE001 - shown without the password, unchained
+            raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
         self._staging = _Staging()
         self._prefix = b""
         self.ping()
+
+    def _client_options(self, redis: Any, retry: Any, no_backoff: Any) -> dict[str, Any]:
+        """The redis client's connection options: the store's waits, one quick retry."""
+        # one retry on a connection error (a pooled connection the server closed while idle),
+        # with no backoff and none on timeouts: every call's wait stays near timeout_s
+        options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
+            "retry": retry(no_backoff(), 1, supported_errors=(redis.ConnectionError,)),
+            "health_check_interval": 0}
+        if self._url.scheme != "unix":  # a dead peer's connection noticed by TCP keepalive
+            options["socket_keepalive"] = True
+        try:  # redis >= 7 asks each new connection for maintenance notifications: not needed
+            from redis.maint_notifications import MaintNotificationsConfig
+            options["maint_notifications_config"] = MaintNotificationsConfig(
+                enabled=False)
+        except ImportError:
+            pass
+        return options
 
     def __repr__(self) -> str:
         return (f"RedisStore(url={self.url!r}, namespace={self.namespace!r}, "
@@ -547,11 +547,8 @@ class LocalValkey(LocalServer):
     owner only, and its log `valkey.log`), `.version` (the running server's), `.client()` (a
     redis-py client of it). `stop()` (or leaving a `with` block, or this process's exit) ends
     it; it is also killed when the thread that started it ends (Linux), so a starter killed
-    outright leaves no server behind.
-
-    For tests of faults: `kill()` (SIGKILL: the data goes), `send_signal(signal.SIGSTOP)` /
-    `SIGCONT` (a server that stops answering, then answers again), and `start()` again after
-    `kill()` (the same port, empty)."""
+    outright leaves no server behind. (Fault control, kill and signals, is the tests' own:
+    tests/stores/valkey_servers.py.)"""
 
     def __init__(self, *, port: int | None = None, password: str | None = None,
                  maxmemory: int | str | None = None, maxmemory_policy: str | None = None,
@@ -613,7 +610,7 @@ class LocalValkey(LocalServer):
         return self._redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kw)
 
     def start(self, timeout: float = 10.0) -> Self:
-        """Starts the server (again after `kill()`: on the same port, empty) and waits until
+        """Starts the server (again after it died: on the same port, empty) and waits until
         it answers. Raises RuntimeError (its log's last lines in the message) where it does
         not within `timeout` seconds, after stopping it."""
         positive_seconds("timeout", timeout)
@@ -668,20 +665,6 @@ class LocalValkey(LocalServer):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     return False
                 time.sleep(0.05)
-
-    def kill(self) -> None:
-        """SIGKILL: connections reset, the data gone (no persistence); `start()` again works."""
-        if self.running:
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def send_signal(self, sig: int) -> None:
-        """Sends `sig` to the server (SIGSTOP: connections stay open, nothing is answered;
-        SIGCONT: it answers again)."""
-        if self.running:
-            assert self.proc is not None
-            self.proc.send_signal(sig)
 
     def stop(self) -> None:
         """Ends the server (SIGTERM, after SIGCONT should it be stopped; SIGKILL after 5 s) and

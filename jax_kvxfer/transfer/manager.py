@@ -145,6 +145,12 @@ class KVCacheTransferManager:
         return self._pools
 
     @property
+    def metrics_report(self) -> TransferManagerReport | None:
+        """This manager's report to the metrics (None: it does not report), which a block
+        manager over it takes under its own name."""
+        return self._report
+
+    @property
     def metrics_label(self) -> str | None:
         """The `manager` label of this manager's metrics (None: it does not report)."""
         return self._report.label if self._report is not None else None

@@ -29,6 +29,8 @@ class DoneFence:
 class FakeTransferManager:
     """Applies batched copies, in call order, to shadows holding token ids (None: empty)."""
 
+    metrics_report = None  # it reports no metrics of its own
+
     def __init__(self, num_primary: int, num_secondary: int, pool=None) -> None:
         self.pools = (pool,)  # the pools it moves, as the connector's worker checks
         self.mem = {True: [[None] * T for _ in range(num_primary)],

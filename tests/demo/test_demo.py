@@ -248,6 +248,22 @@ def test_help_lists_commands(capsys):
     assert "demo" in capsys.readouterr().out
 
 
+def test_demo_help_is_short_and_grouped(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) <= 120, f"demo --help is {len(lines)} lines"
+    assert max(map(len, lines)) <= 100
+    assert "(default: None)" not in out and "preset's value by default" not in out
+    headings = [line[:-1] for line in lines if line.endswith(":") and not line.startswith(" ")]
+    assert headings == ["options", "model", "workload", "pools", "tiers", "observability",
+                        "output"]
+    assert "--no-progress" in out.split("\noutput:")[1]
+    assert "--metrics-port" in out.split("\nobservability:")[1].split("\noutput:")[0]
+
+
 def _smollm2_installed() -> bool:
     import importlib.util
 

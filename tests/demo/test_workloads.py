@@ -121,3 +121,23 @@ def test_a_trace_out_of_time_order_is_an_error(tmp_path):
                     '{"timestamp": 100, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
     with pytest.raises(ValueError, match="trace.jsonl:2: timestamp 100.0 is earlier"):
         workloads.read_mooncake_trace(path, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("burst", [1, 3, 8])
+def test_bursts_start_together_at_the_configured_mean_rate(burst):
+    """`burst` conversations share each start instant (the demo's bursts workload), the
+    instants a Poisson process of arrival_rate / burst: gaps between groups average
+    burst / arrival_rate, and the same seed gives the same workload."""
+    convs = workloads.chat_workload(conversations=600, turns=1, system_tokens=4, user_tokens=6,
+                                    assistant_tokens=3, think_s=0.1, arrival_rate=50.0,
+                                    vocab_size=64, burst=burst, seed=5)
+    starts = np.array([c.start_s for c in convs])
+    groups = starts.reshape(-1, burst)  # (600 conversations: whole groups)
+    assert (groups == groups[:, :1]).all()  # each group together
+    gaps = np.diff(groups[:, 0])
+    assert (gaps > 0).all()  # and the groups apart
+    assert abs(gaps.mean() / (burst / 50.0) - 1) < 0.2
+    again = workloads.chat_workload(conversations=600, turns=1, system_tokens=4, user_tokens=6,
+                                    assistant_tokens=3, think_s=0.1, arrival_rate=50.0,
+                                    vocab_size=64, burst=burst, seed=5)
+    assert again == convs

@@ -133,3 +133,76 @@ def test_metrics_false_does_not_report_and_true_does():
     assert bm.metrics_label is not None and bm.transfer_manager.metrics_label is not None
     text = prometheus_client.generate_latest(metrics.registry()).decode()
     assert f'kvxfer:prefix_cache_queries_total{{manager="{bm.metrics_label}"}} 0.0' in text
+
+
+def test_named_managers_count_their_own_transfers_once():
+    """Two block managers named as the demo names its runs: each one's counters under its name,
+    its transfer manager's too, from the block manager's making (a warm-up's transfers before
+    it, counted here, are not in them). Each transfer counter is the blocks the block manager
+    moved for the events it counts: GPU_to_CPU the evicted blocks it offloaded, CPU_to_GPU the
+    blocks onboarded plus the partial blocks copied from the host, GPU_to_GPU the partial
+    blocks copied on the GPU."""
+    server = metrics.start_metrics_server(0)
+    rng = np.random.default_rng(7)
+    try:
+        runs, warm = {}, {}
+        for name, secondary in (("offload", 12), ("drop", 0)):
+            pool = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=2,
+                                               tokens_per_block=T, dtype=jnp.float32,
+                                               num_primary_blocks=12,
+                                               num_secondary_blocks=secondary)
+            tm = kvx.KVCacheTransferManager(pool)
+            n = int(rng.integers(1, 4))  # a warm-up: copies on the GPU (and offloads)
+            tm.onboard_blocks([(kvx.KVCacheBlock(0, i, True), kvx.KVCacheBlock(0, 4 + i, True))
+                               for i in range(n)], 1)
+            if secondary:
+                tm.offload_blocks([(kvx.KVCacheBlock(0, i, True),
+                                    kvx.KVCacheBlock(0, i, False)) for i in range(n)])
+            tm.sync_transfers()
+            warm[name] = tm.get_and_reset_transfer_stats()
+            assert warm[name].copied_blocks == n
+            bm = BlockManager(pool, transfer_manager=tm, name=name)
+            assert bm.metrics_label == name == tm.metrics_label
+            systems = [list(map(int, rng.integers(0, 40, 2 * T + 2))) for _ in range(4)]
+            for i in range(50):
+                tail = list(map(int, rng.integers(0, 40, rng.integers(0, 9))))
+                bm.add_sequence(i, systems[i % 4] + tail, priority=60)
+                bm.sync_transfers()
+                bm.release_sequence(i)
+            bm.sync_transfers()
+            runs[name] = (bm, tm.get_and_reset_transfer_stats())
+        again = BlockManager(runs["drop"][0].transfer_manager.pools[0], name="drop")
+        assert again.metrics_label == "drop#2"
+        got = scrape(server)
+    finally:
+        server.close()
+    for name, (bm, moved) in runs.items():
+        s = bm.stats
+        expected = {"GPU_to_CPU": s.offloaded_blocks,
+                    "CPU_to_GPU": s.onboarded_blocks + s.partial_onboards,
+                    "GPU_to_GPU": s.partial_copies}
+        assert expected == {"GPU_to_CPU": moved.offloaded_blocks,
+                            "CPU_to_GPU": moved.onboarded_blocks,
+                            "GPU_to_GPU": moved.copied_blocks}, name
+        for ttype, blocks in expected.items():
+            assert value(got, "kvxfer:kv_transfer_blocks_total", name,
+                         transfer_type=ttype) == blocks, (name, ttype)
+        assert value(got, "kvxfer:evicted_blocks_total", name, tier="GPU",
+                     outcome="offloaded") == s.offloaded_blocks
+        assert value(got, "kvxfer:partial_reuse_blocks_total", name,
+                     source="GPU") == s.partial_copies
+    assert runs["offload"][0].stats.offloaded_blocks > 0
+    assert runs["drop"][0].stats.offloaded_blocks == 0
+    assert runs["offload"][0].stats.onboarded_blocks > 0
+    assert runs["offload"][0].stats.partial_copies + runs["drop"][0].stats.partial_copies > 0
+    assert value(got, "kvxfer:kv_transfer_blocks_total", "drop",
+                 transfer_type="GPU_to_CPU") == 0
+
+
+def test_a_name_must_be_a_non_empty_string():
+    pool = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=2,
+                                       tokens_per_block=T, dtype=jnp.float32,
+                                       num_primary_blocks=4, num_secondary_blocks=0)
+    for bad in ("", "  ", 3, b"offload"):
+        with pytest.raises(TypeError, match="name must be None or a non-empty str"):
+            BlockManager(pool, metrics=False, name=bad)

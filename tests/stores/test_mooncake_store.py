@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from mooncake_servers import start_master
 from store_checks import (
     check_killed_mid_run_then_restarted,
     check_namespaces_are_isolated,
@@ -67,7 +68,7 @@ def new_master() -> Iterator:
     masters = []
 
     def make(segment_bytes: int = 64 * MiB, **kw):
-        m = start_local_master(segment_bytes, **kw)
+        m = start_master(segment_bytes, **kw)
         masters.append(m)
         return m
 

@@ -36,7 +36,9 @@ def valkey_executable() -> str:
 
 class Valkey(LocalValkey):
     """A `LocalValkey` (not started: `start()`; again after `kill()`, on the same port) in
-    `folder`, also listening on the Unix socket `socket_path`; `freeze()` and `thaw()`."""
+    `folder`, also listening on the Unix socket `socket_path`; fault control: `kill()`
+    (SIGKILL: the data goes; `start()` again works, on the same port, empty), `send_signal()`,
+    `freeze()` and `thaw()`."""
 
     def __init__(self, folder: str, **kw) -> None:
         valkey_executable()
@@ -44,6 +46,20 @@ class Valkey(LocalValkey):
         config = {"unixsocket": self.socket_path, "unixsocketperm": "700",
                   **kw.pop("config", {})}
         super().__init__(folder=folder, config=config, **kw)
+
+    def kill(self) -> None:
+        """SIGKILL: connections reset, the data gone (no persistence); `start()` again works."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def send_signal(self, sig: int) -> None:
+        """Sends `sig` to the server (SIGSTOP: connections stay open, nothing is answered;
+        SIGCONT: it answers again)."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(sig)
 
     def freeze(self) -> None:
         """SIGSTOP: connections stay open, nothing is answered (new ones are accepted by the

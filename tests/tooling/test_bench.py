@@ -127,6 +127,23 @@ def test_connector_section_times_a_full_host_pools_step(tmp_path, capsys):
                                    "prepare_store", "complete_store", "take_events"}
     assert 0 < max(sec["calls_s"].values()) <= sec["step_s"] <= sec["step_p90_s"]
     assert "connector: a step's scheduler-side calls" in capsys.readouterr().out
+    host = sec["host"]  # the block manager's calls of a demo step (host_step.py)
+    lo, hi = host["step_mean_spread_s"]
+    assert 0 < lo <= host["step_mean_s"] <= hi and host["step_median_s"] > 0
+    assert host["steps"] > 0 and host["repeats"] >= 2
+    shares = [e["own_share"] for e in host["profile"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert all(e["calls"] > 0 and e["function"] for e in host["profile"])
+
+
+def test_host_step_drive_reuses_the_chats_prefixes():
+    """The host case's workload runs the block manager as the Server does: later turns find
+    their history cached (drive raises otherwise), every step timed."""
+    from jax_kvxfer.bench import host_step
+
+    p = dict(host_step.QUICK, steps=40)
+    times = host_step.drive(p, seed=3)
+    assert len(times) == 40 and all(x > 0 for x in times)
 
 
 def test_geometry_presets():
