@@ -871,6 +871,42 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns 0 when offload is exact, 1 when not, 2 for bad options."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    cfg, rates = _config(parser, args)
+    loaded = _model(parser, args, cfg)
+    if loaded is None:
+        return 2
+    model, real = loaded
+    convs = _conversations(parser, args, cfg, model, real)
+    _choose_prefill(parser, args, cfg, convs)
+    need = serving.max_request_blocks(convs, cfg["tokens_per_block"])
+    if cfg["primary_blocks"] < need:
+        parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: one request of "
+                     f"this workload may need {need} blocks")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib)")
+    if args.dma == "true" and args.devices > 1:
+        parser.error("--dma true takes one device (the copy engines' path does not take pools "
+                     "split over devices); use --dma auto or false with --devices")
+    if model.num_kv_heads % args.devices:
+        parser.error(f"--devices {args.devices} must divide the {model.num_kv_heads} KV heads")
+    _check_disk(parser, args, cfg, model)
+    _check_sharing(parser, args, cfg, need, rates)
+    every = cfg["low_priority_every"]
+    priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
+                  for i in range(len(convs))]
+    sweep = None
+    if len(rates) > 1:
+        sweep = [(rate, workload(args.workload, {**cfg, "arrival_rate": rate}, model.vocab_size,
+                                 args.seed)) for rate in rates]
+    return _run(args, cfg, model, convs, priorities, real, sweep=sweep)
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict, list]:
+    """The preset's sizes, the workload's over them, the options over both; and the arrival
+    rates (more than one: a load sweep)."""
     cfg = dict(PRESETS[args.preset])
     if args.workload != "chats":
         if args.trace is not None or args.model != "toy":
@@ -892,6 +928,13 @@ def main(argv: list[str] | None = None) -> int:
                               (args.model != "toy", "--model smollm2")):
             if given:
                 parser.error(f"--arrival-rate: a list (a load sweep) takes no {option}")
+    return cfg, rates
+
+
+def _model(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: dict
+           ) -> tuple[ModelConfig, tuple | None] | None:
+    """The model, and SmolLM2's weights and tokenizer (None: the random-weight one); None when
+    SmolLM2's files are missing (said in one line)."""
     real = None
     if args.model == "smollm2":
         from . import smollm2
@@ -903,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
             model, weights, tokenizer = smollm2.load()
         except smollm2.MissingModel as e:
             print(f"jax-kvxfer demo: {e}", file=sys.stderr)
-            return 2
+            return None
         real = (weights, tokenizer)
     else:
         try:
@@ -911,6 +954,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e).replace("num_kv_heads", "--kv-heads")
                          .replace("num_heads", "--heads").replace("head_dim", "--head-dim"))
+    return model, real
+
+
+def _conversations(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: dict,
+                   model: ModelConfig, real: tuple | None) -> list[workloads.Conversation]:
+    """The workload's conversations (SmolLM2's chat text, a trace, or synthetic), and the
+    pools sized from them where the workload asks."""
     if real is not None and args.trace is None:
         convs = _chat_text_workload(real[1], cfg, args.seed)
     elif args.trace is not None:
@@ -934,6 +984,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(wrap(sizing_line(sizing, cfg,
                                           kv_block_nbytes(model, cfg["tokens_per_block"])))),
               file=sys.stderr)
+    return convs
+
+
+def _choose_prefill(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: dict,
+                    convs: list[workloads.Conversation]) -> None:
+    """Checks --prefill-budget and --prefill-rows, and chooses the schedule when not given."""
     budget = cfg["prefill_budget"]
     if budget % cfg["chunk"]:
         given = "" if args.prefill_budget is not None else f" (--preset {args.preset}'s)"
@@ -948,20 +1004,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prefill-rows needs --prefill-budget 0 (the budget, {budget} tokens, "
                      f"packs {budget // cfg['chunk']} rows of --chunk {cfg['chunk']} into one "
                      "segment)")
-    need = serving.max_request_blocks(convs, cfg["tokens_per_block"])
-    if cfg["primary_blocks"] < need:
-        parser.error(f"--primary-blocks {cfg['primary_blocks']} is too small: one request of "
-                     f"this workload may need {need} blocks")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--plot needs matplotlib (pip install matplotlib)")
-    if args.dma == "true" and args.devices > 1:
-        parser.error("--dma true takes one device (the copy engines' path does not take pools "
-                     "split over devices); use --dma auto or false with --devices")
-    if model.num_kv_heads % args.devices:
-        parser.error(f"--devices {args.devices} must divide the {model.num_kv_heads} KV heads")
+
+
+def _check_disk(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: dict,
+                model: ModelConfig) -> None:
+    """Checks the disk tier's options and puts its sizes in `cfg`."""
     disk_gb = getattr(args, "disk_gb", None)
     disk_host_blocks = getattr(args, "disk_host_blocks", None)
     if args.disk is None:
@@ -986,6 +1033,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg.update(disk_gb=gb, restart=args.restart,
                    disk_host_blocks=(disk_host_blocks if disk_host_blocks is not None
                                      else max(1, cfg["secondary_blocks"] // 4)))
+
+
+def _check_sharing(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: dict,
+                   need: int, rates: list) -> None:
+    """Checks --store, --repeat and --replicas, and readies the environment for replicas."""
     if args.store is not None and args.replicas is None:
         parser.error("--store needs --replicas N")
     if args.repeat > 1:  # the three runs of one workload, nothing that keeps state between them
@@ -1029,14 +1081,6 @@ def main(argv: list[str] | None = None) -> int:
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
             os.environ["XLA_FLAGS"] = (
                 f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={folder}").strip()
-    every = cfg["low_priority_every"]
-    priorities = [serving.LOW_PRIORITY if every and i % every == every - 1 else 35
-                  for i in range(len(convs))]
-    sweep = None
-    if len(rates) > 1:
-        sweep = [(rate, workload(args.workload, {**cfg, "arrival_rate": rate}, model.vocab_size,
-                                 args.seed)) for rate in rates]
-    return _run(args, cfg, model, convs, priorities, real, sweep=sweep)
 
 
 def _disk_problem(path: str) -> str | None:
