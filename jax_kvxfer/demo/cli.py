@@ -1123,9 +1123,34 @@ class DiskError(RuntimeError):
 def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
          convs: list[workloads.Conversation], priorities: list[int], real=None,
          sweep: list | None = None) -> int:
+    started = _start(args, cfg, model, convs, priorities, real)
+    if isinstance(started, int):
+        return started
+    common, pools = started
+    if args.events_overhead:  # the offload run with events and metrics off, then on
+        return observe.overhead(args, model, convs, pools["offload"], common, real)
+    if sweep is not None:
+        return _sweep(args, cfg, model, sweep, priorities, common, pools)
+    served = _serve_runs(args, cfg, model, convs, priorities, real, common, pools)
+    if isinstance(served, int):
+        return served
+    first, later = served
+    results = {name: first[name] for name in RUNS if name in first}  # as reported
+    exact = _report(args, cfg, model, results, real, later=later)
+    if args.plot:
+        _plot(args.plot, results)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0 if exact else 1
+
+
+def _start(args: argparse.Namespace, cfg: dict, model: ModelConfig,
+           convs: list[workloads.Conversation], priorities: list[int], real
+           ) -> tuple[dict, dict] | int:
+    """Checks the devices and the memory, starts the observers; the options every run shares
+    and each run's pools, or 2 (said in one line)."""
     import numpy as np
 
-    from .model import TP_AXIS, init_params
+    from .model import TP_AXIS
 
     devices = jax.devices()
     if args.devices > len(devices):
@@ -1143,7 +1168,6 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
         return 2
     mesh = (jax.sharding.Mesh(np.array(devices[:args.devices]), (TP_AXIS,))
             if args.devices > 1 else None)
-    params = None  # made after the replica runs (their processes take the GPU's memory first)
     common = {"batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
               "prefill_budget": cfg["prefill_budget"],
               "tokens_per_block": cfg["tokens_per_block"], "mesh": mesh,
@@ -1164,10 +1188,17 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     print("\n".join(wrap(f"host memory: peak {_size(peak)} (" + ", ".join(
         f"{name} {_size(nbytes)}" for name, nbytes in each.items()) + "; a run's host pool and "
         "the replies' logits so far)")), file=sys.stderr)
-    if args.events_overhead:  # the offload run with events and metrics off, then on
-        return observe.overhead(args, model, convs, pools["offload"], common, real)
-    if sweep is not None:
-        return _sweep(args, cfg, model, sweep, priorities, common, pools)
+    return common, pools
+
+
+def _serve_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig,
+                convs: list[workloads.Conversation], priorities: list[int], real,
+                common: dict, pools: dict) -> tuple[dict, list] | int:
+    """Each run in turn (--repeat N: all of them N times): the first repeat's results and the
+    later repeats' figures, or 2 when a run cannot fit (said in one line)."""
+    from .model import init_params
+
+    params = None  # made after the replica runs (their processes take the GPU's memory first)
     first: dict = {}  # the first repeat's runs: the table's
     results = first  # the runs of the repeat under way
     later: list[tuple[dict, dict]] = []  # --repeat: each later repeat's summaries and exactness
@@ -1225,12 +1256,7 @@ def _run(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-    results = {name: first[name] for name in RUNS if name in first}  # as reported
-    exact = _report(args, cfg, model, results, real, later=later)
-    if args.plot:
-        _plot(args.plot, results)
-        print(f"plot: {args.plot}", file=sys.stderr)
-    return 0 if exact else 1
+    return first, later
 
 
 def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelConfig,
