@@ -93,5 +93,7 @@ def connector_line(sec: dict[str, Any]) -> str:
 
 
 def connector_summary(sec: dict[str, Any]) -> list[str]:
-    return (([f"connector: {connector_line(sec)}"] if "step_s" in sec else [])
-            + ([f"connector: {host_line(sec['host'])}"] if "host" in sec else []))
+    lines = [connector_line(sec)] if "step_s" in sec else []
+    if "host" in sec:
+        lines.append(host_line(sec["host"]))
+    return [f"connector: {line}" for line in lines]

@@ -85,18 +85,15 @@ class KeyChains:
         self.tokens_per_block, self.capacity = tokens_per_block, capacity
         self._chains: dict[tuple[int, ...], list[bytes]] = {}
 
-    def chain(self, tokens: tuple[int, ...]) -> list[bytes]:
-        """The keys of `tokens`' full blocks from the root, as far as computed so far (the
-        list that `extend` grows)."""
+    def keys(self, tokens: tuple[int, ...], blocks: int) -> list[bytes]:
+        """The keys of `tokens`' full blocks from the root, computed at least as far as its
+        first `blocks` full blocks; the list is kept, and later calls for the same tokens grow
+        it in place."""
         chain = self._chains.get(tokens)
         if chain is None:
             if len(self._chains) >= self.capacity:  # the oldest prompt goes
                 del self._chains[next(iter(self._chains))]
             chain = self._chains[tokens] = []
-        return chain
-
-    def extend(self, tokens: tuple[int, ...], chain: list[bytes], blocks: int) -> list[bytes]:
-        """`chain` (`tokens`' from `chain(tokens)`) grown to the first `blocks` full blocks."""
         t = self.tokens_per_block
         key = chain[-1] if chain else ROOT_KEY
         for i in range(len(chain), min(blocks, len(tokens) // t)):

@@ -368,8 +368,8 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
             return False
         self._collect_finished()
         t = self.tokens_per_block
-        chains, full = self._key_chains, (len(tokens) - 1) // t
-        for key in chains.extend(tokens, chains.chain(tokens), full)[:full]:  # the last token is never matched
+        full = (len(tokens) - 1) // t  # the last token is never matched
+        for key in self._key_chains.keys(tokens, full)[:full]:
             read = self._prefetching.get(key)
             if read is not None and read.success is None:
                 return True

@@ -47,9 +47,9 @@ class PrefixMatching:
         t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
         self._offer_evicted()  # evicted blocks are matched where the host pool put them
         chains = self._key_chains
-        keys = chains.chain(tokens)  # block i's key: keys[i], once extended that far
+        keys = chains.keys(tokens, 0)  # block i's key: keys[i], once computed that far
         if self._prefetching:  # the prompt's blocks being prefetched join the index first
-            for key in chains.extend(tokens, keys, limit // t)[:limit // t]:
+            for key in chains.keys(tokens, limit // t)[:limit // t]:
                 self._finish_prefetch(key)
         runs: list[list[CachedBlock] | StoreRun] = []
         parent, n = ROOT_KEY, 0
@@ -57,7 +57,7 @@ class PrefixMatching:
             run = []  # blocks the pools hold
             while n + t <= limit:
                 if n // t >= len(keys):  # hashed as far as the match goes (a miss: once)
-                    chains.extend(tokens, keys, n // t + 1)
+                    keys = chains.keys(tokens, n // t + 1)
                 block = self._index.block_of(keys[n // t], tokens[n:n + t])
                 if block is None:
                     break
@@ -68,7 +68,7 @@ class PrefixMatching:
             if not self._has_stores or n + t > limit:
                 break
             chain, key = [], parent  # blocks only a store may hold: up to one the pools hold
-            chains.extend(tokens, keys, limit // t)
+            keys = chains.keys(tokens, limit // t)
             for start in range(n, limit - t + 1, t):
                 chunk = tokens[start:start + t]
                 child = keys[start // t]

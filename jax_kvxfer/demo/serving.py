@@ -233,12 +233,18 @@ def prefill_budget_for(conversations: Sequence[Conversation], budget: int) -> tu
     trace of 0.7-2k-token prompts ran faster packed (docs/performance.md). The choice is the
     same for every run of a workload, so that each run computes a token in the same shape of
     segment, and runs agree bit for bit."""
-    lengths = [len(c.prefix) + sum(len(u.user) + u.output_len for u in c.turns[:t])
-               + len(c.turns[t].user) for c in conversations for t in range(len(c.turns))]
+    if not budget:
+        return 0, "a segment [1, chunk] per request"
+    lengths = []  # each turn's prompt: the prefix, the turns before with their replies, its own
+    for c in conversations:
+        history = len(c.prefix)
+        for turn in c.turns:
+            lengths.append(history + len(turn.user))
+            history += len(turn.user) + turn.output_len
     mean = sum(lengths) / max(len(lengths), 1)
-    if not budget or mean >= budget / 2:
-        return budget, f"{budget} prompt tokens a step in one packed segment (prompts average " \
-                       f"{mean:,.0f} tokens)" if budget else "a segment [1, chunk] per request"
+    if mean >= budget / 2:
+        return budget, (f"{budget} prompt tokens a step in one packed segment (prompts average "
+                        f"{mean:,.0f} tokens)")
     return 0, (f"a segment [1, chunk] per request, not the preset's {budget}-token packed "
                f"segment (prompts average {mean:,.0f} tokens, under half of it)")
 
