@@ -3,7 +3,7 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
 #                        [sanitize] [stress] [stress-dma] [disk] [events] [replicas] [model]
-#                        [connector]
+#                        [connector] [peers]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -17,6 +17,8 @@
 #   (scripts/gpu-check.sh fetch-wheels, here, where pip reaches PyPI; then carry ".whl"), and this
 #   step installs them into /tmp/kvxfer-site first. GPU_CHECK_REPLICAS_ARGS: more demo options
 #   for it (e.g. "--conversations 24" to finish sooner: the whole preset takes about 8 minutes).
+#   peers: the bench's peers section: our transfers beside JAX's, PyTorch's and
+#   cudaMemcpyBatchAsync's over scattered blocks, one table (about 3 minutes).
 #   connector: the connector's tests, its example and README block on the GPU, and the bench's
 #   connector section (the host time of the scheduler side's calls for one h200 chats step).
 #   model: the demo model's compute rate (scripts/model_bench.py, h200 preset): full-prefill
@@ -103,6 +105,13 @@ if has layers; then
   python3 -m jax_kvxfer bench --only layers --no-plot --out "$OUT" > "$OUT/bench-layers.txt" 2> "$OUT/bench-layers.log"
   summary+=("bench layers: exit $? ($(( $(date +%s) - t )) s)")
   grep -E "layers:" "$OUT/bench-layers.log"
+fi
+if has peers; then
+  t=$(date +%s)
+  # --deadline-s 170: the section stays under 3 minutes; later cases are recorded as skipped
+  python3 -m jax_kvxfer bench --only peers --deadline-s 170 --no-plot --out "$OUT" > "$OUT/bench-peers.txt" 2> "$OUT/bench-peers.log"
+  summary+=("bench peers: exit $? ($(( $(date +%s) - t )) s)")
+  cat "$OUT/bench-peers.txt"
 fi
 if has step; then
   t=$(date +%s)

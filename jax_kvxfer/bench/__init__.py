@@ -12,6 +12,8 @@ and a PNG of the ops section go to `--out`. A failing case records its error; th
   connector the host time of the connector's scheduler-side calls for a step (connector.py)
   stores   the tiers below the host against the same disk's and server's raw speed; only with
            `--only stores` (stores.py)
+  peers    our transfers beside JAX's, PyTorch's and cudaMemcpyBatchAsync's; GPU only, only with
+           `--only peers` (peers.py)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .helpers import BenchCore, count_compiles, device_name
 from .layers import LayersMixin, layers_summary
 from .manager import ManagerMixin, manager_summary
 from .ops import OpsMixin, ops_summary
+from .peers import PeersMixin, peers_summary
 from .sharded import ShardedMixin, sharded_summary
 from .step import StepMixin, step_summary
 from .stores import StoresMixin, stores_summary
@@ -34,11 +37,12 @@ from .stores import StoresMixin, stores_summary
 __all__ = ["Bench", "main"]
 SUMMARIES = {"ops": ops_summary, "manager": manager_summary, "step": step_summary,
              "layers": layers_summary, "sharded": sharded_summary,
-             "connector": connector_summary, "stores": stores_summary}
+             "connector": connector_summary, "stores": stores_summary,
+             "peers": peers_summary}
 
 
 class Bench(OpsMixin, ManagerMixin, StepMixin, LayersMixin, ShardedMixin, ConnectorMixin,
-            StoresMixin, BenchCore):
+            StoresMixin, PeersMixin, BenchCore):
     """The benchmark: `BenchCore`'s state and helpers, and one mixin per section."""
 
     def summary(self) -> list[str]:
@@ -102,6 +106,8 @@ def main(argv: list[str] | None = None, *, _cupy_module: Any = None) -> int:
                 bench.section(name, getattr(bench, f"run_{name}"))
         if "stores" in cfg.only:
             bench.run_stores()
+        if "peers" in cfg.only:
+            bench.section("peers", bench.run_peers)
         png = bench.plot() if cfg.plot else None
         print(f"results: {bench.json_path}" + (f", plot: {png}" if png else ""))
         print("\n".join(bench.summary()))

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 DTYPE = jnp.bfloat16
 SECTIONS = ("ops", "manager", "step", "layers", "sharded", "connector")
-OPT_IN = ("stores",)  # runs only when --only names it: it writes to a disk, not the GPU's links
+OPT_IN = ("stores", "peers")  # only when --only names them: stores writes to a disk; peers
+# needs a GPU and takes minutes
 Config = argparse.Namespace
 
 # block bytes -> (layers, kv_factor, heads, tokens_per_block, size_per_head), bf16
@@ -81,7 +82,8 @@ def parse_args(argv: list[str]) -> Config:
                     "Sections: ops (copy_blocks over block sizes), manager (its verbs at real "
                     "geometries), step (the manager beside a model step), layers (a pool over "
                     "the arrays of each layer), sharded (pools over several devices), stores (the tiers "
-                    "below the host; only with --only).")
+                    "below the host; only with --only), peers (ours beside JAX, PyTorch and "
+                    "cudaMemcpyBatchAsync; GPU, only with --only).")
     a = p.add_argument
     a("--quick", action="store_true", help="tiny sizes, few repeats: a smoke run (CPU: seconds)")
     a("--only", default=None, help="comma-separated sections: " + ", ".join(SECTIONS + OPT_IN)

@@ -217,3 +217,19 @@ def _fake_cupy() -> types.SimpleNamespace:
         __name__="fake_cupy", __version__="fake", cuda=cuda, uint8=np.uint8, RawKernel=RawKernel,
         empty=lambda n, dtype=None: types.SimpleNamespace(data=buffer(n)),
         get_default_memory_pool=lambda: pool, get_default_pinned_memory_pool=lambda: pool)
+
+
+def test_peers_section_is_listed_and_skips_on_cpu(tmp_path, capsys):
+    """The peers section is opt-in (`--only peers`) and GPU only: on the CPU it records why it
+    skipped, prints that line in the summary and exits 0."""
+    assert "peers" in config.OPT_IN and "peers" not in config.SECTIONS
+    assert "peers" in bench.SUMMARIES
+    if jax.default_backend() != "cpu":
+        pytest.skip("the skip line is the CPU's")
+    out = str(tmp_path / "res")
+    assert bench.main(["--quick", "--out", out, "--only", "peers", "--no-plot"]) == 0
+    doc = _load(out)
+    assert set(doc) & set(config.SECTIONS + config.OPT_IN) == {"peers"}
+    why = doc["peers"]["skipped"]
+    assert why.startswith("GPU only") or "pinned_host" in why, why
+    assert f"peers: {why}" in capsys.readouterr().out.splitlines()
