@@ -84,16 +84,23 @@ class KeyChains:
     def __init__(self, tokens_per_block: int, capacity: int = 64) -> None:
         self.tokens_per_block, self.capacity = tokens_per_block, capacity
         self._chains: dict[tuple[int, ...], list[bytes]] = {}
+        # the last call's tokens (held, so that its id stays theirs) and chain: a match asks
+        # for one prompt's keys block by block, and hashing a 6k-token tuple to find its
+        # chain again costs ~30 us, ten times a block's key
+        self._last: tuple[tuple[int, ...], list[bytes]] = ((), [])
 
     def keys(self, tokens: tuple[int, ...], blocks: int) -> list[bytes]:
         """The keys of `tokens`' full blocks from the root, computed at least as far as its
         first `blocks` full blocks; the list is kept, and later calls for the same tokens grow
         it in place."""
-        chain = self._chains.get(tokens)
-        if chain is None:
-            if len(self._chains) >= self.capacity:  # the oldest prompt goes
-                del self._chains[next(iter(self._chains))]
-            chain = self._chains[tokens] = []
+        last_tokens, chain = self._last
+        if tokens is not last_tokens:
+            chain = self._chains.get(tokens)
+            if chain is None:
+                if len(self._chains) >= self.capacity:  # the oldest prompt goes
+                    del self._chains[next(iter(self._chains))]
+                chain = self._chains[tokens] = []
+            self._last = (tokens, chain)
         t = self.tokens_per_block
         key = chain[-1] if chain else ROOT_KEY
         for i in range(len(chain), min(blocks, len(tokens) // t)):

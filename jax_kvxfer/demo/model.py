@@ -251,17 +251,7 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     def dot(x, w):
         return jnp.einsum("bcd,de->bce", x, w, precision=precision)
 
-    def where_written(seg: Rows) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """(destination block, offset) of each token, which tokens are real (not padding) and
-        the positions with padding at 0."""
-        valid = seg.positions >= 0
-        pos = jnp.maximum(seg.positions, 0)
-        max_blocks = seg.block_tables.shape[1]
-        dst = jnp.take_along_axis(seg.block_tables, jnp.minimum(pos // t, max_blocks - 1), axis=1)
-        dst = jnp.where(valid, dst, kv_pool.shape[0])  # padding points past the pool: dropped
-        return dst.reshape(-1), (pos % t).reshape(-1), valid, pos
-
-    placed = [where_written(seg) for seg in segments]
+    placed = [_where_written(seg, kv_pool.shape[0], t) for seg in segments]
     group = c.num_heads // c.num_kv_heads
 
     def layer(carry, inputs):
@@ -285,16 +275,9 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         out = []
         for (x, p), q, seg, (_, _, valid, pos) in zip(per_segment, queries, segments, placed):
             b, chunk = x.shape[:2]
-            if fused_attention and chunk > 1:
-                blocks = pool[seg.block_tables, index]
-                attn = _attend_fused(q, blocks, _mask(pos, valid, seg.block_tables.shape[1] * t))
-            elif full_width:
-                blocks = pool[seg.block_tables, index]
-                attn = _attend(q, blocks, _mask(pos, valid, seg.block_tables.shape[1] * t),
-                               precision)
-            else:
-                attn = paged_attention(q, pool, index, seg.block_tables, pos, valid,
-                                       tile_blocks=tile_blocks, precision=precision)
+            how = "fused" if fused_attention and chunk > 1 else "full" if full_width else "paged"
+            attn = _attention(how, q, pool, index, seg.block_tables, pos, valid,
+                              tile_blocks=tile_blocks, precision=precision)
             x = x + dot(attn.reshape(b, chunk, c.num_heads * c.head_dim).astype(x.dtype), p["wo"])
             h = _rms_norm(x, p["mlp_norm"], c.norm_eps)
             out.append(x + dot(jax.nn.silu(dot(h, p["w1"])) * dot(h, p["w3"]), p["w2"]))
@@ -312,6 +295,32 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         y = dot(_rms_norm(x, head["norm"], c.norm_eps), head["unembed"])[:, 0]
         logits.append(y.astype(jnp.float32))
     return tuple(logits), kv_pool
+
+
+def _attention(how: str, q: jax.Array, pool: jax.Array, layer: jax.Array,
+               block_tables: jax.Array, pos: jax.Array, valid: jax.Array, *, tile_blocks: int,
+               precision: Any) -> jax.Array:
+    """`q`'s attention over its rows' blocks of `layer`, `how`: "fused" (cuDNN, the table's
+    full width), "full" (plain XLA, the full width gathered) or "paged" (tile by tile)."""
+    if how == "paged":
+        return paged_attention(q, pool, layer, block_tables, pos, valid,
+                               tile_blocks=tile_blocks, precision=precision)
+    blocks = pool[block_tables, layer]
+    mask = _mask(pos, valid, block_tables.shape[1] * pool.shape[4])
+    return _attend_fused(q, blocks, mask) if how == "fused" else _attend(q, blocks, mask,
+                                                                          precision)
+
+
+def _where_written(seg: Rows, num_blocks: int, t: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(destination block, offset) of each of `seg`'s tokens in a pool of `num_blocks` blocks
+    of `t` tokens, which tokens are real (not padding) and the positions with padding at 0."""
+    valid = seg.positions >= 0
+    pos = jnp.maximum(seg.positions, 0)
+    max_blocks = seg.block_tables.shape[1]
+    dst = jnp.take_along_axis(seg.block_tables, jnp.minimum(pos // t, max_blocks - 1), axis=1)
+    dst = jnp.where(valid, dst, num_blocks)  # padding points past the pool: dropped
+    return dst.reshape(-1), (pos % t).reshape(-1), valid, pos
 
 
 def _unshared(x: jax.Array, weights: Any) -> tuple[jax.Array, Any]:
@@ -423,15 +432,17 @@ def _attend(q: jax.Array, blocks: jax.Array, mask: jax.Array, precision) -> jax.
 
 def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
               fused_attention: bool | None = None, attention_tile: int | None = None,
-              full_width: bool = False) -> Any:
+              full_width: bool = False, greedy: bool = False) -> Any:
     """`forward` jitted, pool donated: `step(params, pool.primary, segments)`.
 
     Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
     `fused_attention`: None picks it for bfloat16 and float16 models on a GPU whose head
     dimension cuDNN takes (a multiple of 8, at most 256);
-    `attention_tile`, `full_width`: `forward`'s. Pools of one model and one split share one jitted function,
-    and so its compiled steps.
+    `attention_tile`, `full_width`: `forward`'s. `greedy`: the step returns `((logits,
+    tokens), new_pool)`, `tokens` each row's argmax (int32), taken on the device: on the host,
+    16 rows of 128k logits cost ~1 ms a step. Pools of one model and one split share one jitted
+    function, and so its compiled steps.
     """
     if fused_attention is None:
         fused_attention = (config.dtype in ("bfloat16", "float16")
@@ -439,14 +450,21 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
                            and jax.default_backend() == "gpu")
     return _jitted_step(config, None if pool is None or pool.mesh is None
                         else pool.sharding("device"), fused_attention,
-                        attention_tile or default_attention_tile(), full_width)
+                        attention_tile or default_attention_tile(), full_width, greedy)
+
+
+def _greedy(params: dict, kv_pool: jax.Array, segments: tuple[Rows, ...], **kw: Any) -> Any:
+    logits, kv_pool = forward(params, kv_pool, segments, **kw)
+    return (logits, [jnp.argmax(x, axis=-1).astype(jnp.int32) for x in logits]), kv_pool
 
 
 @functools.cache
 def _jitted_step(config: ModelConfig, pool_sharding: jax.sharding.NamedSharding | None,
-                 fused_attention: bool, attention_tile: int, full_width: bool = False) -> Any:
-    fn = functools.partial(forward, config=config, fused_attention=fused_attention,
-                           attention_tile=attention_tile, full_width=full_width)
+                 fused_attention: bool, attention_tile: int, full_width: bool = False,
+                 greedy: bool = False) -> Any:
+    fn = functools.partial(_greedy if greedy else forward, config=config,
+                           fused_attention=fused_attention, attention_tile=attention_tile,
+                           full_width=full_width)
     if pool_sharding is None:
         return jax.jit(fn, donate_argnums=1)
     replicated = jax.sharding.NamedSharding(pool_sharding.mesh, jax.sharding.PartitionSpec())

@@ -60,6 +60,10 @@ PREFIX_WAIT_S = 5.0
 # joins), building and dispatching the model step, and waiting for its logits (the device's
 # time not hidden behind the host's, and whatever the step waits for on the device).
 STEP_PHASES = ("block manager", "transfers", "model dispatch", "model wait")
+# Parts of those phases, for a breakdown: of "block manager", admitting requests (prefix
+# matching, allocation, onboarding) and collecting a step's tokens (appending, releasing);
+# of "model dispatch", the step's rows (token, position and block-table arrays).
+STEP_DETAIL = ("admit", "collect", "rows")
 # XLA compiles in this process so far, [count, seconds] (jax.monitoring's backend-compile
 # event): a run's clock must start after every shape it needs is compiled, which the serving
 # loop checks by the compiles it sees while it runs.
@@ -350,59 +354,14 @@ class Server:
         self.budget_rows = prefill_budget // chunk  # rows of the packed segment (0: none)
         self.stop_token, self.stores = stop_token, tuple(stores)
         self.bm: BlockManager | None = None  # made once the transfers are compiled
-        self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # host wall time, summed
-        step = make_step(model, pool)
+        self.step_seconds = dict.fromkeys(STEP_PHASES + STEP_DETAIL, 0.0)  # host time, summed
+        self.max_blocks, self._params = max_blocks, params
+        self._model_step = make_step(model, pool, greedy=True)
         t0 = time.perf_counter()
-
-        def segment(rows: list[tuple[tuple[int, int], list[int], int]], width: int,
-                    length: int) -> Rows:
-            """rows (seq_id, tokens, first position) padded to `width` rows of `length`
-            tokens."""
-            tok = np.zeros((width, length), np.int32)
-            pos = np.full((width, length), -1, np.int32)
-            tables = np.zeros((width, max_blocks), np.int32)
-            last = np.zeros(width, np.int32)
-            for r, (sid, toks, start) in enumerate(rows):
-                tok[r, :len(toks)] = toks
-                pos[r, :len(toks)] = np.arange(start, start + len(toks))
-                last[r] = len(toks) - 1
-                table = self.bm.block_table(sid)
-                tables[r, :len(table)] = table
-            return Rows(tok, pos, tables, last)
-
-        def forward(prefills: list, decodes: list, *, segments: int) -> tuple[list, np.ndarray]:
-            """One step of `segments` prefill segments and the decode segment: the logits of
-            each prefill's last token and of each decode. With a budget, at most one prefill
-            segment, packing every prefill (aligned rows); without, one request's chunk each,
-            the first `len(prefills)` of them real."""
-            if self.budget_rows:
-                packed, last_rows = pack_prefill(
-                    [(toks, start, self.bm.block_table(sid)) for sid, toks, start in prefills],
-                    rows=self.budget_rows, row_tokens=chunk, max_blocks=max_blocks,
-                    aligned=True)
-                logits, pool.primary = step(params, pool.primary,
-                                            (packed,) * segments + (segment(decodes, batch, 1),))
-                out = wait(logits)
-                return [out[0][r] for r in last_rows], out[-1]
-            rows = [segment(prefills[i:i + 1], 1, chunk) for i in range(segments)]
-            logits, pool.primary = step(params, pool.primary,
-                                        (*rows, segment(decodes, batch, 1)))
-            out = wait(logits)
-            return [x[0] for x in out[:len(prefills)]], out[-1]
-
-        def wait(logits) -> list[np.ndarray]:
-            """The step's logits on the host: the time until they are is the device's (and
-            what it waits for), the time before it the host's, building and dispatching."""
-            t = time.perf_counter()
-            out = [np.asarray(x) for x in logits]
-            self.step_seconds["model wait"] += time.perf_counter() - t
-            return out
-
-        self._forward = forward
         # compiles every kind of step (no writes): with a budget, with and without the packed
         # segment; without, with 0 to prefill_rows segments
         for k in range(2 if self.budget_rows else self.prefill_rows + 1):
-            forward([], [], segments=k)
+            self._forward([], [], segments=k)
         t1 = time.perf_counter()
         _warm_up_transfers(transfers, pool, min(primary_blocks, batch * max_blocks))
         self.compile_seconds = time.perf_counter() - t0
@@ -422,9 +381,59 @@ class Server:
         self._step: tuple | None = None  # the last step's rows and logits, for collect
         self.full_step_flops = 0  # the last step's, when its prefill segment was full
         self._closed = False
-        self.step_seconds = dict.fromkeys(STEP_PHASES, 0.0)  # (the compiles' waits not counted)
+        # (the compiles' waits not counted)
+        self.step_seconds = dict.fromkeys(STEP_PHASES + STEP_DETAIL, 0.0)
         self.transfer_stats: TransferStats | None = None
         self.close_seconds = 0.0
+
+    def _segment(self, rows: list[tuple[tuple[int, int], list[int], int]], width: int,
+                 length: int) -> Rows:
+        """rows (seq_id, tokens, first position) padded to `width` rows of `length` tokens."""
+        tok = np.zeros((width, length), np.int32)
+        pos = np.full((width, length), -1, np.int32)
+        tables = np.zeros((width, self.max_blocks), np.int32)
+        last = np.zeros(width, np.int32)
+        for r, (sid, toks, start) in enumerate(rows):
+            tok[r, :len(toks)] = toks
+            pos[r, :len(toks)] = np.arange(start, start + len(toks))
+            last[r] = len(toks) - 1
+            table = self.bm.block_table(sid)
+            tables[r, :len(table)] = table
+        return Rows(tok, pos, tables, last)
+
+    def _forward(self, prefills: list, decodes: list, *, segments: int) -> tuple[list, list]:
+        """One step of `segments` prefill segments and the decode segment: (logits, token) of
+        each prefill's last token, then of each decode. With a budget, at most one prefill
+        segment, packing every prefill (aligned rows); without, one request's chunk each, the
+        first `len(prefills)` of them real."""
+        t = time.perf_counter()
+        pool, decode = self._pool, self._segment(decodes, self.batch, 1)
+        if self.budget_rows:
+            packed, last_rows = pack_prefill(
+                [(toks, start, self.bm.block_table(sid)) for sid, toks, start in prefills],
+                rows=self.budget_rows, row_tokens=self.chunk, max_blocks=self.max_blocks,
+                aligned=True)
+            self.step_seconds["rows"] += time.perf_counter() - t
+            out, pool.primary = self._model_step(self._params, pool.primary,
+                                                 (packed,) * segments + (decode,))
+            logits, tokens = self._wait(out)
+            return ([(logits[0][r], tokens[0][r]) for r in last_rows],
+                    list(zip(logits[-1], tokens[-1])))
+        rows = [self._segment(prefills[i:i + 1], 1, self.chunk) for i in range(segments)]
+        self.step_seconds["rows"] += time.perf_counter() - t
+        out, pool.primary = self._model_step(self._params, pool.primary, (*rows, decode))
+        logits, tokens = self._wait(out)
+        return ([(x[0], n[0]) for x, n in zip(logits[:len(prefills)], tokens)],
+                list(zip(logits[-1], tokens[-1])))
+
+    def _wait(self, out) -> tuple[list[np.ndarray], list[list[int]]]:
+        """The step's logits and tokens on the host: the time until they are is the device's
+        (and what it waits for), the time before it the host's, building and dispatching."""
+        t = time.perf_counter()
+        logits = [np.asarray(x) for x in out[0]]
+        tokens = [np.asarray(x).tolist() for x in out[1]]
+        self.step_seconds["model wait"] += time.perf_counter() - t
+        return logits, tokens
 
     @property
     def busy(self) -> bool:
@@ -540,6 +549,7 @@ class Server:
         (and nothing run) when none runs."""
         t0 = time.perf_counter()
         self._admit()
+        self.step_seconds["admit"] += time.perf_counter() - t0
         if not self.running:
             self._step = None
             return False
@@ -563,7 +573,7 @@ class Server:
         t2 = time.perf_counter()
         segments = min(len(prefills), 1) if self.budget_rows else len(prefills)
         waited = self.step_seconds["model wait"]
-        prefill_logits, decode_logits = self._forward(prefills, decodes, segments=segments)
+        prefill_out, decode_out = self._forward(prefills, decodes, segments=segments)
         phases = self.step_seconds
         phases["block manager"] += t1 - t0
         phases["transfers"] += t2 - t1
@@ -581,7 +591,7 @@ class Server:
                 sum(model.token_flops(p + 1) for _, toks, start in prefills
                     for p in range(start, start + len(toks)))
                 + sum(model.token_flops(p + 1) for _, _, p in decodes))
-        self._step = (prefilling, prefills, decoding, prefill_logits, decode_logits)
+        self._step = (prefilling, prefills, decoding, prefill_out, decode_out)
         return True
 
     def collect(self, clock: float, *, prefetch: bool = True) -> list[TurnResult]:
@@ -594,17 +604,16 @@ class Server:
         t0 = time.perf_counter()
         if prefetch and self.stores:  # after the step, whose transfers are done
             self._prefetch_next()
-        prefilling, prefills, decoding, prefill_logits, decode_logits = self._step
+        prefilling, prefills, decoding, prefill_out, decode_out = self._step
         self._step = None
         finished = []
         for r, (_, toks, start) in zip(prefilling, prefills):
             r.next = start + len(toks)
         done_prefill = [(i, r) for i, r in enumerate(prefilling) if r.next >= len(r.prompt)]
         for i, r in done_prefill + list(enumerate(decoding)):
-            row_logits = prefill_logits[i] if not r.out else decode_logits[i]
+            row_logits, token = prefill_out[i] if not r.out else decode_out[i]
             if not r.out:
                 r.first_token_s = clock
-            token = int(np.argmax(row_logits))
             r.out.append(token)
             r.logits.append(row_logits)
             if len(r.out) == r.output_len or token == self.stop_token:
@@ -619,7 +628,9 @@ class Server:
             results.append(TurnResult(r.arrival_s, r.first_token_s, clock, len(r.prompt),
                                       r.gpu_hits, r.host_hits, r.store_hits, r.out,
                                       np.stack(r.logits), key=(r.conv, r.turn)))
-        self.step_seconds["block manager"] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.step_seconds["block manager"] += took
+        self.step_seconds["collect"] += took
         return results
 
     def close(self) -> None:

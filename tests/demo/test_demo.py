@@ -77,9 +77,12 @@ def test_demo_is_exact_and_exercises_every_path(tiny_json, capsys):
     assert len(set(prompts.values())) == 1, prompts  # the same prompts, however served
     for name, run in runs.items():  # where the steps' time went: phases within the step
         step = run["step_ms"]
-        assert set(step) == {"step", *serving.STEP_PHASES}, name
+        assert set(step) == {"step", *serving.STEP_PHASES, *serving.STEP_DETAIL}, name
         assert all(v >= 0 for v in step.values()) and step["step"] > 0, (name, step)
         assert sum(step[p] for p in serving.STEP_PHASES) <= step["step"], (name, step)
+        # the details are parts of their phases
+        assert step["admit"] + step["collect"] <= step["block manager"] + 1e-9, (name, step)
+        assert step["rows"] <= step["model dispatch"] + 1e-9, (name, step)
 
 
 @pytest.mark.slow
