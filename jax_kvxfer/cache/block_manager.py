@@ -265,11 +265,11 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         self._offer_evicted()
         parent, keys = ROOT_KEY, []
         t = self.tokens_per_block
-        for i, block in enumerate(seq.blocks):
-            tokens = tuple(seq.tokens[i * t:(i + 1) * t])
-            if not store_for_reuse or not tokens:
-                break
-            if block.key is None:
+        for i, block in enumerate(seq.blocks if store_for_reuse else ()):
+            if block.key is None:  # (a reused block's key and tokens are its own already)
+                tokens = tuple(seq.tokens[i * t:(i + 1) * t])
+                if not tokens:  # a block allocated ahead of its first token
+                    break
                 key = block_key(parent, tokens)
                 old = self._index.by_key.get(key)
                 if old is not None and old.ref_count == 0 and not old.is_primary:

@@ -440,8 +440,9 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
     `fused_attention`: None picks it for bfloat16 and float16 models on a GPU whose head
     dimension cuDNN takes (a multiple of 8, at most 256);
     `attention_tile`, `full_width`: `forward`'s. `greedy`: the step returns `((logits,
-    tokens), new_pool)`, `tokens` each row's argmax (int32), taken on the device: on the host,
-    16 rows of 128k logits cost ~1 ms a step. Pools of one model and one split share one jitted
+    tokens), new_pool)`, the logits in the model's dtype (exactly: computed in it) and `tokens`
+    each row's argmax (int32), taken on the device: on the host, 16 rows of 128k logits cost
+    ~1 ms a step. Pools of one model and one split share one jitted
     function, and so its compiled steps.
     """
     if fused_attention is None:
@@ -453,9 +454,13 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
                         attention_tile or default_attention_tile(), full_width, greedy)
 
 
-def _greedy(params: dict, kv_pool: jax.Array, segments: tuple[Rows, ...], **kw: Any) -> Any:
-    logits, kv_pool = forward(params, kv_pool, segments, **kw)
-    return (logits, [jnp.argmax(x, axis=-1).astype(jnp.int32) for x in logits]), kv_pool
+def _greedy(params: dict, kv_pool: jax.Array, segments: tuple[Rows, ...], *,
+            config: ModelConfig, **kw: Any) -> Any:
+    logits, kv_pool = forward(params, kv_pool, segments, config=config, **kw)
+    tokens = [jnp.argmax(x, axis=-1).astype(jnp.int32) for x in logits]
+    # In the model's dtype, where they were computed (forward's float32 is a widening): a
+    # bfloat16 model's logits cross to the host and are held at half the bytes, exactly.
+    return (tuple(x.astype(config.dtype) for x in logits), tokens), kv_pool
 
 
 @functools.cache

@@ -92,7 +92,9 @@ class TurnResult:
     host_hit_tokens: int  # ... onboarded from the secondary pool
     store_hit_tokens: int  # ... read from a store into host rows, then onboarded
     tokens: list[int]  # the reply
-    logits: np.ndarray  # [len(tokens), vocab]
+    # one row [vocab] per reply token, in the model's dtype (a view of its step's logits:
+    # stacked only when compared, not while serving)
+    logits: list[np.ndarray]
     key: tuple[int, int] | None = None  # (conversation, turn)
 
     @property
@@ -627,7 +629,7 @@ class Server:
             self.bm.release_sequence((r.conv, r.turn))
             results.append(TurnResult(r.arrival_s, r.first_token_s, clock, len(r.prompt),
                                       r.gpu_hits, r.host_hits, r.store_hits, r.out,
-                                      np.stack(r.logits), key=(r.conv, r.turn)))
+                                      r.logits, key=(r.conv, r.turn)))
         took = time.perf_counter() - t0
         self.step_seconds["block manager"] += took
         self.step_seconds["collect"] += took
@@ -826,11 +828,12 @@ def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
     max_diff, first_bad = 0.0, None
     for key in sorted(ref.turns):
         a, b = run.turns.get(key), ref.turns[key]
-        ok = a is not None and a.tokens == b.tokens and a.logits.shape == b.logits.shape
+        ok = a is not None and a.tokens == b.tokens and len(a.logits) == len(b.logits)
         if ok:
-            diff = np.abs(a.logits - b.logits)
+            got, want = (np.stack(x.logits).astype(np.float32) for x in (a, b))
+            diff = np.abs(got - want)
             max_diff = max(max_diff, float(diff.max()))
-            ok = bool(np.all(diff <= atol + rtol * np.abs(b.logits)))
+            ok = bool(np.all(diff <= atol + rtol * np.abs(want)))
         if not ok and first_bad is None:
             first_bad = key
     exact = first_bad is None and set(run.turns) == set(ref.turns)
