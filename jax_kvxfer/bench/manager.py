@@ -9,6 +9,15 @@ and secondary blocks and random slots:
   call_64_us: how long a 64-pair `offload_blocks` takes to return (a sync after each, untimed),
   over batches of 50 to 64 random pairs; `compiles`: XLA compilations while it was timed (0:
   no recompiles).
+And first, a manager call's fixed cost (`fixed_cost`): ONE block (2 MiB, the Llama geometry, on
+a GPU; one layer of it, 64 KiB, on the CPU and with --quick) through `offload_indices` /
+`onboard_indices`, each followed by the wait for it (`sync_transfers()`), beside what the
+manager stands on, on the same device and blocks: the bare jitted `copy_blocks` of that block
+each way (the copy engines with indices in pinned_host memory, as the lanes take them, and the
+kernel with indices on the device), each waited for, and a jitted no-op, waited for; and the
+time the block's bytes take at this run's memcpy ceiling (`memcpy_us`). The cases take turns
+sample by sample (drift touches all alike); median, min and max microseconds of the samples
+after the warm-up ones; every copy checked against a shadow of which block each slot holds.
 """
 
 from __future__ import annotations
@@ -16,14 +25,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
-from .. import KVCacheBlock, KVCacheBlockPool, KVCacheTransferManager
+from .. import KVCacheBlock, KVCacheBlockPool, KVCacheTransferManager, copy_blocks
 from .config import DTYPE, fmt_size
-from .helpers import COMPILES, median
+from .helpers import COMPILES, err_text, median
 
 GEOMETRY = {"num_kv_heads": 8, "size_per_head": 128, "tokens_per_block": 16}
 GEOMETRIES = (("Llama-3.1-8B", 32, 256), ("one layer of it", 1, 1024))  # name, layers, blocks
+FIXED_COST_ROUNDS = {True: (5, 60), False: (50, 500)}  # --quick: (warm-up, timed) samples a case
 
 
 def pairs(src: Any, dst: Any, from_primary: bool) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
@@ -33,6 +44,13 @@ def pairs(src: Any, dst: Any, from_primary: bool) -> list[tuple[KVCacheBlock, KV
 
 class ManagerMixin:
     def run_manager(self, sec: dict[str, Any]) -> None:
+        fixed = sec["fixed_cost"] = {}  # first: the deadline never skips it
+        try:
+            self._fixed_cost(fixed)
+        except Exception as e:  # noqa: BLE001 - the geometries go on
+            fixed["error"] = err_text(e)
+            self.log(f"manager call fixed cost: ERROR {fixed['error'][:300]}")
+        self.save()
         for name, layers, nb in GEOMETRIES:
             if self.cfg.quick:
                 name, layers, nb = (name, layers, 64) if layers < 2 else (
@@ -47,6 +65,104 @@ class ManagerMixin:
                 continue
             self._manager_case(pool, rec)
             self.save()
+
+    def _fixed_cost(self, rec: dict[str, Any]) -> None:
+        """One block's manager calls beside the bare copies and a no-op (the module says how)."""
+        big = self.backend == "gpu" and not self.cfg.quick
+        (name, layers, _), nb = GEOMETRIES[0 if big else 1], 8
+        pool = KVCacheBlockPool.create(num_layers=layers, **GEOMETRY, dtype=DTYPE,
+                                       num_primary_blocks=nb, num_secondary_blocks=nb,
+                                       device=self.dev)
+        shape = pool.primary.shape
+        pool.primary = self.random_pool(shape, pool.sharding("device"))
+        pool.secondary = self.random_pool(shape, pool.sharding("pinned_host"))
+        rec.update(model=name, layers=layers, block_bytes=pool.block_nbytes)
+        ceil = self.ceiling(pool.block_nbytes)
+        rec["memcpy_us"] = {d: pool.block_nbytes / ceil[d] / 1e3 for d in ("d2h", "h2d")}
+        # the bare copies' own arrays; `held` maps (array, slot) to the (array, slot) whose
+        # first contents it holds now
+        arrays = {"primary": lambda: pool.primary, "secondary": lambda: pool.secondary}
+        bare = {"dev": self.random_pool(shape, self.dsh), "host": self.random_pool(shape, self.hsh)}
+        arrays.update({k: (lambda k=k: bare[k]) for k in bare})
+        first = {k: self.fetch(get(), np.arange(nb)) for k, get in arrays.items()}
+        held = {(k, i): (k, i) for k in arrays for i in range(nb)}
+        cases = self._fixed_cost_cases(KVCacheTransferManager([pool]), bare, held, nb)
+        warmup, timed = FIXED_COST_ROUNDS[bool(self.cfg.quick)]
+        samples: dict[str, list[tuple[float, float | None]]] = {k: [] for k in cases}
+        compiles = COMPILES[0]
+        for r in range(warmup + timed):
+            if r == warmup:
+                compiles = COMPILES[0]
+            for case, sample in cases.items():  # one sample of each case in turn
+                out = sample(r)
+                if r >= warmup:
+                    samples[case].append(out)
+        rec.update(compiles=COMPILES[0] - compiles, warmup=warmup, samples=timed)
+        for case, xs in samples.items():
+            us = [1e6 * total for total, _ in xs]
+            rec[case] = {"median_us": median(us), "min_us": min(us), "max_us": max(us)}
+            if xs[0][1] is not None:
+                rec[case]["returns_median_us"] = median([1e6 * x for _, x in xs])
+        rec["verified"] = all(
+            np.array_equal(self.fetch(get(), np.arange(nb)),
+                           np.stack([first[k][i] for k, i in (held[(a, j)] for j in range(nb))]))
+            for a, get in arrays.items())
+        self.log("manager " + fixed_cost_line(rec))
+
+    def _fixed_cost_cases(self, mgr: KVCacheTransferManager, bare: dict[str, jax.Array],
+                          held: dict[tuple[str, int], tuple[str, int]], nb: int
+                          ) -> dict[str, Any]:
+        """name -> sample(round): one timed call and its wait, (seconds, seconds until the
+        call returned or None); each records what it moved in `held`. Sample r copies slot
+        r % nb into slot (3r + 1) % nb."""
+        def pair(r: int) -> tuple[int, int]:
+            return r % nb, (3 * r + 1) % nb
+
+        def verb(offload: bool) -> Any:
+            call = mgr.offload_indices if offload else mgr.onboard_indices
+            src, dst = ("primary", "secondary") if offload else ("secondary", "primary")
+            slots = [np.array([i]) for i in range(nb)]  # as an engine keeps its slot tables
+
+            def sample(r: int) -> tuple[float, float]:
+                s, d = pair(r)
+                t0 = time.perf_counter()
+                call(slots[s], slots[d])
+                t1 = time.perf_counter()
+                mgr.sync_transfers()
+                t2 = time.perf_counter()
+                held[(dst, d)] = held[(src, s)]
+                return t2 - t0, t1 - t0
+            return sample
+
+        def copy(d2h: bool, dma: bool) -> Any:
+            src, dst = ("dev", "host") if d2h else ("host", "dev")
+            fn = jax.jit(lambda a, b, si, di: copy_blocks(a, b, si, di, dma=dma),
+                         donate_argnums=0, out_shardings=self.hsh if d2h else self.dsh)
+            idx = jax.block_until_ready([jax.device_put(np.array([i], np.int32),
+                                                        self.hsh if dma else self.dsh)
+                                         for i in range(nb)])
+
+            def sample(r: int) -> tuple[float, None]:
+                s, d = pair(r)
+                t0 = time.perf_counter()
+                bare[dst] = fn(bare[dst], bare[src], idx[s], idx[d])
+                bare[dst].block_until_ready()
+                held[(dst, d)] = held[(src, s)]
+                return time.perf_counter() - t0, None
+            return sample
+
+        noop, box = jax.jit(lambda x: x, donate_argnums=0), [jax.device_put(np.zeros(1), self.dsh)]
+
+        def no_op(r: int) -> tuple[float, None]:
+            t0 = time.perf_counter()
+            box[0] = noop(box[0])
+            box[0].block_until_ready()
+            return time.perf_counter() - t0, None
+
+        return {"offload": verb(True), "onboard": verb(False),
+                "copy_blocks_d2h_dma": copy(True, True), "copy_blocks_h2d_dma": copy(False, True),
+                "copy_blocks_d2h_kernel": copy(True, False),
+                "copy_blocks_h2d_kernel": copy(False, False), "noop": no_op}
 
     def _manager_case(self, pool: KVCacheBlockPool, rec: dict[str, Any]) -> None:
         nb = pool.num_primary_blocks
@@ -105,6 +221,30 @@ def manager_line(r: dict[str, Any]) -> str:
             f"{r['compiles']} compiles")
 
 
+def fixed_cost_line(r: dict[str, Any]) -> str:
+    def us(case: str) -> str:
+        x = r[case]
+        return f"{x['median_us']:.0f} ({x['min_us']:.0f}-{x['max_us']:.0f})"
+
+    def pair(how: str) -> str:
+        return f"{us(f'copy_blocks_d2h_{how}')} / {us(f'copy_blocks_h2d_{how}')}"
+
+    return (f"call fixed cost, one {fmt_size(r['block_bytes'])} block ({r['model']}), us, median "
+            f"(min-max) of {r['samples']} after {r['warmup']}: offload_indices + sync "
+            f"{us('offload')}, returns after {r['offload']['returns_median_us']:.0f}; "
+            f"onboard_indices + sync {us('onboard')}, returns after "
+            f"{r['onboard']['returns_median_us']:.0f}; bare jitted copy_blocks + wait, d2h / "
+            f"h2d: dma=True {pair('dma')}, dma=False {pair('kernel')}; jitted no-op + wait "
+            f"{us('noop')}; the block alone at the memcpy ceiling {r['memcpy_us']['d2h']:.0f} / "
+            f"{r['memcpy_us']['h2d']:.0f}; {r['compiles']} compiles"
+            + ("" if r["verified"] else "; VERIFY FAILED"))
+
+
 def manager_summary(sec: dict[str, Any]) -> list[str]:
-    return [f"manager {r.get('skipped') or manager_line(r)}" for r in sec.values()
-            if isinstance(r, dict) and ("skipped" in r or "call_64_us" in r)]
+    fixed = sec.get("fixed_cost", {})
+    first = ([f"manager {fixed_cost_line(fixed)}"] if "verified" in fixed else
+             [f"manager call fixed cost: ERROR {fixed['error'][:300]}"] if "error" in fixed
+             else [])
+    return first + [
+        f"manager {r.get('skipped') or manager_line(r)}" for r in sec.values()
+        if isinstance(r, dict) and ("skipped" in r or "call_64_us" in r)]

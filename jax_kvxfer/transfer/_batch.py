@@ -9,6 +9,7 @@ error, or to split mixed batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,17 +34,28 @@ class PairBatch:
     whole: bool  # every pair copies a whole block (a part of a batch: false if the batch's is)
     # (source, destination) memory (True: primary) shared by every pair; None: mixed or empty
     direction: tuple[bool, bool] | None
-    unique_dst: bool  # no two pairs write one slot (index and memory)
+    # `unique_dst` where the check found it on its way (the native pass does); None: worked
+    # out when first asked, which the transfer lanes never do
+    unique_dst_found: bool | None = None
 
     def __len__(self) -> int:
         return len(self.src)
 
+    @functools.cached_property
+    def unique_dst(self) -> bool:
+        """No two pairs write one slot (index and memory)."""
+        if self.unique_dst_found is not None:
+            return self.unique_dst_found
+        if self.direction is not None:  # one memory: the indices tell
+            return len(set(self.dst.tolist())) == len(self)
+        return len(set(zip(self.dst.tolist(), self.dst_primary.tolist()))) == len(self)
+
     def take(self, rows: slice | np.ndarray) -> PairBatch:
         src_primary, dst_primary = self.src_primary[rows], self.dst_primary[rows]
-        dst = self.dst[rows]
-        unique = self.unique_dst or len(set(zip(dst.tolist(), dst_primary.tolist()))) == len(dst)
-        return PairBatch(self.src[rows], src_primary, dst, dst_primary, self.tokens[rows],
-                         self.whole, _direction(src_primary, dst_primary), unique)
+        # a part of a batch without repeated destinations has none; else found out when asked
+        return PairBatch(self.src[rows], src_primary, self.dst[rows], dst_primary,
+                         self.tokens[rows], self.whole, _direction(src_primary, dst_primary),
+                         self.unique_dst_found or None)
 
 
 def _direction(src_primary: np.ndarray, dst_primary: np.ndarray) -> tuple[bool, bool] | None:
@@ -73,14 +85,9 @@ def check_batch(pairs: Any, num_tokens: Any, num_primary: int, num_secondary: in
                         "KVCacheBlocks made by KVCacheBlock(...)")
     direction, unique_dst = found
     tokens = _check_tokens(num_tokens, n)
-    if num_tokens is None:
-        whole = True
-    elif isinstance(num_tokens, (int, np.integer)):
-        whole = not 0 < int(num_tokens) < tokens_per_block
-    else:
-        whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
     return PairBatch(src=index[0], src_primary=primary[0], dst=index[1], dst_primary=primary[1],
-                     tokens=tokens, whole=whole, direction=direction, unique_dst=unique_dst)
+                     tokens=tokens, whole=_whole(num_tokens, tokens, tokens_per_block),
+                     direction=direction, unique_dst_found=unique_dst)
 
 
 # What each verb may copy, as (source is primary, destination is primary): an offload moves
@@ -126,34 +133,59 @@ def check_index_batch(src: Any, dst: Any, num_tokens: Any, src_primary: bool,
             array = array.astype(np.int64).reshape(-1)
         if array.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
-        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        if array.dtype.kind not in "iu":  # not bool ("b"), float, ...
             raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+        column = array.astype(np.int64)  # the batch's own copy
         limit = num_primary if primary else num_secondary
-        memory = "primary" if primary else "secondary"
-        bad = np.flatnonzero((array < 0) | (array >= limit))
-        if bad.size:
-            if limit == 0:
-                raise ValueError(f"{name} indexes the secondary pool, but the pools have 0 "
-                                 "secondary blocks")
-            i = int(bad[0])
-            raise IndexError(f"{name}[{i}] is {int(array[i])}, outside the {memory} pool's "
-                             f"0..{limit - 1}")
-        columns.append(array.astype(np.int64))
+        # one comparison finds both ends: as unsigned, a negative index is past any limit
+        if np.count_nonzero(column.view(np.uint64) >= limit):
+            _raise_out_of_range(name, array, limit, "primary" if primary else "secondary")
+        columns.append(column)
     if len(columns[0]) != len(columns[1]):
         raise ValueError(f"src has {len(columns[0])} entries but dst has {len(columns[1])}; "
                          "give one destination per source")
     n = len(columns[0])
     tokens = _check_tokens(num_tokens, n)
-    whole = not ((tokens > 0) & (tokens < tokens_per_block)).any()
-    return PairBatch(src=columns[0], src_primary=np.full(n, src_primary),
-                     dst=columns[1], dst_primary=np.full(n, dst_primary), tokens=tokens,
-                     whole=whole, direction=(src_primary, dst_primary) if n else None,
-                     unique_dst=len(np.unique(columns[1])) == n)
+    return PairBatch(src=columns[0], src_primary=_one_memory(n, src_primary),
+                     dst=columns[1], dst_primary=_one_memory(n, dst_primary), tokens=tokens,
+                     whole=_whole(num_tokens, tokens, tokens_per_block),
+                     direction=(src_primary, dst_primary) if n else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_memory(n: int, primary: bool) -> np.ndarray:
+    """The memory column of n pairs in one memory: read-only and shared, since an engine's
+    batches come in few sizes and nothing writes a batch's columns."""
+    column = np.full(n, primary)
+    column.flags.writeable = False
+    return column
+
+
+def _raise_out_of_range(name: str, array: np.ndarray, limit: int, memory: str) -> None:
+    """Raises the error of the first index of `array` outside 0..limit-1, naming it."""
+    if limit == 0:
+        raise ValueError(f"{name} indexes the secondary pool, but the pools have 0 "
+                         "secondary blocks")
+    i = int(np.flatnonzero((array < 0) | (array >= limit))[0])
+    raise IndexError(f"{name}[{i}] is {int(array[i])}, outside the {memory} pool's "
+                     f"0..{limit - 1}")
+
+
+def _whole(num_tokens: Any, tokens: np.ndarray, tokens_per_block: int) -> bool:
+    """Whether every pair copies a whole block: its count (`tokens`, checked from
+    `num_tokens`) is not in 1..tokens_per_block-1."""
+    if num_tokens is None:
+        return True
+    if isinstance(num_tokens, (int, np.integer)):
+        return not 0 < int(num_tokens) < tokens_per_block
+    return not np.count_nonzero((tokens > 0) & (tokens < tokens_per_block))
 
 
 def _host_array(name: str, values: Any, expected: str) -> np.ndarray:
     """`values` (a NumPy array, a sequence or a concrete jax.Array, which engines keep their
     slot tables in: read on the host once) as a NumPy array."""
+    if type(values) is np.ndarray:  # what engines pass, first: the checks below cost microseconds
+        return values
     if isinstance(values, jax.core.Tracer):
         raise TypeError(f"{name} must be {expected} known on the host, got a traced value; "
                         "the manager's verbs are called outside jax.jit")

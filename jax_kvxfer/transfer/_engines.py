@@ -204,7 +204,9 @@ class Engine:
         return results[0] if len(results) == 1 else results
 
     def current(self, is_primary: bool) -> tuple[Any, ...]:
-        return tuple(p.current(is_primary, "transfer") for p in self.pools)
+        """The pools' arrays of one memory, as a copy takes them: the manager found them live
+        (`_check_live`) before it dispatched anything."""
+        return tuple([p.stored(is_primary) for p in self.pools])
 
     def take(self, is_primary: bool, arrays: Sequence[Any]) -> None:
         for pool, array in zip(self.pools, arrays):

@@ -40,6 +40,7 @@ class PlanSlot:
         # What the next dispatch that reads the slot donates; it hands back the new token.
         self.token = self._new_token()
         self.busy = False  # a dispatch that read the slot may not have finished
+        self._filled = arrays[0].shape[0]  # entries from here on hold -1 (none: zeros at first)
 
     def _new_token(self) -> jax.Array:
         # Made by an op, so no NumPy buffer stands in the way of donating it.
@@ -58,11 +59,13 @@ class PlanSlot:
         """Stores a plan (source indices, destination indices, token counts: three rows of n
         <= B integers, or a [3, n] array), pads it with -1 (pairs the kernel skips) and returns
         the arrays to pass for it."""
+        n = len(rows[0])
         for row, views in zip(rows, self._views):
-            n = len(row)
             for view in views:
                 view[:n] = row
-                view[n:] = -1
+                if n < self._filled:  # only what the last plan wrote past n is not -1 yet
+                    view[n:self._filled] = -1
+        self._filled = n
         return self.arrays
 
 
@@ -75,6 +78,7 @@ class PlanRing:
         self._slots = slots
         self._rings: dict[int, list[PlanSlot]] = {}
         self._next: dict[int, int] = {}
+        self._handed_out: set[PlanSlot] = set()  # since `all_done`: the only slots maybe busy
 
     @staticmethod
     def sharding_for(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
@@ -108,13 +112,14 @@ class PlanRing:
         if slot.busy:
             slot.token.block_until_ready()
             slot.busy = False
+        self._handed_out.add(slot)
         return slot
 
     def all_done(self) -> None:
         """Every dispatch has finished (the manager synced): no slot needs waiting for."""
-        for ring in self._rings.values():
-            for slot in ring:
-                slot.busy = False
+        for slot in self._handed_out:
+            slot.busy = False
+        self._handed_out.clear()
 
     def arrays(self) -> list[jax.Array]:
         """The arrays the ring holds, for memory checks: plans and tokens (with the per-device

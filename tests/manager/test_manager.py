@@ -527,6 +527,23 @@ def test_plan_slot_gets_a_fresh_token_only_where_a_failed_dispatch_consumed_it(r
     assert fresh.sharding == live.sharding and np.asarray(fresh).tolist() == [0]
 
 
+def test_a_plan_slot_holds_its_last_plan_and_minus_one_after_it(rng):
+    """Whatever plans a slot held before, longer or shorter, and from its first (its arrays
+    start as zeros), what the copy reads after a write of n pairs is those pairs, then -1 (pairs
+    the kernel skips) to the end of the bucket: read back through JAX, not the views written."""
+    m = kvx.KVCacheTransferManager(make_pools(rng))
+    if testing.plan_ring(m) is None:
+        pytest.skip("no pinned_host memory: no plan ring")
+    slot = testing.plan_ring(m).next_slot(8)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for n in (3, 8, 5, 1, 7, 7, 2, 8):
+        rows = rng.integers(0, 1000, (3, n))
+        arrays = slot.write(tuple(rows))
+        for got, row in zip(arrays, rows):
+            want = np.concatenate([row, np.full(8 - n, -1)])
+            np.testing.assert_array_equal(np.asarray(jax.device_put(got, device)), want)
+
+
 def test_plan_slots_have_buffers_of_their_own(rng):
     pools = make_pools(rng)
     m = kvx.KVCacheTransferManager(pools)

@@ -136,6 +136,31 @@ def test_connector_section_times_a_full_host_pools_step(tmp_path, capsys):
     assert all(e["calls"] > 0 and e["function"] for e in host["profile"])
 
 
+def test_manager_fixed_cost_case(tmp_path):
+    """The manager section's first case: one block through offload_indices and
+    onboard_indices, each waited for, beside the bare jitted copy_blocks each way and a jitted
+    no-op, taking turns; every copy checked against a shadow of which block each slot holds
+    (the case records verified=False otherwise), nothing compiled while timed."""
+    from jax_kvxfer.bench.manager import manager_summary
+
+    b = bench.Bench(config.parse_args(["--quick", "--out", str(tmp_path), "--no-plot"]))
+    rec: dict = {}
+    b._fixed_cost(rec)
+    assert rec["verified"] is True and rec["compiles"] == 0
+    assert rec["block_bytes"] == 64 * 1024 and rec["samples"] > 0  # one layer with --quick
+    for case in ("offload", "onboard", "copy_blocks_d2h_dma", "copy_blocks_h2d_dma",
+                 "copy_blocks_d2h_kernel", "copy_blocks_h2d_kernel", "noop"):
+        assert 0 < rec[case]["min_us"] <= rec[case]["median_us"] <= rec[case]["max_us"], case
+    for verb in ("offload", "onboard"):  # each sample's return comes before its wait ends
+        assert 0 < rec[verb]["returns_median_us"] <= rec[verb]["median_us"]
+    assert rec["memcpy_us"]["d2h"] > 0 and rec["memcpy_us"]["h2d"] > 0
+    (line,) = manager_summary({"fixed_cost": rec})
+    assert line.startswith("manager call fixed cost, one 64K block (one layer of it)"), line
+    assert "VERIFY FAILED" not in line
+    assert manager_summary({"fixed_cost": {"error": "RuntimeError: x"}}) == [
+        "manager call fixed cost: ERROR RuntimeError: x"]
+
+
 def test_host_step_drive_reuses_the_chats_prefixes():
     """The host case's workload runs the block manager as the Server does: later turns find
     their history cached (drive raises otherwise), every step timed."""
