@@ -288,16 +288,29 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
                     dma=dma, stop_token=stop_token,
                     stores=stores, admission=admission, name=name)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
+    print(f"host memory, {name or 'run'} ready: {_host_memory()}", file=sys.stderr)
     try:
         loop = _serve(server, conversations, priorities=priorities, progress=progress,
                       fixed_step_s=fixed_step_s)
     finally:
         server.close()
+    print(f"host memory, {name or 'run'} done: {_host_memory()}", file=sys.stderr)
     res = server.result(loop.results, steps=loop.steps, seconds=loop.clock,
                         full_flops=loop.full_flops, full_seconds=loop.full_seconds,
                         step_seconds=loop.step_seconds)
     return dataclasses.replace(res, run_compiles=loop.compiles,
                                run_compile_seconds=loop.compile_seconds)
+
+
+def _host_memory() -> str:
+    """This process's resident memory now and at its peak (Linux's /proc; else unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+                  if k in ("VmRSS", "VmHWM")}
+        return f"RSS {kb['VmRSS'] / 1e6:.1f} GB, peak {kb['VmHWM'] / 1e6:.1f} GB"
+    except (OSError, KeyError, ValueError):
+        return "unknown"
 
 
 @dataclasses.dataclass
