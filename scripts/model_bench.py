@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvxfer.demo import cli, serving
+from jax_kvxfer.demo import serving, sizes
 from jax_kvxfer.demo.model import Rows, create_pool, init_params, make_step, pack_prefill
 
 PREFILL_TARGET, DECODE_TARGET = 0.35, 0.50
@@ -63,7 +63,7 @@ def peak_tflops(n: int, dtype: str, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(cli.PRESETS), default="cpu")
+    p.add_argument("--preset", choices=sorted(sizes.PRESETS), default="cpu")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset's")
     p.add_argument("--width", type=int, default=None,
                    help="block table width (default: the preset's chats' longest request)")
@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
 
-    cfg = dict(cli.PRESETS[args.preset])
-    model = cli.toy_model(cfg)
+    cfg = dict(sizes.PRESETS[args.preset])
+    model = sizes.toy_model(cfg)
     if args.layers:
         model = dataclasses.replace(model, num_layers=args.layers)
     t, batch, chunk, rows = (cfg["tokens_per_block"], cfg["batch"], cfg["chunk"],
                              cfg["prefill_rows"])
     width = args.width or serving.max_request_blocks(
-        cli.synthetic_chats(cfg, model.vocab_size, 0), t)
+        sizes.synthetic_chats(cfg, model.vocab_size, 0), t)
     context = args.context if args.context is not None else width * t // 4
     context = min(context, width * t - chunk)
     gpu = jax.default_backend() == "gpu"

@@ -1,13 +1,43 @@
-"""The demo's report: its lines of prose and tables within WIDTH characters, and the load
-sweep's table and plot."""
+"""The demo's report: each run's summary and exactness against never_evict, the verdict, and
+what is printed of them: the table of the runs side by side and the lines under it (the paths
+exercised, the tiers, the replicas, exactness), the closing lines (offload against drop and
+never_evict as ratios "N× lower/higher", or the statement that two runs did the same work and
+their difference is noise), --json's object, the plots, and the load sweep's table and plot.
+Its lines of prose and tables are within WIDTH characters."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import statistics
 import textwrap
+from collections.abc import Callable
+
+import jax
+
+from . import replicas as replica_runs
+from . import serving, store_servers
+from .model import ModelConfig
+from .sizes import (
+    ALONE,
+    CHAT_TEXT,
+    DISK,
+    REPLICA_RUNS,
+    RESTARTED,
+    RUNS,
+    SHARED,
+    size_text,
+    store_namespace,
+)
 
 WIDTH = 120  # the longest line the demo prints (but an error's one line, and --json)
 SWEEP_RUNS = ("offload", "drop", "never_evict")  # the runs served at each rate of a sweep
-
+# Logits of offload and drop against never_evict: |a - b| <= tol + tol * |b|, per dtype
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+BF16_PEAK_TFLOPS = {"H200": 990.0, "H100": 990.0}  # dense, the vendors' datasheets
+# The runs whose exactness against never_evict the exit status requires (those that ran).
+MUST_BE_EXACT = ("offload", DISK, RESTARTED, SHARED)
 
 
 def wrap(text: str, indent: str = "  ") -> list[str]:
@@ -53,6 +83,597 @@ def grid(header: list[str], rows: list[list[str]], gap: int = 3) -> list[str]:
             lines.append(f"{cells[0]:<{widths[0]}}" + "".join(
                 f"{' ' * gap}{cells[1 + i]:>{widths[1 + i]}}" for i in group))
     return lines
+
+
+def _transcript(tokenizer, res: serving.RunResult, conversations: int, shown: int = 2) -> str:
+    """The first conversations' turns as text."""
+    lines = []
+    for c in range(min(shown, conversations)):
+        lines.append(f"-- conversation {c}")
+        texts = CHAT_TEXT[c % len(CHAT_TEXT)]
+        for t in range(len([k for k in res.turns if k[0] == c])):
+            lines += wrap(f"user: {texts[t % len(texts)]}")
+            lines += wrap(f"assistant: {tokenizer.decode(res.turns[(c, t)].tokens).strip()}")
+    return "\n".join(lines) + "\n"
+
+
+def _ttft_p50(res: serving.RunResult, keys=None) -> float | None:
+    """TTFT p50 over the turns `keys` of the run (all: None); None when it has none."""
+    import numpy as np
+
+    ttft = [r.first_token_s - r.arrival_s for k, r in res.turns.items()
+            if keys is None or k in keys]
+    return float(np.percentile(ttft, 50)) if ttft else None
+
+
+def moved_turns(cfg: dict, turns) -> set[tuple[int, int]]:
+    """With --replicas, the turns (of `turns`) whose previous turn the router sends to
+    another replica (the same turns in every run, whoever serves them)."""
+    n = cfg.get("replicas")
+    if not n:
+        return set()
+    route = replica_runs.route
+    return {(c, t) for c, t in turns if t > 0 and route(c, t, n) != route(c, t - 1, n)}
+
+
+def _turn_figures(res: serving.RunResult, moved: set) -> dict:
+    """TTFT p50 of the turns with host hits (the host tier's), and of those that moved
+    replica (--replicas)."""
+    host = {k for k, r in res.turns.items() if r.host_hit_tokens > 0}
+    out = {"ttft_p50_host_hit_turns_s": _ttft_p50(res, host)}
+    if moved:
+        out["ttft_p50_moved_turns_s"] = _ttft_p50(res, moved)
+        out["moved_turns_computed_prefill_tokens"] = sum(
+            r.computed_prompt_tokens for k, r in res.turns.items() if k in moved)
+    return out
+
+
+def _replica_summary(i: int, res: serving.RunResult, moved: set) -> dict:
+    m = res.metrics()
+    return {"replica": i, "turns": len(res.turns),
+            "moved_turns": sum(k in moved for k in res.turns),
+            **{k: m[k] for k in ("computed_prefill_tokens", "gpu_hit_tokens", "host_hit_tokens",
+                                 "store_hit_tokens")},
+            "store_hit_blocks": res.block_stats.store_hit_blocks,
+            "moved_turns_store_hit_tokens": sum(r.store_hit_tokens for k, r in res.turns.items()
+                                                if k in moved),
+            "store": m["store"], "ttft_p50_s": _ttft_p50(res), **_turn_figures(res, moved),
+            # where its host time goes, per router tick (the tick itself is the router's)
+            "step_ms": {k: v for k, v in m["step_ms"].items() if k != "step"}}
+
+
+def summary(res: serving.RunResult, moved: set = frozenset()) -> dict:
+    """A run as the report shows it (the table's values, --json's "runs"): its pools, metrics,
+    block manager's and transfers' counts; `moved`: the turns that moved replica."""
+    b = res.block_stats
+    extra = {}
+    if moved:
+        extra = _turn_figures(res, moved)
+    if res.replicas is not None:
+        extra["replicas"] = [_replica_summary(i, r, moved) for i, r in enumerate(res.replicas)]
+    metrics = res.metrics()
+    if jax.devices()[0].platform == "cpu":  # what a CPU's prefill rate says: nothing
+        metrics["full_prefill_tflop_per_s"] = None
+    return {
+        "primary_blocks": res.primary_blocks, "secondary_blocks": res.secondary_blocks,
+        **metrics, "compile_seconds": round(res.compile_seconds, 4),
+        "admission": res.admission, "offloads_declined": res.offloads_declined,
+        "prefix_hit_rate": round(b.prefix_hit_rate, 4),
+        "offloaded_blocks": b.offloaded_blocks, "onboarded_full_blocks": b.onboarded_blocks,
+        "partial_copies_device": b.partial_copies, "partial_copies_host": b.partial_onboards,
+        "dropped_device_blocks": b.dropped_primary_blocks,
+        "dropped_host_blocks": b.dropped_secondary_blocks,
+        "store_hit_blocks": b.store_hit_blocks,
+        "transfers": dataclasses.asdict(res.transfer_stats), **extra,
+    }
+
+
+def _paths(offload: dict) -> dict:
+    """The transfer paths the offload run exercised (from its summary): how often each."""
+    return {"offload": offload["offloaded_blocks"],
+            "full_onboard": offload["onboarded_full_blocks"],
+            "partial_reuse": offload["partial_copies_device"] + offload["partial_copies_host"],
+            "partial_from_host": offload["partial_copies_host"],
+            "host_eviction": offload["dropped_host_blocks"]}
+
+
+def exactness(model: ModelConfig, results: dict) -> dict:
+    """Each run against never_evict (which must be in `results`): exact within the dtype's
+    tolerance, the largest logit difference, the first differing turn."""
+    ref = results["never_evict"]
+    tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
+    compared = {}
+    for name in (r for r in RUNS if r in results and r != "never_evict"):
+        exact, max_diff, first_bad = serving.compare(results[name], ref, atol=tol, rtol=tol)
+        compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
+                          "first_bad_turn": first_bad}
+    return compared
+
+
+def repeat_figures(cfg: dict, model: ModelConfig, results: dict) -> tuple[dict, dict]:
+    """A later repeat (--repeat) as what the report needs of it: its runs' summaries and their
+    exactness; the logits are left behind."""
+    moved = moved_turns(cfg, next(iter(results.values())).turns)
+    return ({name: summary(res, moved) for name, res in results.items()},
+            exactness(model, results))
+
+
+def _merged(compared: dict, later: list[tuple[dict, dict]]) -> dict:
+    """Exactness over every repeat: exact in all, the largest difference, the first repeat's
+    first differing turn."""
+    merged = {}
+    for name, first in compared.items():
+        each = [first, *(c[name] for _, c in later if name in c)]
+        bad = [c["first_bad_turn"] for c in each if not c["exact"]]
+        merged[name] = {"exact": not bad, "first_bad_turn": bad[0] if bad else None,
+                        "max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in each)}
+    return merged
+
+
+def print_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig, results: dict, real,
+               failed: str | None = None, later: list[tuple[dict, dict]] = ()) -> bool | None:
+    """Prints the runs in `results` (a table, or --json's object); returns whether offload and
+    the disk runs are exact, None when never_evict (the reference) did not finish (`failed`
+    says why). `later`: --repeat's later repeats (`repeat_figures`), whose exactness counts
+    too and whose ratios the closing lines take."""
+    moved = moved_turns(cfg, next(iter(results.values())).turns) if results else set()
+    runs = {name: summary(res, moved) for name, res in results.items()}  # offload's first
+    verdict = {"exact": None, "device": str(jax.devices()[0].device_kind),
+               "devices": args.devices,
+               "paths": _paths(runs["offload"]) if "offload" in runs else {}}
+    if cfg.get("replicas"):
+        verdict["replicas"] = _replica_verdict(cfg, runs)
+    if failed is not None:
+        verdict["failed"] = failed
+    if args.disk is not None:
+        verdict["disk"] = {"path": args.disk, "capacity_bytes": int(cfg["disk_gb"] * 2**30),
+                           "host_blocks": cfg["disk_host_blocks"],
+                           "namespace": store_namespace(model, cfg, preset=args.preset,
+                                                        seed=args.seed, real=real is not None)}
+    compared = {}
+    if later:
+        verdict["repeats"] = 1 + len(later)
+    if "never_evict" in results:
+        ref = results["never_evict"]
+        tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
+        compared = _merged(exactness(model, results), later)
+        verdict.update({
+            # The library's claim: restored blocks are the very blocks, from the host or the
+            # disk. Recomputation (drop) matches too in float32, but bfloat16 kernels round a
+            # token's K/V differently in a prefill chunk than in the decode that first made
+            # them: reported, not required.
+            "exact": all(compared[r]["exact"] for r in MUST_BE_EXACT if r in compared),
+            "runs": compared,
+            "turns": len(ref.turns), "tokens": sum(len(r.tokens) for r in ref.turns.values()),
+            "reference_evicted": ref.block_stats.offloaded_blocks
+            + ref.block_stats.dropped_primary_blocks,
+            "tolerance": tol, "prefill_fraction_of_peak": _fraction_of_peak(model, results)})
+    verdict["closing"] = closing(runs, compared, [runs, *(r for r, _ in later)])
+    if args.json:
+        config = {**cfg, "preset": args.preset, "seed": args.seed, "trace": args.trace,
+                  "disk": args.disk, "workload": args.workload, "admission": args.admission,
+                  "repeat": args.repeat}
+        if "replicas" in verdict:  # a URL's password not shown
+            config["store"] = verdict["replicas"]["store"]
+        print(json.dumps({"config": config,
+                          "runs": runs, **{k: v for k, v in verdict.items() if k != "runs"},
+                          **({"exactness": compared} if compared else {})}, indent=1))
+        return verdict["exact"]
+    source = _source(args, cfg)
+    title = (f"jax_kvxfer demo: {source}, {len(results['offload'].turns)} requests, "
+             f"batch {cfg['batch']}; "
+             f"model {model.num_layers} layers, d={model.d_model}, {model.num_heads}q/"
+             f"{model.num_kv_heads}kv heads ({model.num_params / 1e6:.2f}M params); "
+             f"{cfg['tokens_per_block']}-token blocks; {verdict['device']}")
+    if real is not None:
+        print(_transcript(real[1], results["offload"], cfg["conversations"]))
+    print(table(title, runs, verdict))
+    return verdict["exact"]
+
+
+def _source(args: argparse.Namespace, cfg: dict) -> str:
+    if args.trace:
+        return f"trace {args.trace}"
+    if args.workload == "docqa":
+        low, high = cfg["doc_tokens"]
+        return (f"docqa: {cfg['conversations']} documents of {low:,}-{high:,} tokens × "
+                f"{cfg['turns']} questions")
+    kind = {"lowreuse": "low reuse: ", "bursts": f"bursts of {cfg.get('burst', 1)}: "}
+    return (f"{kind.get(args.workload, '')}{cfg['conversations']} chats × {cfg['turns']} turns")
+
+
+def table(title: str, runs: dict, verdict: dict) -> str:
+    """The runs in `runs` side by side, each column as wide as its widest value; the paths,
+    the disk tier, the GPU's peak and exactness where known."""
+    rows = _table_rows(runs, verdict)
+    names = [r for r in RUNS if r in runs]
+    lines = [*title_lines(title), ""]
+    lines += grid(["", *names], [[label, *(fmt(runs[r]) for r in names)] for label, fmt in rows])
+    prose = _table_prose(runs, verdict)
+    lines += [""] + [line for text in prose for line in wrap(text, " " * (
+        len(text) - len(text.lstrip()) + 2))]
+    return "\n".join(lines)
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:,.1f} ms"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _opt_ms(x: float | None) -> str:
+    return "-" if x is None else _ms(x)
+
+
+def _table_rows(runs: dict, verdict: dict) -> list[tuple[str, Callable[[dict], str]]]:
+    """The table's rows: a label and how to show it for a run's summary."""
+    disk = any(s["store"] is not None for s in runs.values())
+    # the tier below the host: a disk (--disk), a store the replicas share (--replicas), or both
+    tier = ("disk / store" if "disk" in verdict and "replicas" in verdict
+            else "store" if "replicas" in verdict else "disk")
+
+    def hits(s: dict) -> str:
+        tiers = f"{s['gpu_hit_tokens']:,} / {s['host_hit_tokens']:,}"
+        if not disk:
+            return tiers
+        return tiers + (" / -" if s["store"] is None else f" / {s['store_hit_tokens']:,}")
+
+    def store(fmt):
+        return lambda s: "-" if s["store"] is None else fmt(s["store"])
+
+    rows = [
+        ("primary / secondary blocks",
+         lambda s: f"{s['primary_blocks']} / {s['secondary_blocks']}"),
+        ("TTFT p50 / p90", lambda s: f"{_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p90'])}"),
+        ("TTFT p99", lambda s: _ms(s["ttft_s"]["p99"])),
+        ("TPOT p50", lambda s: _ms(s["tpot_s"]["p50"])),
+        ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:,.0f}"),
+        ("prefill tokens computed", lambda s: f"{s['computed_prefill_tokens']:,}"),
+        (f"tokens from GPU / host / {tier} hits" if disk else "tokens from GPU / host hits",
+         hits),
+        ("onboarded / offloaded", lambda s: f"{_mib(s['onboarded_bytes'])} / "
+                                            f"{_mib(s['offloaded_bytes'])}"),
+    ]
+    if disk:
+        rows += [
+            (f"{tier} read / written", store(lambda d: f"{_mib(d['read_bytes'])} / "
+                                                       f"{_mib(d['written_bytes'])}")),
+            (f"{tier} blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / "
+                                                            f"{d['corrupt']:,}")),
+            (f"{tier} writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
+                                                                f"{d['evicted']:,}")),
+            (f"{tier} flush at the end", store(lambda d: f"{d['close_seconds']:.3f} s")),
+        ]
+    if "replicas" in verdict:
+        rows += [
+            ("TTFT p50, turns with host hits",
+             lambda s: _opt_ms(s.get("ttft_p50_host_hit_turns_s"))),
+            ("TTFT p50, turns that moved replica",
+             lambda s: _opt_ms(s.get("ttft_p50_moved_turns_s"))),
+        ]
+    def moved_any(s: dict) -> bool:
+        return bool(s["onboarded_bytes"] or s["offloaded_bytes"] or s["store"])
+
+    rows += [
+        ("prefix hit rate", lambda s: f"{100 * s['prefix_hit_rate']:.1f}%"),
+        ("exposed transfer time", lambda s: (
+            f"{s['exposed_transfer_s']:.3f} s "
+            f"({100 * s['exposed_transfer_s'] / max(s['seconds'], 1e-12):.1f}%)"
+            if moved_any(s) else "-")),
+    ]
+    if all(s.get("step_ms") for s in runs.values()):  # where a step's time goes (STEP_PHASES)
+        def phases(*names: str):
+            return lambda s: " / ".join(f"{s['step_ms'][n]:.2f}" for n in names) + " ms"
+        rows += [
+            ("mean step", phases("step")),
+            ("  block manager / transfers", phases("block manager", "transfers")),
+            ("  model dispatch / wait", phases("model dispatch", "model wait")),
+        ]
+    if any(s["offloads_declined"] for s in runs.values()):
+        rows.append(("offloads declined (admission)", lambda s: (
+            f"{s['offloads_declined']:,} ({s['admission']})" if s["secondary_blocks"] else "-")))
+    if any(s["full_prefill_tflop_per_s"] is not None for s in runs.values()):
+        rows.append(("prefill rate (full-prefill steps)", lambda s: (
+            "-" if s["full_prefill_tflop_per_s"] is None
+            else f"{s['full_prefill_tflop_per_s']:,.1f} TFLOP/s")))
+    rows += [
+        ("run time (+ compile)", lambda s: f"{s['seconds']:.2f} s (+{s['compile_seconds']:.1f})"),
+        ("compiles during the run", lambda s: (
+            f"{s['compiles_during_run']} ({s['compile_seconds_during_run']:.2f} s)")),
+    ]
+    return rows
+
+
+def _table_prose(runs: dict, verdict: dict) -> list[str]:
+    """The lines under the table: paths, tiers, exactness, the closing lines."""
+    paths = verdict["paths"] or {"offload": 0}  # (offload did not run)
+    prose = ["paths exercised (offload run): " + ", ".join(
+        f"{k.replace('_', ' ')} {'yes (' + str(v) + ')' if v else 'NO'}" for k, v in paths.items())]
+    if not all(paths.values()):
+        prose.append("  (smaller pools or more conversations/turns exercise every path)")
+    if "disk" in verdict:
+        d = verdict["disk"]
+        prose.append(f"disk tier: a FileStore in a fresh subdirectory of {d['path']} (removed at "
+                     f"the end), capacity {size_text(d['capacity_bytes'])}, below a host pool of "
+                     f"{d['host_blocks']} blocks"
+                     + ("; restarted: a new block manager and FileStore over the same files"
+                        if RESTARTED in runs else ""))
+    if "replicas" in verdict:
+        prose += replica_lines(runs, verdict["replicas"])
+    if verdict.get("prefill_fraction_of_peak") is not None:
+        prose.append(f"prefill reaches {100 * verdict['prefill_fraction_of_peak']:.0f} % of the "
+                     "GPU's dense bf16 peak (never_evict's full-prefill steps)")
+    if verdict.get("repeats"):
+        prose.append(f"the table shows the first of {verdict['repeats']} repeats; exactness "
+                     "and the ratios below are over all of them")
+    if "failed" in verdict:
+        prose.append(f"{verdict['failed']}; exactness not checked (never_evict is the reference)")
+    if verdict.get("runs"):
+        prose.append(f"exactness: each run's tokens and logits against never_evict's, logits "
+                     f"within {verdict['tolerance']:g} + {verdict['tolerance']:g} × |ref|")
+    for name, v in verdict.get("runs", {}).items():
+        prose.append(
+            f"exactness {name} vs never_evict: {'PASS' if v['exact'] else 'FAIL'} - "
+            f"{verdict['turns']} turns, {verdict['tokens']} tokens "
+            f"{'identical' if v['exact'] else 'compared'}; max |logit diff| "
+            f"{v['max_abs_logit_diff']:.3g}"
+            + ("" if v["exact"] else f"; first differing turn {v['first_bad_turn']}"))
+    prose += verdict.get("closing", {}).get("lines", [])
+    return prose
+
+
+def _times(ratio: float | None, above: str, below: str) -> str:
+    """A ratio as "N× above" (ratio >= 1) or "N× below" (N = 1 / ratio): N is never under 1.
+    "the same" where it rounds to 1.00 either way."""
+    if ratio is None:
+        return "n/a"
+    factor = ratio if ratio >= 1 else 1 / ratio
+    if f"{factor:.2f}" == "1.00":
+        return "the same"
+    return f"{factor:.2f}× {above if ratio >= 1 else below}"
+
+
+def _apart(ratio: float | None) -> str:
+    """How far apart two figures whose ratio this is are, whichever is larger: "N×"."""
+    return "n/a" if not ratio else f"{max(ratio, 1 / ratio):.2f}×"
+
+
+def _spread(ratios: list, above: str, below: str) -> str:
+    """One ratio as `_times` writes it; several (one per repeat) as their median, then their
+    least and greatest (min–max): "1.54× lower (1.20–1.80× lower)", or "(1.06× higher to 1.80×
+    lower)" where the repeats fall on both sides of 1."""
+    if None in ratios:
+        return "n/a"
+    median = _times(statistics.median(ratios), above, below)
+    if len(ratios) == 1:
+        return median
+    low, high = min(ratios), max(ratios)
+    if low >= 1 or high < 1:  # all on one side of 1: the factors in increasing order
+        a, b = sorted(r if r >= 1 else 1 / r for r in (low, high))
+        if f"{a:.2f}" == f"{b:.2f}":
+            return f"{median} (in every repeat)"
+        return f"{median} ({a:.2f}–{b:.2f}× {above if low >= 1 else below})"
+    return f"{median} ({_times(low, above, below)} to {_times(high, above, below)})"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def same_work(a: dict, b: dict) -> bool:
+    """Whether two runs (summaries) did the same work: the same prefill tokens computed, and
+    neither read a block back from the host or a store. What then differs between their times
+    is the machine's noise, not the cache."""
+    return (a["computed_prefill_tokens"] == b["computed_prefill_tokens"]
+            and not any(r["host_hit_tokens"] or r.get("store_hit_tokens") for r in (a, b)))
+
+
+def closing(runs: dict, compared: dict, repeats: list[dict] | None = None) -> dict:
+    """offload against drop and never_evict, in lines and in figures: TTFT p50 (the other
+    run's over offload's: above 1, offload's is lower), output tokens/s (offload's over the
+    other's), prefill tokens computed (the other's over offload's: the work the host tier saved,
+    which unlike the times does not vary from run to run), and whether offload is exact (else
+    its first differing turn).
+
+    `repeats`: with --repeat N, each repeat's runs (the first is `runs`): each ratio is then
+    their median, with its least and greatest. Two runs that did the same work (`same_work`)
+    get no ratio but the statement that their difference is noise. A single run says how far
+    apart identical runs are on this machine: drop and never_evict, where they did the same
+    work, else that one run cannot tell (and how to find out)."""
+    repeats = repeats or [runs]
+    out: dict = {"repeats": len(repeats)}
+    lines = []
+    for other in ("drop", "never_evict"):
+        pairs = [(r["offload"], r[other]) for r in repeats if "offload" in r and other in r]
+        if not pairs or len(pairs) < len(repeats):
+            continue
+        ttft = [_ratio(o["ttft_s"]["p50"], off["ttft_s"]["p50"]) for off, o in pairs]
+        rate = [_ratio(off["output_tokens_per_s"], o["output_tokens_per_s"]) for off, o in pairs]
+        prefill = [_ratio(o["computed_prefill_tokens"], off["computed_prefill_tokens"])
+                   for off, o in pairs]
+        same = all(same_work(off, o) for off, o in pairs)
+        figures = {"same_work": same}
+        for key, values in (("ttft_p50_ratio", ttft), ("output_tokens_per_s_ratio", rate),
+                            ("computed_prefill_ratio", prefill)):
+            known = None not in values
+            figures[key] = statistics.median(values) if known else None
+            if len(pairs) > 1:
+                figures[f"{key}_min"] = min(values) if known else None
+                figures[f"{key}_max"] = max(values) if known else None
+                figures[f"{key}s"] = values
+        out[f"vs_{other}"] = figures
+        head = f"offload vs {other}" + (f" (median of {len(pairs)} repeats, min–max)"
+                                        if len(pairs) > 1 else "")
+        if same:
+            tokens = pairs[0][0]["computed_prefill_tokens"]
+            lines.append(f"{head}: the same work ({tokens:,} prefill tokens computed by each, "
+                         f"no host hits), so the difference in their times is noise (TTFT p50 "
+                         f"{_apart(figures['ttft_p50_ratio'])} and output tokens/s "
+                         f"{_apart(figures['output_tokens_per_s_ratio'])} apart)")
+            continue
+        lines.append(f"{head}: TTFT p50 {_spread(ttft, 'lower', 'higher')}, output tokens/s "
+                     f"{_spread(rate, 'higher', 'lower')}, "
+                     + ("the same prefill computed" if all(p == 1 for p in prefill) else
+                        f"prefill computed {_spread(prefill, 'less', 'more')}"))
+    if len(repeats) == 1 and "drop" in runs and "never_evict" in runs:
+        drop, never = runs["drop"], runs["never_evict"]
+        measured = same_work(drop, never)
+        out["spread"] = {"measured": measured}
+        if measured:
+            ttft = _ratio(never["ttft_s"]["p50"], drop["ttft_s"]["p50"])
+            rate = _ratio(drop["output_tokens_per_s"], never["output_tokens_per_s"])
+            out["spread"].update(ttft_p50_ratio=ttft, output_tokens_per_s_ratio=rate)
+            lines.append(f"spread between identical runs on this machine: drop and never_evict "
+                         f"did the same work ({drop['computed_prefill_tokens']:,} prefill "
+                         f"tokens computed by each, no host hits), yet their TTFT p50 are "
+                         f"{_apart(ttft)} and their output tokens/s {_apart(rate)} apart: a "
+                         "ratio within that is noise")
+        else:
+            lines.append("spread between identical runs on this machine: not measured (drop "
+                         "and never_evict did different work), so one run cannot tell a "
+                         "ratio from noise: --repeat 3 gives each ratio with its spread")
+    c = compared.get("offload")
+    if c is not None:
+        out["exact"], out["first_bad_turn"] = c["exact"], c["first_bad_turn"]
+        lines.append("offload is exact against never_evict" if c["exact"] else
+                     f"offload is not exact against never_evict: first differing turn "
+                     f"{c['first_bad_turn']}")
+    out["lines"] = lines
+    return out
+
+
+def replica_lines(runs: dict, v: dict) -> list[str]:
+    """--replicas under the table: the routing and the store, each replica's figures, and the
+    two comparisons."""
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1e3 * x:,.1f} ms"
+
+    n = v["replicas"]
+    lines = [(f"replicas: {n} serving process{'es' if n > 1 else ''}, turn t of chat c on "
+              f"replica (c + t) % {n}{' (each turn after the first moves)' if n > 1 else ''}; "
+              f"{SHARED} shares "
+              f"{v['store_described'] or v['store']}, {ALONE} has no store")]
+    width = max(len(name) for name in REPLICA_RUNS)
+    for name in REPLICA_RUNS:
+        for r in runs.get(name, {}).get("replicas", []):
+            lines.append(
+                f"  {name:<{width}}  replica {r['replica']}: {r['turns']} turns "
+                f"({r['moved_turns']} moved), prefill computed {r['computed_prefill_tokens']:,}"
+                f", tokens from store hits {r['store_hit_tokens']:,} "
+                f"({r['store_hit_blocks']:,} blocks read), TTFT p50 {ms(r['ttft_p50_s'])}, "
+                f"moved turns {ms(r.get('ttft_p50_moved_turns_s'))}")
+    shared, off, alone = runs.get(SHARED), runs.get("offload"), runs.get(ALONE)
+    if shared is not None and off is not None:
+        ratio = v.get("moved_ttft_p50_over_host_hit_ttft_p50")
+        lines.append(f"TTFT p50 of the turns that moved replica, prefix from the store: "
+                     f"{ms(shared.get('ttft_p50_moved_turns_s'))}; of the offload run's turns "
+                     f"with host hits: {ms(off.get('ttft_p50_host_hit_turns_s'))}"
+                     + (f" (moved turns {_times(ratio, 'higher', 'lower')})"
+                        if ratio is not None else " (it had none)"))
+    if v.get("ttft_p50_without_over_with_store") is not None:
+        lines.append(f"TTFT p50 {SHARED} {ms(shared['ttft_s']['p50'])} vs {ALONE} "
+                     f"{ms(alone['ttft_s']['p50'])}: "
+                     f"{_times(v['ttft_p50_without_over_with_store'], 'lower', 'higher')} "
+                     "with the store "
+                     f"(turns that moved: {ms(shared.get('ttft_p50_moved_turns_s'))} vs "
+                     f"{ms(alone.get('ttft_p50_moved_turns_s'))})")
+    return lines
+
+
+def _replica_verdict(cfg: dict, runs: dict) -> dict:
+    """--replicas: how the turns were routed, the store, and the two comparisons: the turns
+    that moved replica with the store against the offload run's turns with host hits, and
+    replicas+store's TTFT p50 against replicas'."""
+    out = {"replicas": cfg["replicas"], "route": "turn t of chat c on replica (c + t) % N",
+           "store": cfg["store"] if "://" not in cfg["store"]
+           else store_servers.shown_url(cfg["store"]),
+           "store_described": cfg.get("store_described")}
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    shared, alone, off = runs.get(SHARED), runs.get(ALONE), runs.get("offload")
+    if shared is not None and off is not None:
+        out["moved_ttft_p50_over_host_hit_ttft_p50"] = ratio(
+            shared.get("ttft_p50_moved_turns_s"), off.get("ttft_p50_host_hit_turns_s"))
+    if shared is not None and alone is not None:
+        out["ttft_p50_without_over_with_store"] = ratio(alone["ttft_s"]["p50"],
+                                                        shared["ttft_s"]["p50"])
+        out["moved_ttft_p50_without_over_with_store"] = ratio(
+            alone.get("ttft_p50_moved_turns_s"), shared.get("ttft_p50_moved_turns_s"))
+    return out
+
+
+def _fraction_of_peak(model: ModelConfig, results: dict) -> float | None:
+    """never_evict's full-prefill rate over the GPU's dense bf16 peak (bf16 models on a GPU
+    whose peak is known), else None."""
+    import jax
+
+    kind = str(jax.devices()[0].device_kind)
+    peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in kind), None)
+    rate = results["never_evict"].metrics()["full_prefill_tflop_per_s"]
+    if peak is None or rate is None or model.dtype != "bfloat16":
+        return None
+    return rate / peak
+
+
+def plot_runs(path: str, results: dict) -> None:
+    """The TTFT CDF of each run, and each run's output tokens/s, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [name for name in RUNS if name in results]
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(10 + 2 * (len(names) > 3), 4))
+    for name in names:
+        ttft = np.sort([r.first_token_s - r.arrival_s for r in results[name].turns.values()])
+        cdf.plot(1e3 * ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
+    cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="time to first token")
+    cdf.legend()
+    rates = [results[name].metrics()["output_tokens_per_s"] for name in names]
+    bars.bar([name.replace(" ", "\n") for name in names], rates,
+             color=[f"C{i}" for i in range(len(names))])
+    bars.set(ylabel="output tokens/s", title="throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep_point(model: ModelConfig, rate: float, results: dict) -> dict:
+    """One rate of the load sweep, its SWEEP_RUNS' `results`: their summaries, offload's and
+    drop's exactness against never_evict, and the closing lines."""
+    tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
+    runs = {name: summary(res) for name, res in results.items()}
+    compared = {}
+    for name in ("offload", "drop"):
+        exact, max_diff, first_bad = serving.compare(results[name], results["never_evict"],
+                                                     atol=tol, rtol=tol)
+        compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
+                          "first_bad_turn": first_bad}
+    return {"arrival_rate": rate, "runs": runs, "exactness": compared,
+            "exact": compared["offload"]["exact"], "closing": closing(runs, compared)}
+
+
+def print_sweep(args: argparse.Namespace, cfg: dict, model: ModelConfig, points: list[dict]
+                ) -> bool:
+    """Prints the load sweep (a table, or --json's object); returns whether offload is exact
+    at every rate."""
+    exact = all(p["exact"] for p in points)
+    if args.json:
+        config = {**cfg, "arrival_rate": [p["arrival_rate"] for p in points],
+                  "preset": args.preset, "seed": args.seed, "workload": args.workload}
+        print(json.dumps({"config": config, "device": str(jax.devices()[0].device_kind),
+                          "exact": exact, "sweep": points}, indent=1))
+    else:
+        title = (f"jax_kvxfer demo, load sweep: {_source(args, cfg)}, batch {cfg['batch']}; "
+                 f"model {model.num_layers} layers, d={model.d_model} "
+                 f"({model.num_params / 1e6:.2f}M params); {jax.devices()[0].device_kind}")
+        print(sweep_table(title, points))
+    return exact
 
 
 def sweep_table(title: str, points: list[dict]) -> str:

@@ -25,7 +25,7 @@ from jax_kvxfer import KVCacheTransferManager
 from jax_kvxfer import __main__ as cli
 from jax_kvxfer.demo import cli as demo
 from jax_kvxfer.demo import model as model_module
-from jax_kvxfer.demo import serving, workloads
+from jax_kvxfer.demo import report, serving, sizes, workloads
 from jax_kvxfer.demo.model import ModelConfig, create_pool, init_params
 
 TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
@@ -343,7 +343,7 @@ def _recorded_runs(monkeypatch) -> list[tuple[int, int]]:
 
 def _limit(monkeypatch, names, nbytes: int) -> None:
     for name in names:
-        monkeypatch.setattr(demo, name, lambda *device: nbytes)
+        monkeypatch.setattr(sizes, name, lambda *device: nbytes)
 
 
 def test_help_states_each_presets_memory_from_its_shapes(capsys):
@@ -352,7 +352,7 @@ def test_help_states_each_presets_memory_from_its_shapes(capsys):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
     size = r"([\d.]+) (KiB|MiB|GiB)"
-    for name, cfg in demo.PRESETS.items():
+    for name, cfg in sizes.PRESETS.items():
         found = re.search(rf"{name}: weights {size}, GPU pool {size} \(never_evict's {size}\) "
                           rf"in device memory, host pool {size} pinned", text)
         assert found, f"no memory figure for preset {name} in: {text}"
@@ -448,19 +448,19 @@ class _Gpu:
 
 
 def test_on_gpus_each_device_holds_the_weights_and_its_share_of_the_pool(monkeypatch):
-    cfg = {**demo.PRESETS["cpu"], "primary_blocks": 100, "secondary_blocks": 40}
-    model = demo.toy_model(cfg)
-    convs = demo.synthetic_chats(cfg, model.vocab_size, seed=0)
-    oracle = demo.run_pools(cfg, convs)["never_evict"][0]
+    cfg = {**sizes.PRESETS["cpu"], "primary_blocks": 100, "secondary_blocks": 40}
+    model = sizes.toy_model(cfg)
+    convs = sizes.synthetic_chats(cfg, model.vocab_size, seed=0)
+    oracle = sizes.run_pools(cfg, convs)["never_evict"][0]
     weights, block = _weights_and_block_bytes(model, cfg["tokens_per_block"])
     devices = [_Gpu(0), _Gpu(1)]
     free = {"cuda:0": weights + oracle * block // 2, "cuda:1": weights + oracle * block // 2}
-    monkeypatch.setattr(demo, "free_device_bytes", lambda device: free[str(device)])
-    monkeypatch.setattr(demo, "pinned_host_limit_bytes", lambda device: 40 * block)
-    monkeypatch.setattr(demo, "available_host_bytes", lambda: 2**40)
+    monkeypatch.setattr(sizes, "free_device_bytes", lambda device: free[str(device)])
+    monkeypatch.setattr(sizes, "pinned_host_limit_bytes", lambda device: 40 * block)
+    monkeypatch.setattr(sizes, "available_host_bytes", lambda: 2**40)
 
     def check() -> str | None:
-        return demo.memory_shortfall(model, cfg, convs, devices, preset="cpu", trace=False)
+        return sizes.memory_shortfall(model, cfg, convs, devices, preset="cpu", trace=False)
 
     assert check() is None  # half the pool on each device, the host pool just under the cap
     free["cuda:1"] -= 1
@@ -468,7 +468,7 @@ def test_on_gpus_each_device_holds_the_weights_and_its_share_of_the_pool(monkeyp
     assert message.startswith(f"run never_evict, GPU pool ({oracle} blocks of "), message
     assert "split over 2 devices): needs" in message and "of device memory on cuda:1" in message
     free["cuda:1"] += 1
-    monkeypatch.setattr(demo, "pinned_host_limit_bytes", lambda device: 40 * block - 1)
+    monkeypatch.setattr(sizes, "pinned_host_limit_bytes", lambda device: 40 * block - 1)
     message = check()
     assert message.startswith("run offload, host pool (40 blocks"), message
     assert message.endswith("pass --secondary-blocks 39 or fewer, or a larger "
@@ -629,7 +629,7 @@ def test_the_table_shows_each_tier_in_columns_that_do_not_run_together(tmp_path,
     multiplication sign is ×."""
     assert demo.main(TINY + ["--disk", str(tmp_path), "--restart"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert all(len(line) <= demo.WIDTH for line in lines), max(lines, key=len)
+    assert all(len(line) <= report.WIDTH for line in lines), max(lines, key=len)
     out = "\n".join(lines)
     assert "*" not in out and not re.search(r"\dx\b", out) and " x " not in out, out
     runs = ["offload", "offload+disk", "offload+disk (restarted)", "drop", "never_evict"]
@@ -712,18 +712,18 @@ def test_the_memory_check_counts_the_disk_runs_host_pool(tmp_path, monkeypatch, 
 
 
 def test_different_models_never_share_disk_blocks():
-    cfg = {**demo.PRESETS["cpu"]}
-    model = demo.toy_model(cfg)
-    names = {demo.store_namespace(model, cfg, preset="cpu", seed=0, real=False),
-             demo.store_namespace(model, cfg, preset="cpu", seed=1, real=False),  # weights
-             demo.store_namespace(model, cfg, preset="cpu", seed=0, real=True),
-             demo.store_namespace(dataclasses.replace(model, rope_theta=5e5), cfg,
-                                  preset="cpu", seed=0, real=False),
-             demo.store_namespace(model, cfg, preset="h200", seed=0, real=False)}
+    cfg = {**sizes.PRESETS["cpu"]}
+    model = sizes.toy_model(cfg)
+    names = {sizes.store_namespace(model, cfg, preset="cpu", seed=0, real=False),
+             sizes.store_namespace(model, cfg, preset="cpu", seed=1, real=False),  # weights
+             sizes.store_namespace(model, cfg, preset="cpu", seed=0, real=True),
+             sizes.store_namespace(dataclasses.replace(model, rope_theta=5e5), cfg,
+                                   preset="cpu", seed=0, real=False),
+             sizes.store_namespace(model, cfg, preset="h200", seed=0, real=False)}
     assert len(names) == 5
-    big = demo.toy_model(demo.PRESETS["h200"])
+    big = sizes.toy_model(sizes.PRESETS["h200"])
     assert all(0 < len(n) <= 256 for n in names | {
-        demo.store_namespace(big, demo.PRESETS["h200"], preset="h200", seed=123, real=True)})
+        sizes.store_namespace(big, sizes.PRESETS["h200"], preset="h200", seed=123, real=True)})
 
 
 def test_a_restarted_run_that_differs_exits_1(tmp_path, monkeypatch, capsys):

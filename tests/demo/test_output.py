@@ -14,7 +14,7 @@ import pytest
 
 from jax_kvxfer.cache import BlockManagerStats
 from jax_kvxfer.demo import cli as demo
-from jax_kvxfer.demo import serving
+from jax_kvxfer.demo import report, serving
 from jax_kvxfer.transfer.manager import TransferStats
 
 TINY = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
@@ -43,7 +43,7 @@ FACTOR = re.compile(r"(\d+(?:\.\d+)?)×")
 def test_a_ratio_is_written_with_a_factor_of_at_least_one(offload_ttft, drop_ttft, expect):
     runs = {"offload": summary(offload_ttft, 100.0, 50, host_hits=8),
             "drop": summary(drop_ttft, 61.0, 100)}
-    (line,) = [x for x in demo.closing(runs, EXACT)["lines"] if x.startswith("offload vs drop")]
+    (line,) = [x for x in report.closing(runs, EXACT)["lines"] if x.startswith("offload vs drop")]
     assert f"{expect}, output tokens/s 1.64× higher, prefill computed 2.00× less" in line, line
     assert all(float(n) >= 1 for n in FACTOR.findall(line)), line
 
@@ -52,7 +52,7 @@ def test_two_runs_that_did_the_same_work_are_called_noise():
     # offload read nothing back from the host and computed what drop computed
     runs = {"offload": summary(0.2, 110.0, 1000), "drop": summary(0.25, 100.0, 1000),
             "never_evict": summary(0.2, 100.0, 400)}
-    c = demo.closing(runs, EXACT)
+    c = report.closing(runs, EXACT)
     assert c["vs_drop"]["same_work"] is True and c["vs_never_evict"]["same_work"] is False
     assert c["lines"][0] == ("offload vs drop: the same work (1,000 prefill tokens computed by "
                              "each, no host hits), so the difference in their times is noise "
@@ -60,7 +60,7 @@ def test_two_runs_that_did_the_same_work_are_called_noise():
     assert "lower" not in c["lines"][0] and "higher" not in c["lines"][0]
     # a single host hit is other work: a ratio again
     runs["offload"]["host_hit_tokens"] = 1
-    c = demo.closing(runs, EXACT)
+    c = report.closing(runs, EXACT)
     assert c["vs_drop"]["same_work"] is False
     assert c["lines"][0].startswith("offload vs drop: TTFT p50 1.25× lower, output tokens/s "
                                     "1.10× higher, the same prefill computed")
@@ -69,7 +69,7 @@ def test_two_runs_that_did_the_same_work_are_called_noise():
 def test_a_single_run_says_how_far_apart_identical_runs_are():
     runs = {"offload": summary(0.1, 100.0, 200, host_hits=300),
             "drop": summary(0.3, 50.0, 500), "never_evict": summary(0.36, 40.0, 500)}
-    c = demo.closing(runs, EXACT)
+    c = report.closing(runs, EXACT)
     assert c["spread"] == {"measured": True, "ttft_p50_ratio": pytest.approx(1.2),
                            "output_tokens_per_s_ratio": pytest.approx(1.25)}
     assert c["lines"][2] == ("spread between identical runs on this machine: drop and "
@@ -78,7 +78,7 @@ def test_a_single_run_says_how_far_apart_identical_runs_are():
                              "tokens/s 1.25× apart: a ratio within that is noise")
     assert c["lines"][-1] == "offload is exact against never_evict"
     runs["never_evict"]["computed_prefill_tokens"] = 200  # the oracle kept what drop recomputed
-    c = demo.closing(runs, EXACT)
+    c = report.closing(runs, EXACT)
     assert c["spread"] == {"measured": False}
     assert "one run cannot tell a ratio from noise: --repeat 3" in c["lines"][2]
 
@@ -90,7 +90,7 @@ def test_repeats_give_each_ratio_as_its_median_and_min_max():
                 "never_evict": summary(1.0, 100.0, 10)}
 
     repeats = [repeat(0.8, 50.0), repeat(1.5, 80.0), repeat(1.2, 90.0)]
-    c = demo.closing(repeats[0], EXACT, repeats)
+    c = report.closing(repeats[0], EXACT, repeats)
     d = c["vs_drop"]
     # TTFT p50: drop's over offload's, 0.8, 1.5, 1.2; tokens/s: offload's over drop's
     assert (d["ttft_p50_ratio"], d["ttft_p50_ratio_min"], d["ttft_p50_ratio_max"]) == \
@@ -172,7 +172,7 @@ def test_replica_ratios_read_the_right_way_round():
     verdict = {"replicas": 2, "store": "valkey", "store_described": None,
                "moved_ttft_p50_over_host_hit_ttft_p50": 0.3 / 0.12,
                "ttft_p50_without_over_with_store": 0.1593 / 0.2614}
-    text = "\n".join(demo.replica_lines(runs, verdict))
+    text = "\n".join(report.replica_lines(runs, verdict))
     assert "261.4 ms vs replicas 159.3 ms: 1.64× higher with the store" in text, text
     assert "with host hits: 120.0 ms (moved turns 2.50× higher)" in text, text
     assert all(float(n) >= 1 for n in FACTOR.findall(text)) and not re.search(r"\dx\b", text)

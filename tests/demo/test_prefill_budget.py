@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax_kvxfer.demo import cli as demo
-from jax_kvxfer.demo import serving, workloads
+from jax_kvxfer.demo import report, serving, workloads
 from jax_kvxfer.demo.model import ModelConfig, budget_chunks, init_params, pack_prefill
 
 MODEL = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
@@ -64,7 +64,7 @@ def test_a_packed_budget_is_exact_whatever_the_schedule(chats, dtype):
     one_row = _run(model, params, chats, budget=CHUNK)
     assert packed.steps < one_row.steps  # it packed: several rows a step
     segments = _run(model, params, chats, budget=0, prefill_rows=2)
-    tol = demo.TOLERANCE[dtype]
+    tol = report.TOLERANCE[dtype]
     for other in (one_row, segments):
         exact, max_diff, first_bad = serving.compare(other, packed, atol=tol, rtol=tol)
         assert exact, (max_diff, first_bad)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jax_kvxfer.demo import cli as demo
-from jax_kvxfer.demo import serving, workloads
+from jax_kvxfer.demo import report, serving, workloads
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "data", "mooncake_sample.jsonl")
 MODEL = ["--vocab", "64", "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
@@ -168,8 +168,8 @@ def test_the_table_is_aligned_at_any_width_and_ends_with_the_closing_line():
     compared = {"offload": {"exact": False, "max_abs_logit_diff": 1.0, "first_bad_turn": (3, 1)},
                 "drop": {"exact": True, "max_abs_logit_diff": 0.0, "first_bad_turn": None}}
     verdict = {"paths": {"offload": 1}, "runs": compared, "turns": 4, "tokens": 9,
-               "tolerance": 1e-4, "closing": demo.closing(runs, compared)}
-    lines = demo.table("title", runs, verdict).splitlines()
+               "tolerance": 1e-4, "closing": report.closing(runs, compared)}
+    lines = report.table("title", runs, verdict).splitlines()
     header = next(i for i, line in enumerate(lines) if line.strip().startswith("offload"))
     _columns_aligned(lines, header, list(runs))
     rows = {re.split(r" {3,}", r)[0]: re.split(r" {3,}", r.strip())[1:]
@@ -194,10 +194,10 @@ def test_the_table_is_aligned_at_any_width_and_ends_with_the_closing_line():
          "different work), so one run cannot"),
         "  tell a ratio from noise: --repeat 3 gives each ratio with its spread",
         verdict["closing"]["lines"][-1]]
-    assert all(len(line) <= demo.WIDTH for line in lines)
+    assert all(len(line) <= report.WIDTH for line in lines)
     runs["drop"]["computed_prefill_tokens"] *= 3
     runs["never_evict"]["computed_prefill_tokens"] //= 2
-    c = demo.closing(runs, compared)
+    c = report.closing(runs, compared)
     assert (c["vs_drop"]["computed_prefill_ratio"], c["vs_never_evict"]["computed_prefill_ratio"]) \
         == (3, 0.5)
     assert c["lines"][0].endswith("prefill computed 3.00× less")

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from jax_kvxfer.demo import cli as demo
-from jax_kvxfer.demo import store_servers
+from jax_kvxfer.demo import report, store_servers
 from jax_kvxfer.stores.shared import free_port
 
 # test_demo's tiny model and chats
@@ -99,7 +99,7 @@ def test_the_demo_stops_what_it_started(replicas_json):
 @pytest.mark.slow
 def test_the_table_shows_each_replica_and_the_comparisons(replicas_json):
     _, out, _ = replicas_json
-    lines = demo.replica_lines(out["runs"], out["replicas"])
+    lines = report.replica_lines(out["runs"], out["replicas"])
     text = "\n".join(lines)
     assert text.count("replica 0:") == text.count("replica 1:") == 2, text
     assert "turns that moved replica, prefix from the store" in text
