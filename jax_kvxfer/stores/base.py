@@ -101,12 +101,13 @@ def encode_header(fingerprint: bytes, key: bytes, payload: Any) -> bytes:
                         checksum(payload))
 
 
-def check_value(header: bytes, payload: Any, fingerprint: bytes, key: bytes,
-                row_nbytes: int) -> None:
-    """Raises CorruptBlock unless `header` + `payload` are an intact block of this
-    fingerprint and key, of `row_nbytes` bytes."""
-    if len(header) < HEADER_NBYTES:
-        raise CorruptBlock(f"a header of {len(header)} bytes, expected {HEADER_NBYTES}")
+def check_header(header: Any, fingerprint: bytes, key: bytes, row_nbytes: int) -> int:
+    """Raises CorruptBlock unless `header` (a buffer) is the header of a block of this
+    fingerprint and key, of `row_nbytes` bytes; returns the CRC-32 it gives the payload (a
+    store that reads the payload straight into a row checks it after: `checksum`)."""
+    if memoryview(header).nbytes < HEADER_NBYTES:
+        raise CorruptBlock(f"a header of {memoryview(header).nbytes} bytes, expected "
+                           f"{HEADER_NBYTES}")
     magic, version, _, found_fp, found_key, length, crc = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise CorruptBlock("not a jax_kvxfer block (bad magic)")
@@ -116,9 +117,19 @@ def check_value(header: bytes, payload: Any, fingerprint: bytes, key: bytes,
         raise CorruptBlock("written under another namespace or layout")
     if found_key != key:
         raise CorruptBlock("stored under another key")
-    if length != row_nbytes or memoryview(payload).nbytes != row_nbytes:
-        raise CorruptBlock(f"a payload of {memoryview(payload).nbytes} bytes (header: {length}),"
-                           f" expected {row_nbytes}")
+    if length != row_nbytes:
+        raise CorruptBlock(f"a payload of {length} bytes (by its header), expected {row_nbytes}")
+    return crc
+
+
+def check_value(header: Any, payload: Any, fingerprint: bytes, key: bytes,
+                row_nbytes: int) -> None:
+    """Raises CorruptBlock unless `header` + `payload` are an intact block of this
+    fingerprint and key, of `row_nbytes` bytes."""
+    crc = check_header(header, fingerprint, key, row_nbytes)
+    if memoryview(payload).nbytes != row_nbytes:
+        raise CorruptBlock(f"a payload of {memoryview(payload).nbytes} bytes (header: "
+                           f"{row_nbytes}), expected {row_nbytes}")
     if checksum(payload) != crc:
         raise CorruptBlock("checksum mismatch")
 

@@ -11,8 +11,10 @@ In the server (any RESP server: Redis, Valkey, a managed service), one string pe
   fingerprint and key (a foreign value, another type, a wrong length, a bad checksum) is a
   miss, counted in `corrupt`, and deleted (see `RedisStore`).
 
-Every put and get is a few pipelines (one round trip each) of at most `max_batch_bytes`, run on
-a pool of worker threads with a connection each; lookup is one pipeline of EXISTS per 4096 keys.
+A put is a few pipelines of SETs (one round trip each) of at most `max_batch_bytes`, a get as
+many batches of GETs, run on a pool of worker threads with connections of their own (a get is
+striped over them; its values are received straight into the rows: resp.py); lookup is one
+pipeline of EXISTS per 4096 keys.
 Faults (a server down, killed, slow, full, or one that evicted or expired a block) are counted
 misses and dropped writes, never exceptions.
 
@@ -24,6 +26,7 @@ starts a Valkey server.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -38,7 +41,8 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import numpy as np
 
-from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
+from .base import HEADER_NBYTES, CorruptBlock, check_header, check_keys, check_value, checksum
+from .resp import RespError, ValueReader
 from .shared import (
     LocalServer,
     SharedStore,
@@ -54,7 +58,9 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_MAX_BATCH_BYTES = 16 * MiB
-DEFAULT_THREADS = 2  # two pipelines in flight: one is prepared or checked while one waits
+# connections (one per worker thread): a get is striped over them, each asking for one value
+# at a time (resp.py says why); four read about twice as fast as one here (docs/stores.md)
+DEFAULT_THREADS = 4
 DEFAULT_RETRY_S = 1.0
 SCHEMES = ("redis", "rediss", "unix")
 LOOKUP_BATCH = 4096  # keys per EXISTS pipeline
@@ -182,9 +188,13 @@ class RedisStore(SharedStore):
       counted in `dropped_writes`; flush() waits until every queued write was acknowledged by
       the server or dropped ("durable" here means in the server's memory; persistence to disk
       is the server's configuration).
-    - get() returns a future of per-key booleans; each batch is one pipeline of GETs. A reply is
-      checked (length, header, CRC-32) before a single copy into the caller's row, so a row
-      that missed is left as it was.
+    - get() returns a future of per-key booleans. Its batches are spread over the threads;
+      each thread's connection asks for one value at a time (resp.py's ValueReader: the next
+      GET is sent as the reply before it begins) and checks its header (length, fingerprint,
+      key) before receiving the rest straight into the caller's row, then its CRC-32. A row
+      whose block is absent, or whose header is refused, is left as it was; one whose
+      checksum fails (or whose read broke off) holds unspecified bytes, as FileStore's. Over
+      TLS the replies come through redis-py and are copied into the rows once checked.
     - lookup() asks the server (no in-memory index, so blocks written by other processes are
       found and blocks the server expired or evicted are not): one pipeline of EXISTS per 4096
       keys, stopping at the first absent key.
@@ -222,7 +232,8 @@ class RedisStore(SharedStore):
             as several, spread over the threads); at least one row per pipeline.
           ttl_s: None (blocks stay until the server evicts them), or seconds after its last
             put when a block expires.
-          threads: the worker threads, each with its own connection.
+          threads: the worker threads, each with its own connection: a put or get of
+            several blocks is striped over them.
           retry_s: after a connection error or a timeout, how long calls answer without the
             network before the server is tried again.
           key_prefix: the keys' first part (before the fingerprint).
@@ -275,6 +286,12 @@ class RedisStore(SharedStore):
             raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
         self._staging = _Staging()
         self._prefix = b""
+        # reads over TCP or a Unix socket: ValueReader's (resp.py; in a cluster, one per node
+        # the keys' slots name, from the client's slot table); over TLS: redis-py's pipelines
+        self._reader_params = (redis.connection.parse_url(url) if self._url.scheme != "rediss"
+                               else None)
+        self._readers = threading.local()
+        self._all_readers: list[ValueReader] = []
         self.ping()
 
     def _client_options(self, redis: Any, retry: Any, no_backoff: Any) -> dict[str, Any]:
@@ -380,6 +397,8 @@ class RedisStore(SharedStore):
         self.flush()
         self._closed = True
         self._pool.shutdown(wait=True)
+        for reader in self._all_readers:
+            reader.close()
         try:
             if self._client is not None:
                 self._client.close()
@@ -443,51 +462,122 @@ class RedisStore(SharedStore):
               release: Any) -> None:
         t0 = time.perf_counter()
         hits = corrupt = 0
+        names = [self._name(key) for key in keys]
         refused: list[bytes] = []
+        crcs: dict[int, int] = {}
+
+        def take(i: int, verdict: bool | None) -> None:
+            nonlocal hits, corrupt
+            if verdict:
+                found[start + i] = True
+                hits += 1
+            elif verdict is False:
+                corrupt += 1
+                refused.append(names[i])
+
+        def head(i: int, reply: Any) -> np.ndarray | None:
+            """The reader's reply: where the value's row goes, once its header is checked."""
+            if not isinstance(reply, bytes):  # absent, another length, an error reply
+                take(i, self._take(keys[i], views[i], reply))
+                return None
+            try:
+                crcs[i] = check_header(reply, self.fingerprint, keys[i], views[i].nbytes)
+            except CorruptBlock:
+                take(i, False)
+                return None
+            return views[i]
+
         try:
             if not self._usable():
                 return
-            names = [self._name(key) for key in keys]
-            pipe = self._conn().pipeline(transaction=False)
-            for name in names:
-                pipe.get(name)
-            replies = self._replies(pipe)
+            if self._reader_params is not None:  # straight off the socket into the rows
+                self._read_direct(names, head, lambda i: take(i, checksum(views[i]) == crcs[i]))
+            else:
+                pipe = self._conn().pipeline(transaction=False)
+                for name in names:
+                    pipe.get(name)
+                for i, reply in enumerate(self._replies(pipe)):
+                    take(i, self._take(keys[i], views[i], reply))
             self._succeeded()
-            value = HEADER_NBYTES + (self.row_nbytes or 0)
-            for i, (key, view, reply) in enumerate(zip(keys, views, replies)):
-                if reply is None:
-                    continue
-                try:
-                    if isinstance(reply, self._response_error) and \
-                            str(reply).startswith("WRONGTYPE"):  # not a string: not ours
-                        raise CorruptBlock(str(reply))
-                    if isinstance(reply, BaseException):  # another (NOPERM, ...): not a verdict
-                        self._warn_once("server refused reads", reply)
-                        continue
-                    if len(reply) != value:
-                        raise CorruptBlock(f"a value of {len(reply)} bytes, expected {value}")
-                    payload = np.frombuffer(reply, np.uint8, offset=HEADER_NBYTES)
-                    check_value(reply[:HEADER_NBYTES], payload, self.fingerprint, key,
-                                view.nbytes)
-                except CorruptBlock:
-                    corrupt += 1
-                    refused.append(names[i])
-                    continue
-                np.copyto(view, payload)
-                found[start + i] = True
-                hits += 1
             if refused:
                 pipe = self._conn().pipeline(transaction=False)
                 for name in refused:
                     pipe.delete(name)
                 pipe.execute(raise_on_error=False)
-        except self._errors as e:
+        except self._errors as e:  # the blocks taken before the fault are intact: kept
             self._failed(e)
         except BaseException as e:  # noqa: BLE001 - a failed read is a miss, never raised
             self._warn_once("a read failed", e)
         finally:
             self._count_read(len(keys), hits, corrupt, t0)
             release()
+
+    def _take(self, key: bytes, view: np.ndarray, reply: Any) -> bool | None:
+        """One GET's reply (a value's bytes; None; the length of a value the reader skipped; an
+        error reply): copies an intact block's row into `view` and returns True; False for a
+        value refused (not an intact block of ours: to delete); None for a miss."""
+        if reply is None:
+            return None
+        value = HEADER_NBYTES + (self.row_nbytes or 0)
+        try:
+            if isinstance(reply, (self._response_error, RespError)):
+                if str(reply).startswith("WRONGTYPE"):  # not a string: not ours
+                    raise CorruptBlock(str(reply))
+                self._warn_once("server refused reads", reply)  # NOPERM, ...: not a verdict
+                return None
+            length = reply if isinstance(reply, int) else len(reply)
+            if length != value:
+                raise CorruptBlock(f"a value of {length} bytes, expected {value}")
+            payload = np.frombuffer(reply, np.uint8, offset=HEADER_NBYTES)
+            check_value(reply[:HEADER_NBYTES], payload, self.fingerprint, key, view.nbytes)
+        except CorruptBlock:
+            return False
+        np.copyto(view, payload)
+        return True
+
+    def _read_direct(self, names: list[bytes], head: Any, body: Any) -> None:
+        """GETs `names` through this thread's readers (see `ValueReader.get_each`): the
+        server's, or in a cluster each node's share in turn. A node's fault is raised after
+        the other nodes' shares are read (its blocks miss). A key whose slot moved is a miss
+        (MOVED, an error reply) until the client's next put or lookup refreshes its table."""
+        value = HEADER_NBYTES + (self.row_nbytes or 0)
+        if not self.cluster:
+            self._reader(None).get_each(names, HEADER_NBYTES, value, head, body)
+            return
+        shares: dict[tuple[str, int], list[int]] = {}
+        for i, name in enumerate(names):
+            node = self._conn().get_node_from_key(name)
+            shares.setdefault((node.host, int(node.port)), []).append(i)
+        fault = None
+        for node, share in shares.items():
+            try:
+                self._reader(node).get_each(
+                    [names[i] for i in share], HEADER_NBYTES, value,
+                    functools.partial(_in_share, head, share),
+                    functools.partial(_in_share, body, share))
+            except self._errors as e:
+                fault = e
+        if fault is not None:
+            raise fault
+
+    def _reader(self, node: tuple[str, int] | None) -> ValueReader:
+        """This worker thread's reader of the server (None) or of a cluster's node (host,
+        port): a connection of its own, made on first use."""
+        readers = self._readers.__dict__.setdefault("by_node", {})
+        reader = readers.get(node)
+        if reader is None:
+            params = dict(self._reader_params or {})
+            if node is not None:
+                params.update(host=node[0], port=node[1])
+            reader = readers[node] = ValueReader(params, self.timeout_s)
+            with self._lock:
+                self._all_readers.append(reader)
+        return reader
+
+
+def _in_share(call: Any, share: list[int], j: int, *args: Any) -> Any:
+    """`call` with the index in the batch of a node's `j`-th key."""
+    return call(share[j], *args)
 
 
 # --- a local server ---------------------------------------------------------------------------

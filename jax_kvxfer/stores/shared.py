@@ -185,7 +185,8 @@ class SharedStore(Store):
     def get(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:
         """Reads `keys[i]` into `rows[i]` (writable C-contiguous buffers of `row_nbytes`,
         filled in place). The future's result: per key, True where the block was found and
-        verified; a row that missed is left untouched.
+        verified. A row whose block is absent is left untouched; only rows reported True hold
+        data (RedisStore receives a value into its row before checking its CRC-32).
 
         Raises:
           ValueError: a key that is not 16 bytes, rows of another count or size, or rows that

@@ -58,7 +58,20 @@ def test_stores_section_runs_and_verifies(tmp_path, capsys):
         assert c["verified"] is True and c["dropped_writes"] == c["corrupt"] == 0, c
         assert c["blocks"] == 2 and c["put_gbps"] > 0 and c["get_gbps"] > 0, c
         assert c["raw_set_gbps"] > 0 and c["raw_get_gbps"] > 0 and c["put_ratio"] > 0, c
-    assert "stores: RedisStore on valkey" in text
+        assert c["bare_get_gbps"] > 0 and c["bare_get_ratio"] > 0, c  # its reader's ceiling
+        assert len(c["bare_get_runs"]) == len(c["get_runs"]) == 2, c  # --quick: two runs
+    assert [v["value_bytes"] for v in rs["value_sizes"]] == [2 << 20, 32 << 20]
+    for v in rs["value_sizes"]:
+        assert "error" not in v, v
+        assert v["bytes"] >= 4 << 20, v
+        assert all(v[f"{op}_{n}_gbps"] > 0 for op in ("bare", "get") for n in (1, 3)), v
+    assert "stores: RedisStore on valkey" in text and "of bare GET" in text
+    assert "values of   32M (GB/s): 1 conn: bare GET" in text
+    (c,) = rs["cluster"]  # --quick: a local cluster of 2 nodes, the most threads
+    assert c["name"] == "2M, 3 threads, 2 nodes" and "error" not in c, c
+    assert c["verified"] is True and c["dropped_writes"] == c["corrupt"] == 0, c
+    assert c["put_gbps"] > 0 and c["get_gbps"] > 0 and len(c["get_runs"]) == 2, c
+    assert "2M, 3 threads, 2 nodes" in text
     ms = sec["mooncake"]
     if not os.environ.get("CI"):  # CI installs the wheel and what it links: it must run there
         try:
