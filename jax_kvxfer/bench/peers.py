@@ -13,7 +13,7 @@ pinned copy of the same bytes measured in the same run (`ceiling`). Rows:
   torch_gather   index_select on the GPU + one copy into a packed pinned buffer (back: one copy
                  from it + index_copy_)
   memcpy_batch   cudaMemcpyBatchAsync (cuda-bindings) over the same scattered blocks, stream-
-                 ordered source access, on torch's stream
+                 ordered source access, on a stream of its own
 The torch and cuda-bindings rows are skipped, with a line, where those are missing.
 """
 
@@ -192,24 +192,28 @@ class PeersMixin:
             lambda: torch.equal(packed[0], g[sl[0]].cpu()))
         if isinstance(cudart, str):
             return
+        # a stream of its own: cudaMemcpyBatchAsync refuses the legacy default stream, which
+        # is torch's current one (cudaErrorInvalidValue on the H200)
+        stream = torch.cuda.Stream(dev)
         for d in DIRS:
             pairs = [(g[s].data_ptr(), h[t].data_ptr()) for s, t in zip(sl, dl)]
             dsts, srcs = zip(*[(b, a) if d == "d2h" else (a, b) for a, b in pairs])
             self._peers_row(rec, "memcpy_batch", d,
                             wait(lambda dsts=dsts, srcs=srcs: memcpy_batch(
-                                cudart, torch, list(dsts), list(srcs), rec["block_bytes"])),
+                                cudart, stream, list(dsts), list(srcs), rec["block_bytes"])),
                             lambda d=d: (same(h, dl, g, sl) if d == "d2h"
                                          else same(g, sl, h, dl)))
 
 
-def memcpy_batch(cudart: Any, torch: Any, dsts: list[int], srcs: list[int], nbytes: int) -> None:
-    """One cudaMemcpyBatchAsync of len(dsts) copies of nbytes on torch's current stream, the
-    sources read in stream order (one attribute for the whole batch)."""
+def memcpy_batch(cudart: Any, stream: Any, dsts: list[int], srcs: list[int],
+                 nbytes: int) -> None:
+    """One cudaMemcpyBatchAsync of len(dsts) copies of nbytes on `stream` (a torch stream, not
+    the legacy default one), the sources read in stream order (one attribute for the whole
+    batch)."""
     attr = cudart.cudaMemcpyAttributes()
     attr.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-    stream = cudart.cudaStream_t(torch.cuda.current_stream().cuda_stream)
     res = cudart.cudaMemcpyBatchAsync(dsts, srcs, [nbytes] * len(dsts), len(dsts), [attr], [0],
-                                      1, stream)
+                                      1, cudart.cudaStream_t(stream.cuda_stream))
     err = res[0] if isinstance(res, tuple) else res
     if err != cudart.cudaError_t.cudaSuccess:
         raise RuntimeError(f"cudaMemcpyBatchAsync returned {res}")
