@@ -35,6 +35,8 @@ class BlockManagerStats:
     dropped_primary_blocks: int = 0  # evicted primary blocks lost (low priority / no room)
     dropped_secondary_blocks: int = 0  # secondary blocks evicted to make room for an offload
     store_hit_blocks: int = 0  # full blocks read from a store (then onboarded)
+    # blocks a store holds that prompts recomputed, their read expected to take longer
+    store_skipped_blocks: int = 0
     transfer_seconds: float = 0.0  # wall time issuing transfers and in sync_transfers
 
     @property
@@ -54,6 +56,8 @@ class PrefixMatch:
     partial_source_is_primary: bool | None  # where that block lives (None: no partial match)
     store_blocks: int = 0  # full blocks only a store holds (read into host rows, onboarded)
     partial_from_store: bool = False  # the partially matched block only a store holds
+    # blocks a store holds, past the match: recomputed, their read expected to take longer
+    store_skipped_blocks: int = 0
 
 
 def block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:

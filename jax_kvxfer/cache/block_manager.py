@@ -56,6 +56,21 @@ from .prefix_match import PrefixMatching, StoreRun
 from .step_issue import TransferIssuing
 
 
+def _checked_read_prior(prior: object) -> tuple[float, float] | None:
+    """`store_read_prior`: None, or (bytes per second > 0, seconds per read >= 0)."""
+    if prior is None:
+        return None
+    if (not isinstance(prior, (tuple, list)) or len(prior) != 2
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in prior)):
+        raise TypeError("store_read_prior must be (bytes per second, seconds per read) or "
+                        f"None, got {prior!r}")
+    throughput, latency = map(float, prior)
+    if not (0 < throughput and 0 <= latency < math.inf):
+        raise ValueError("store_read_prior must be (bytes per second > 0, seconds per read "
+                         f">= 0 and finite), got {prior!r}")
+    return throughput, latency
+
+
 @dataclasses.dataclass(eq=False)
 class _Sequence:
     tokens: list[int]
@@ -85,6 +100,14 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
     then run the model with `block_table(seq_id)` (primary block indices, in order); at the
     end, `release_sequence` stores the blocks for reuse. Add only tokens whose K/V the model
     writes: the cache holds what the sequence's tokens say it holds.
+
+    A store never slows serving once the cost of recomputing a token is known
+    (`recompute_s_per_token`, `set_recompute_cost`): a run of blocks only a store holds is
+    read only where its read is expected to finish before recomputing its tokens would, by
+    the store's measured reads (`connector.tiers.read_rate`: latency + bytes / throughput,
+    fitted to what its reads took, recent ones weighing most; `store_read_prior` until
+    `connector.tiers.MIN_READS` are measured). Otherwise the match stops before it and the
+    prompt recomputes it (`BlockManagerStats.store_skipped_blocks`).
     """
 
     def __init__(self, pools: KVCacheBlockPool | Sequence[KVCacheBlockPool], *,
@@ -94,7 +117,9 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
                  admission: str | AdmissionPolicy | None = None,
                  stores: Sequence[Store] = (), store_on_release: bool = False,
                  events: kv_events.KVEventPublisher | None = None,
-                 metrics: bool | None = None, name: str | None = None) -> None:
+                 metrics: bool | None = None, name: str | None = None,
+                 recompute_s_per_token: float | None = None,
+                 store_read_prior: tuple[float, float] | None = None) -> None:
         """Args:
           pools: the pool(s) a block spans (their block counts and tokens per block agree).
           transfer_manager: moves the blocks (default: `KVCacheTransferManager(pools)`).
@@ -123,7 +148,16 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
             (jax_kvxfer.observe.metrics); None: when a metrics server has been started.
           name: the `manager` label of its metrics and its transfer manager's (None: a
             number); a name a live manager has gets "#2", "#3", ... (see `metrics_label`).
+          recompute_s_per_token: seconds the model takes to compute one prompt token's K/V
+            (the serving loop's measured prefill rate, inverted; `set_recompute_cost` updates
+            it): store blocks are read only where that is expected to be faster. None: always
+            read them.
+          store_read_prior: (bytes per second, seconds per read) a store is expected to read
+            at until `connector.tiers.MIN_READS` of its reads are measured; None: read it
+            until then.
         """
+        self.set_recompute_cost(recompute_s_per_token)
+        self.store_read_prior = _checked_read_prior(store_read_prior)
         if isinstance(stores, Store):  # one store where a sequence is expected: one tier
             stores = (stores,)
         if events is not None and not isinstance(events, kv_events.KVEventPublisher):
@@ -135,6 +169,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         pools = checked_pools(pools)
         first = pools[0]
         self.tokens_per_block = first.tokens_per_block
+        self._row_nbytes = sum(p.block_nbytes for p in pools)  # what a store read moves a block
         self.num_primary_blocks = first.num_primary_blocks
         self.num_secondary_blocks = first.num_secondary_blocks
         self.secondary_offload_min_priority = check_priority(secondary_offload_min_priority)
@@ -230,6 +265,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         s = self._stats
         s.prompt_tokens += len(tokens)
         s.reused_tokens += reused
+        s.store_skipped_blocks += match.skipped
         if partial:
             blocks.append(self._copy_partial(*partial))
         while len(blocks) < num_blocks:
@@ -316,7 +352,25 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
             match.tokens, sum(b.is_primary for b in full), sum(not b.is_primary for b in full),
             len(store_partial.chain[0][2]) if store_partial else partial[1] if partial else 0,
             partial[0].is_primary if partial else None, match.store_blocks(),
-            store_partial is not None)
+            store_partial is not None, match.skipped)
+
+    def set_recompute_cost(self, s_per_token: float | None) -> None:
+        """Seconds the model takes to compute one prompt token's K/V (the measured prefill
+        rate, inverted), for deciding whether a store read pays (see the class docstring);
+        None: always read. Call it again as the measurement changes.
+
+        Raises:
+          TypeError, ValueError: not None nor a finite number > 0 (nothing changes).
+        """
+        if s_per_token is not None:
+            if isinstance(s_per_token, bool) or not isinstance(s_per_token, (int, float)):
+                raise TypeError("recompute_s_per_token must be a number of seconds or None, "
+                                f"got {type(s_per_token).__name__}")
+            if not 0 < s_per_token < math.inf:
+                raise ValueError("recompute_s_per_token must be finite and > 0 seconds, got "
+                                 f"{s_per_token!r}")
+            s_per_token = float(s_per_token)
+        self.recompute_s_per_token = s_per_token
 
     # -- step boundary and introspection ----------------------------------------------------
 

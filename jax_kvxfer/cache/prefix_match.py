@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..connector.tiers import longest_stored, read_rate
 from .block_cache import ROOT_KEY, CachedBlock, block_key
 
 
 @dataclasses.dataclass(eq=False)
 class StoreRun:
     """Full blocks of a prompt that only a store holds: per block its key, parent key and
-    tokens."""
+    tokens; and the store that holds them (its index)."""
 
     chain: list[tuple[bytes, bytes, tuple[int, ...]]]
+    store: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -28,6 +30,8 @@ class Match:
     # else a partly filled block only a store holds (an earlier turn's reply tail, say), all
     # of whose tokens the prompt repeats: its key, parent key and tokens
     store_partial: StoreRun | None = None
+    # blocks a store holds past the match, left to recompute: reading them would take longer
+    skipped: int = 0
 
     def pool_blocks(self) -> list[CachedBlock]:
         return [b for run in self.runs if isinstance(run, list) for b in run]
@@ -43,7 +47,8 @@ class PrefixMatching:
     def _match(self, tokens: tuple[int, ...]) -> Match:
         """The prompt's full blocks in order, from the GPU and host pools or a store, then an
         optional (block, n) partial match of the pools (a prompt's last, partly filled block
-        of an earlier turn, say: its reply's tail)."""
+        of an earlier turn, say: its reply's tail); cut before the store reads that would
+        take longer than recomputing their blocks (`_worth_reading`)."""
         t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
         self._offer_evicted()  # evicted blocks are matched where the host pool put them
         chains = self._key_chains
@@ -76,10 +81,10 @@ class PrefixMatching:
                     break
                 chain.append((child, key, chunk))
                 key = child
-            found = self._host.lookup_stores([c[0] for c in chain]) if chain else 0
+            store, found = longest_stored(self._host.stores, [c[0] for c in chain])
             if not found:
                 break
-            runs.append(StoreRun(chain[:found]))
+            runs.append(StoreRun(chain[:found], store))
             parent, n = chain[found - 1][0], n + found * t
             if found < len(chain):
                 break
@@ -92,10 +97,64 @@ class PrefixMatching:
                 for m in range(min(t - 1, limit - n), 0, -1):  # (a store matches keys only)
                     chunk = tokens[n:n + m]
                     key = block_key(parent, chunk)
-                    if self._host.lookup_stores([key]):
-                        store_partial, n = StoreRun([(key, parent, chunk)]), n + m
+                    store, found = longest_stored(self._host.stores, [key])
+                    if found:
+                        store_partial, n = StoreRun([(key, parent, chunk)], store), n + m
                         break
-        return Match(runs, partial, n, store_partial)
+        return self._worth_reading(Match(runs, partial, n, store_partial))
+
+    def _worth_reading(self, match: Match) -> Match:
+        """The match, cut before its store reads that do not pay, with a recompute cost set
+        (`set_recompute_cost`). It keeps the prefix of its runs that saves the most time: a
+        pool run saves its tokens' recompute, a store run that less its expected read
+        (`_read_seconds`); so a read that loses is made only where the pool blocks after it
+        make up for it, and a read at the end only where it wins. Ties recompute."""
+        c, t = self.recompute_s_per_token, self.tokens_per_block
+        if c is None or not (match.store_blocks() or match.store_partial):
+            return match
+        gain, cuts = 0.0, []  # cuts: (time saved, runs kept) at each place the match may end
+        for i, run in enumerate(match.runs):
+            if isinstance(run, StoreRun):
+                cuts.append((gain, i))
+                gain -= self._read_seconds(run.store, len(run.chain))
+                gain += len(run.chain) * t * c
+            else:
+                gain += len(run) * t * c
+        cuts.append((gain, len(match.runs)))  # the pools' partial block saves time too
+        sp = match.store_partial
+        if sp is not None:  # its read: a whole block, for the tokens the prompt repeats
+            cuts.append((gain + len(sp.chain[0][2]) * c - self._read_seconds(sp.store, 1),
+                         len(match.runs) + 1))
+        best = cuts[0]
+        for cut in cuts[1:]:
+            if cut[0] > best[0]:
+                best = cut
+        return self._cut(match, best[1])
+
+    def _cut(self, match: Match, kept: int) -> Match:
+        """The match up to its first `kept` runs (one more: its store's partial block too)."""
+        runs, sp = match.runs, match.store_partial
+        if kept > len(runs) or (kept == len(runs) and sp is None):
+            return match
+        if kept == len(runs):  # all but the store's partial block
+            return Match(runs, match.partial, match.tokens - len(sp.chain[0][2]), None, 1)
+        skipped = sum(len(r.chain) for r in runs[kept:] if isinstance(r, StoreRun))
+        blocks = sum(len(r.chain) if isinstance(r, StoreRun) else len(r) for r in runs[:kept])
+        return Match(runs[:kept], None, blocks * self.tokens_per_block, None,
+                     skipped + (sp is not None))
+
+    def _read_seconds(self, store: int, blocks: int) -> float:
+        """How long a read of `blocks` blocks from store `store` is expected to take: by its
+        measured reads (`connector.tiers.read_rate`), by the prior until enough are
+        measured; 0 with neither (it is read, and so measured)."""
+        nbytes = blocks * self._row_nbytes
+        seconds = read_rate(self._host.stores[store]).seconds(nbytes)
+        if seconds is not None:
+            return seconds
+        if self.store_read_prior is None:
+            return 0.0
+        throughput, latency = self.store_read_prior
+        return latency + nbytes / throughput
 
     def _reuse(self, match: Match, priority: int
                ) -> tuple[list[CachedBlock], tuple[CachedBlock, int] | None, int]:

@@ -12,12 +12,18 @@ Three ordering rules keep the rows exact:
 - a store read into a host row starts only after every transfer issued so far is done (a freed
   row may still be the source of an onboard in flight), and the onboard from that row is
   issued only once the read is done.
+
+Every read is timed, from the store's `get` to its last block (`read_rate(store)`): the block
+manager reads a store only where that is expected to beat recomputing the blocks.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
+import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +43,84 @@ def longest_stored(stores: Sequence[Store], keys: Sequence[bytes]) -> tuple[int,
             if n > best_n:
                 best, best_n = i, n
     return best, best_n
+
+
+MIN_READS = 3  # reads of a store measured before its estimate is trusted
+
+
+class ReadRate:
+    """How long a store's reads take, as measured: seconds = latency + bytes / throughput,
+    fitted by least squares to its reads (wall seconds from `get` to the last block, bytes
+    asked for), each read weighing `decay` times the one after it, so that the estimate
+    follows the store as it changes. Reads report from the stores' I/O threads."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.reads = 0
+        self._sums = (0.0,) * 5  # weight, bytes, seconds, bytes², bytes * seconds
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        """One read of `nbytes` bytes took `seconds`."""
+        d, x, y = self.decay, float(nbytes), float(seconds)
+        with self._lock:
+            w, b, s, bb, bs = self._sums
+            self._sums = (d * w + 1, d * b + x, d * s + y, d * bb + x * x, d * bs + x * y)
+            self.reads += 1
+
+    def estimate(self) -> tuple[float, float] | None:
+        """(throughput in bytes per second, latency in seconds per read), once `MIN_READS`
+        reads of more than one size were measured (else None: `seconds` still answers)."""
+        fit = self._fit()
+        return fit[0] if fit else None
+
+    def seconds(self, nbytes: int) -> float | None:
+        """The expected wall seconds of a read of `nbytes`, once `MIN_READS` reads were
+        measured, else None. Reads of one size do not tell latency from rate: a read of
+        another size gets the shorter of the two extremes (all latency, or none), so that it
+        is made where it may pay, and measured."""
+        fit = self._fit()
+        if fit is None:
+            return None
+        line, (mean_b, mean_s) = fit
+        if line is None:
+            return min(mean_s, mean_s * nbytes / mean_b)
+        throughput, latency = line
+        return latency + nbytes / throughput
+
+    def _fit(self) -> tuple[tuple[float, float] | None, tuple[float, float]] | None:
+        """((throughput, latency) or None for reads of one size, (mean bytes, mean seconds))
+        of the weighted reads; None before `MIN_READS`."""
+        with self._lock:
+            if self.reads < MIN_READS:
+                return None
+            w, b, s, bb, bs = self._sums
+        mean_b, mean_s = b / w, s / w
+        var_b = bb / w - mean_b * mean_b
+        if not var_b > (0.01 * mean_b) ** 2:
+            return None, (mean_b, mean_s)
+        slope = (bs / w - mean_b * mean_s) / var_b  # seconds per byte
+        if slope <= 0:  # bigger reads no slower (noise, or all latency): each takes the mean
+            return (math.inf, mean_s), (mean_b, mean_s)
+        latency = mean_s - slope * mean_b
+        if latency < 0:  # noise about a latency near 0: the line through the mean and 0
+            return (mean_b / mean_s, 0.0), (mean_b, mean_s)
+        return (1 / slope, latency), (mean_b, mean_s)
+
+
+# Per store, shared by every worker of this process that reads it (they share its
+# connections and threads, so each read's time includes the others' load).
+_read_rates: weakref.WeakKeyDictionary[Store, ReadRate] = weakref.WeakKeyDictionary()
+_read_rates_lock = threading.Lock()
+
+
+def read_rate(store: Store) -> ReadRate:
+    """What this process measured of `store`'s reads."""
+    with _read_rates_lock:
+        rate = _read_rates.get(store)
+        if rate is None:
+            rate = _read_rates[store] = ReadRate()
+        return rate
 
 
 class StoreTiers:
@@ -154,8 +238,10 @@ class StoreTiers:
         arrays, views = self._host_rows()
         staged = [self._row(views, slot) for slot in slots]
         done: concurrent.futures.Future = concurrent.futures.Future()
+        rate, nbytes = read_rate(store), len(keys) * self.row_nbytes
 
         def finished(got: concurrent.futures.Future) -> None:
+            rate.add(nbytes, time.perf_counter() - start)
             try:
                 hits = got.result()
             except Exception:  # noqa: BLE001 - stores count their faults as misses; if one
@@ -169,6 +255,7 @@ class StoreTiers:
             arrays.clear()  # held until here
             done.set_result(n)
 
+        start = time.perf_counter()
         store.get(keys, staged).add_done_callback(finished)
         return done
 

@@ -249,6 +249,9 @@ _BLOCK_COUNTERS = [
      "BlockManagerStats.reused_tokens)"), "reused_tokens"),
     ("transfer_issue_seconds", ("Wall seconds issuing transfers and in sync_transfers "
      "(BlockManagerStats.transfer_seconds)"), "transfer_seconds"),
+    ("store_skipped_blocks", ("Blocks a store held that prompts recomputed, their read "
+     "expected to take longer (BlockManagerStats.store_skipped_blocks)"),
+     "store_skipped_blocks"),
 ]
 _STORE_COUNTERS = [
     ("store_lookups", "Keys asked of a store (StoreStats.lookups)", "lookups"),
