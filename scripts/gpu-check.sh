@@ -3,7 +3,7 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
 #                        [sanitize] [stress] [stress-dma] [disk] [events] [replicas] [model]
-#                        [connector] [peers]
+#                        [connector] [peers] [scale-out]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -18,7 +18,10 @@
 #   step installs them into /tmp/kvxfer-site first. GPU_CHECK_REPLICAS_ARGS: more demo options
 #   for it (e.g. "--conversations 24" to finish sooner: the whole preset takes about 8 minutes).
 #   peers: the bench's peers section: our transfers beside JAX's, PyTorch's and
-#   cudaMemcpyBatchAsync's over scattered blocks, one table (about 3 minutes).
+#   cudaMemcpyBatchAsync's over scattered blocks, one table (about 1 minute).
+#   scale-out: a new replica joining (--replicas 2 --scale-out --store valkey) on the chats
+#   (24 conversations) and the documents (12): its TTFT with the store its elders wrote and
+#   without; the wheels as for replicas. GPU_CHECK_SCALE_OUT_ARGS: more demo options.
 #   connector: the connector's tests, its example and README block on the GPU, and the bench's
 #   connector section (the host time of the scheduler side's calls for one h200 chats step).
 #   model: the demo model's compute rate (scripts/model_bench.py, h200 preset): full-prefill
@@ -195,6 +198,18 @@ PYEOF
 )
   summary+=("demo --replicas 2 --store valkey: exit $code ($(( $(date +%s) - t )) s): $line")
   tail -3 "$OUT/demo-replicas.log"
+fi
+if has scale-out; then  # a replica joining after the others: with their store and without
+  carried_wheels
+  for w in "chats 24" "docqa 12"; do
+    set -- $w
+    t=$(date +%s)
+    JAX_COMPILATION_CACHE_DIR=$demo_cache timeout 480 python3 -m jax_kvxfer demo --preset h200 \
+      --workload "$1" --replicas 2 --scale-out --store valkey --conversations "$2" --no-progress \
+      ${GPU_CHECK_SCALE_OUT_ARGS:-} > "$OUT/scale-out-$1.txt" 2> "$OUT/scale-out-$1.log"
+    summary+=("demo --scale-out ($1): exit $? ($(( $(date +%s) - t )) s): $(grep -E '^replica B with the store' "$OUT/scale-out-$1.txt" | head -1)")
+    tail -3 "$OUT/scale-out-$1.log"
+  done
 fi
 if has events; then  # KV events + metrics on and off in one process: the step-time ratio
   t=$(date +%s)
