@@ -29,11 +29,11 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_kvxfer.demo import serving, sizes
 from jax_kvxfer.demo.model import Rows, create_pool, init_params, make_step, pack_prefill
+from jax_kvxfer.demo.report import matmul_rate
 
 PREFILL_TARGET, DECODE_TARGET = 0.35, 0.50
 
@@ -47,18 +47,6 @@ def _time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
-
-
-def peak_tflops(n: int, dtype: str, repeats: int) -> float:
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(dtype)
-    mm = jax.jit(lambda x, y: x @ y)
-    k = 8  # several products a timed call, so that dispatch does not count
-
-    def run():
-        out = [mm(a, b) for _ in range(k)]
-        jax.block_until_ready(out)
-    return 2 * n ** 3 * k / _time(run, repeats) / 1e12
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                  "context": context}
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
 
-    out["peak_tflops"] = peak_tflops(peak_n, peak_dtype, args.repeats)
+    out["peak_tflops"] = matmul_rate(peak_dtype, peak_n, args.repeats)
     out["peak"] = f"{peak_dtype} matmul {peak_n}^2"
     log(f"peak: {out['peak_tflops']:.3g} TFLOP/s ({out['peak']})")
 

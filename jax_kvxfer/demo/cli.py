@@ -4,7 +4,8 @@ Runs one workload three times on one model: `offload` (a small GPU pool and a ho
 evicted blocks are offloaded and onboarded back on a prefix hit), `drop` (the same GPU pool and
 no host tier: evicted blocks are recomputed) and `never_evict` (a GPU pool that holds
 everything: the exactness oracle). `offload` must produce the same tokens as the oracle, and
-logits within float tolerance, for every turn; `drop`'s agreement is reported (in bfloat16,
+the same logits (every logit's bits by fingerprint, the largest within float tolerance), for
+every turn; `drop`'s agreement is reported (in bfloat16,
 recomputed K/V round differently). Reports TTFT, TPOT, throughput, cache hits and the transfer
 time compute did not hide.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -439,10 +440,12 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
     `fused_attention`: None picks it for bfloat16 and float16 models on a GPU whose head
     dimension cuDNN takes (a multiple of 8, at most 256);
-    `attention_tile`, `full_width`: `forward`'s. `greedy`: the step returns `((logits,
-    tokens), new_pool)`, the logits in the model's dtype (exactly: computed in it) and `tokens`
-    each row's argmax (int32), taken on the device: on the host, 16 rows of 128k logits cost
-    ~1 ms a step. Pools of one model and one split share one jitted
+    `attention_tile`, `full_width`: `forward`'s. `greedy`: the step returns `(records,
+    new_pool)`, every row's `TokenRecord` (`token_record`: its argmax token, its `RECORD_KEPT`
+    largest logits and a fingerprint of all of them), computed on the device and packed in one
+    small array (`pack_records`, the segments' rows in order; `unpack_records` on the host), so
+    that nothing of the vocabulary's size crosses to the host (16 rows of 128k bfloat16 logits
+    are 4 MB a step) and one copy does. Pools of one model and one split share one jitted
     function, and so its compiled steps.
     """
     if fused_attention is None:
@@ -454,13 +457,123 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
                         attention_tile or default_attention_tile(), full_width, greedy)
 
 
+RECORD_TOP_K = 32  # the largest logits of a token's row that serving.compare checks
+# The largest a token's record keeps: twice those, so that each of one run's 32 largest is found
+# among another run's kept ones and compared by token id, although values a rounding apart
+# (float32 runs ~1e-6) reorder near-ties, also across the 32nd place.
+RECORD_KEPT = 2 * RECORD_TOP_K
+
+
+class TokenRecord(NamedTuple):
+    """What the demo keeps of a reply token's logits rows `[R, vocab]` (`token_record`).
+
+    tokens: `[R]` int32, each row's argmax (the lowest index among equal maxima).
+    top_logits: `[R, K]` the K (RECORD_KEPT) largest logits of each row, in the model's dtype,
+      largest first (the floats' total order); equal values in the order of their token ids,
+      lowest first (`jax.lax.top_k`'s order).
+    top_logit_tokens: `[R, K]` int32, their token ids.
+    fingerprints: `[R, 2]` uint32, two wrapping sums over every logit of the row
+      (`logits_fingerprint`): equal for rows of the same bits, and changed by a change of any
+      single logit's bits.
+    """
+
+    tokens: Any
+    top_logits: Any
+    top_logit_tokens: Any
+    fingerprints: Any
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection of uint32 that mixes every bit into all."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _odd_multipliers(n: int, salt: int) -> jax.Array:
+    """`[n]` distinct odd uint32 multipliers that look random: `2 p(i) + 1` for a bijection `p`
+    of the 31-bit integers (xor-shifts and odd products modulo 2^31)."""
+    mask = np.uint32(0x7FFFFFFF)
+    x = (jnp.arange(n, dtype=jnp.uint32) ^ np.uint32(salt)) & mask
+    x = x ^ (x >> 15)
+    x = (x * np.uint32(0x2C1B3C6D)) & mask
+    x = x ^ (x >> 12)
+    x = (x * np.uint32(0x297A2D39)) & mask
+    x = x ^ (x >> 15)
+    return x * np.uint32(2) + np.uint32(1)
+
+
+def logits_fingerprint(logits: jax.Array) -> jax.Array:
+    """`[R, 2]` uint32 of logits `[R, vocab]` (2- or 4-byte floats): each row's bits as
+    unsigned integers `b_i` (widened to 32 bits), then
+    `sum_i b_i * m_i` and `sum_i fmix32(b_i) * n_i`, wrapping modulo 2^32, with `m`, `n`
+    distinct odd multipliers per position (`_odd_multipliers`, salts 1 and 2).
+
+    Changing any single value's bits changes both sums: the difference `b_i' - b_i` is not 0
+    modulo 2^32, nor is `fmix32(b_i') - fmix32(b_i)` (a bijection), and an odd multiplier is
+    invertible modulo 2^32. -0.0 and 0.0, or NaNs of other payloads, are other bits. Integer
+    sums are exact in any order, so the device's reduction order does not matter."""
+    size = jnp.dtype(logits.dtype).itemsize
+    if size not in (2, 4):
+        raise ValueError(f"logits must be 2- or 4-byte floats, got {logits.dtype}")
+    bits = jax.lax.bitcast_convert_type(logits, jnp.uint16 if size == 2 else jnp.uint32)
+    bits = bits.astype(jnp.uint32)
+    n = bits.shape[1]
+    first = jnp.sum(bits * _odd_multipliers(n, 1), axis=-1, dtype=jnp.uint32)
+    second = jnp.sum(_fmix32(bits) * _odd_multipliers(n, 2), axis=-1, dtype=jnp.uint32)
+    return jnp.stack([first, second], axis=-1)
+
+
+def token_record(logits: jax.Array, dtype: Any, k: int = RECORD_KEPT) -> TokenRecord:
+    """The `TokenRecord` of logits `[R, vocab]`, rounded to `dtype` first (the model's: a
+    bfloat16 model computes them in it and `forward` widens them to float32, so the rounding
+    is exact): argmax, the `min(k, vocab)` largest and the fingerprint.
+
+    The largest are taken in float32 at least (an exact widening, in the same order: XLA's CPU
+    TopK of bfloat16 is a sort, ~150x slower than of float32 on a 128k vocabulary), ordered
+    by `jax.lax.top_k`: the floats' total order (-0.0 below 0.0, NaN above inf), equal values
+    lowest token id first."""
+    rounded = logits.astype(dtype)
+    wide = rounded.astype(jnp.promote_types(dtype, jnp.float32))
+    top, ids = jax.lax.top_k(wide, min(k, logits.shape[-1]))
+    return TokenRecord(jnp.argmax(wide, axis=-1).astype(jnp.int32), top.astype(dtype),
+                       ids.astype(jnp.int32), logits_fingerprint(rounded))
+
+
+def pack_records(records: Sequence[TokenRecord]) -> jax.Array:
+    """Records (`token_record`'s) as one uint32 array `[rows, 2 K + 3]`, the segments' rows one
+    after another, so that a step's records cross to the host in one copy: each row its token,
+    its top-K token ids, the top-K logits' bits (widened to 32) and its fingerprint.
+    `unpack_records` takes it apart."""
+    rows = []
+    for r in records:
+        size = jnp.dtype(r.top_logits.dtype).itemsize
+        bits = jax.lax.bitcast_convert_type(r.top_logits, jnp.uint16 if size == 2
+                                            else jnp.uint32).astype(jnp.uint32)
+        rows.append(jnp.concatenate([r.tokens[:, None].astype(jnp.uint32),
+                                     r.top_logit_tokens.astype(jnp.uint32), bits,
+                                     r.fingerprints], axis=1))
+    return jnp.concatenate(rows, axis=0)
+
+
+def unpack_records(packed: np.ndarray, dtype: Any) -> TokenRecord:
+    """`pack_records`' array, on the host, as one `TokenRecord` of all its rows (NumPy views of
+    it; the top logits in `dtype`, the model's)."""
+    k = (packed.shape[1] - 3) // 2
+    dtype = jnp.dtype(dtype)
+    values = packed[:, 1 + k:1 + 2 * k]
+    if dtype.itemsize == 2:
+        values = values.astype(np.uint16)
+    return TokenRecord(packed[:, 0].view(np.int32), values.view(dtype),
+                       packed[:, 1:1 + k].view(np.int32), packed[:, 1 + 2 * k:])
+
+
 def _greedy(params: dict, kv_pool: jax.Array, segments: tuple[Rows, ...], *,
             config: ModelConfig, **kw: Any) -> Any:
     logits, kv_pool = forward(params, kv_pool, segments, config=config, **kw)
-    tokens = [jnp.argmax(x, axis=-1).astype(jnp.int32) for x in logits]
-    # In the model's dtype, where they were computed (forward's float32 is a widening): a
-    # bfloat16 model's logits cross to the host and are held at half the bytes, exactly.
-    return (tuple(x.astype(config.dtype) for x in logits), tokens), kv_pool
+    return pack_records([token_record(x, config.dtype) for x in logits]), kv_pool
 
 
 @functools.cache

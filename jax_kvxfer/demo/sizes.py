@@ -22,7 +22,7 @@ from ..transfer.limits import (
     pinned_host_limit_bytes,
 )
 from . import serving, workloads
-from .model import ModelConfig, kv_block_nbytes
+from .model import RECORD_KEPT, ModelConfig, kv_block_nbytes
 
 PRESETS = {
     # A 2-core CPU finishes this in well under a minute, through every transfer path; the host
@@ -87,8 +87,13 @@ CHAT_TEXT = (
 # The runs' names (RUNS: every run, in the order the report shows them)
 DISK, RESTARTED = "offload+disk", "offload+disk (restarted)"
 SHARED, ALONE = "replicas+store", "replicas"  # --replicas: with a shared store, without one
-RUNS = ("offload", DISK, RESTARTED, SHARED, ALONE, "drop", "never_evict")  # as reported
-REPLICA_RUNS = (SHARED, ALONE)  # they run first: before this process takes GPU memory
+# --scale-out (instead of those two): replica B, joining after replica A, with A's store and
+# without a store
+JOINED, JOINED_ALONE = "replica B+store", "replica B"
+RUNS = ("offload", DISK, RESTARTED, SHARED, ALONE, JOINED, JOINED_ALONE, "drop",
+        "never_evict")  # as reported
+# they run first: before this process takes GPU memory
+REPLICA_RUNS = (SHARED, ALONE, JOINED, JOINED_ALONE)
 
 
 def toy_model(cfg: dict) -> ModelConfig:
@@ -187,7 +192,8 @@ def run_pools(cfg: dict, convs: list[workloads.Conversation]) -> dict[str, tuple
         if cfg.get("restart"):
             pools[RESTARTED] = pools[DISK]
     if cfg.get("replicas"):  # each replica's share (there are cfg["replicas"] of each)
-        pools[SHARED] = pools[ALONE] = replica_pools(cfg)
+        runs = (JOINED, JOINED_ALONE) if cfg.get("scale_out") else (SHARED, ALONE)
+        pools.update(dict.fromkeys(runs, replica_pools(cfg)))
     return {run: pools[run] for run in RUNS if run in pools}
 
 
@@ -221,24 +227,25 @@ def preset_memory(name: str) -> str:
             f"{size_text(host_peak(model, cfg, convs)[0])}")
 
 
-def kept_logits_nbytes(model: ModelConfig, convs: list[workloads.Conversation]) -> int:
-    """The replies' logits one run keeps on the host until the runs are compared: a row of
-    the vocabulary per generated token."""
+def kept_records_nbytes(model: ModelConfig, convs: list[workloads.Conversation]) -> int:
+    """What one run keeps on the host until the runs are compared: per generated token, its
+    record (model.TokenRecord: its largest logits, their token ids and a fingerprint)."""
     tokens = sum(turn.output_len for conv in convs for turn in conv.turns)
-    return tokens * model.vocab_size * jax.numpy.dtype(model.dtype).itemsize
+    kept = min(RECORD_KEPT, model.vocab_size)
+    return tokens * (kept * (jax.numpy.dtype(model.dtype).itemsize + 4) + 8)
 
 
 def host_peak(model: ModelConfig, cfg: dict, convs: list[workloads.Conversation]
               ) -> tuple[int, dict[str, int]]:
     """The host memory the runs of this process hold at their peak, and each run's: its own
-    pinned host pool (the previous run's is released before it starts) and the logits of
-    every run so far (kept to compare them at the end). Not counted: the runtime, compiled
+    pinned host pool (the previous run's is released before it starts) and the token records
+    of every run so far (kept to compare them at the end). Not counted: the runtime, compiled
     code, and on CPU the device's memory (weights, GPU pools), which memory_shortfall checks."""
     block = kv_block_nbytes(model, cfg["tokens_per_block"])
-    logits = kept_logits_nbytes(model, convs)
+    records = kept_records_nbytes(model, convs)
     each, kept = {}, 0
     for name, (_, secondary) in run_pools(cfg, convs).items():
-        kept += logits  # (replicas: their pools are other processes'; their logits come back)
+        kept += records  # (replicas: their pools are other processes'; their records come back)
         if name not in REPLICA_RUNS:
             each[name] = secondary * block + kept
     return max(each.values(), default=kept), each

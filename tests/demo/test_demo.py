@@ -149,9 +149,13 @@ def _result(turns, primary_blocks=1, secondary_blocks=0):
     from jax_kvxfer.cache import BlockManagerStats
     from jax_kvxfer.transfer.manager import TransferStats
 
+    def turn(tokens, logits):  # its records as the serving loop keeps them
+        record = model_module.token_record(jax.numpy.asarray(logits), logits.dtype)
+        return serving.TurnResult(0.0, 0.1, 0.2, 4, 0, 0, 0, tokens,
+                                  *(np.asarray(x) for x in record[1:]))
+
     return serving.RunResult(
-        {key: serving.TurnResult(0.0, 0.1, 0.2, 4, 0, 0, 0, tokens, logits)
-         for key, (tokens, logits) in turns.items()},
+        {key: turn(tokens, logits) for key, (tokens, logits) in turns.items()},
         BlockManagerStats(), TransferStats(), 1, 1.0, 0.0, primary_blocks, secondary_blocks)
 
 
@@ -159,8 +163,9 @@ def test_compare_detects_differences():
     logits = np.zeros((2, 5), np.float32)
     base = _result({(0, 0): ([1, 2], logits)})
     assert serving.compare(base, _result({(0, 0): ([1, 2], logits + 1e-6)}))[0]
-    assert serving.compare(_result({(0, 0): ([1, 3], logits)}), base) == (False, 0.0, (0, 0))
-    exact, diff, _ = serving.compare(_result({(0, 0): ([1, 2], logits + 0.01)}), base)
+    assert serving.compare(_result({(0, 0): ([1, 3], logits)}), base) == (False, 0.0, (0, 0),
+                                                                          0)
+    exact, diff, _, _ = serving.compare(_result({(0, 0): ([1, 2], logits + 0.01)}), base)
     assert not exact and diff == pytest.approx(0.01)
     assert not serving.compare(_result({}), base)[0]  # a missing turn
 

@@ -108,8 +108,11 @@ def _result(ttft: float, computed: int, host_hits: int, tokens: list[int], prima
             secondary: int) -> serving.RunResult:
     """A run of one turn: `ttft` to its first token, 4 prompt tokens of which `computed` were
     computed and `host_hits` onboarded from the host."""
+    n = len(tokens)
     turn = serving.TurnResult(0.0, ttft, ttft + 0.1, 4, 4 - computed - host_hits, host_hits, 0,
-                              tokens, np.zeros((len(tokens), 3), np.float32))
+                              tokens, np.zeros((n, 3), np.float32),
+                              np.tile(np.arange(3, dtype=np.int32), (n, 1)),
+                              np.zeros((n, 2), np.uint32))
     return serving.RunResult({(0, 0): turn}, BlockManagerStats(), TransferStats(), 1, 1.0, 0.0,
                              primary, secondary)
 
