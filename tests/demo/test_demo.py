@@ -170,6 +170,7 @@ def test_compare_detects_differences():
     assert not serving.compare(_result({}), base)[0]  # a missing turn
 
 
+@pytest.mark.slow
 def test_inexact_run_exits_1(monkeypatch, capsys):
     calls = []
 
@@ -493,6 +494,7 @@ def _failing_third_run(monkeypatch, error: BaseException) -> None:
     monkeypatch.setattr(serving, "run", run)
 
 
+@pytest.mark.slow
 def test_a_third_run_that_fails_still_writes_the_first_two(monkeypatch, capsys):
     _failing_third_run(monkeypatch, RuntimeError("injected failure\nsecond line"))
     with pytest.raises(RuntimeError, match="injected failure"):

@@ -145,6 +145,7 @@ def test_any_single_changed_logit_changes_both_sums(dtype):
         assert tuple(got_base[r]) == _reference_fingerprint(base[r]), (seed, r)
 
 
+@pytest.mark.slow
 def test_the_greedy_step_records_forwards_logits():
     """make_step(greedy=True)'s records are token_record of forward's logits, rounded to the
     model's dtype, every segment's rows in one array."""

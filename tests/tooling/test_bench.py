@@ -136,6 +136,7 @@ def test_connector_section_times_a_full_host_pools_step(tmp_path, capsys):
     assert all(e["calls"] > 0 and e["function"] for e in host["profile"])
 
 
+@pytest.mark.slow
 def test_manager_fixed_cost_case(tmp_path):
     """The manager section's first case: one block through offload_indices and
     onboard_indices, each waited for, beside the bare jitted copy_blocks each way and a jitted

@@ -53,6 +53,7 @@ def test_readme_is_short_and_has_blocks():
     assert len(BLOCKS) >= 4, [name for name, _ in BLOCKS]
 
 
+@pytest.mark.slow  # a fresh Python a block (~2 s each); make test runs them
 @pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[name for name, _ in BLOCKS])
 def test_readme_block_runs(code, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
