@@ -274,7 +274,28 @@ def make_pools(rng: np.random.Generator, shape: Sequence[int], dtype: Any,
 # ---------------------------------------------------------------------------------------------
 # stores
 
-class HeldFileStore(FileStore):
+class DelayedFileStore(FileStore):
+    """A real FileStore whose reads run on a thread of their own after `_delay(keys)`: a slower
+    tier, as the subclass makes it."""
+
+    def _delay(self, keys) -> None:
+        raise NotImplementedError
+
+    def get(self, keys, rows) -> Future:
+        out = Future()
+
+        def read():
+            self._delay(keys)
+            try:
+                out.set_result(FileStore.get(self, keys, rows).result())
+            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+                out.set_exception(e)
+
+        threading.Thread(target=read, daemon=True).start()
+        return out
+
+
+class HeldFileStore(DelayedFileStore):
     """A real FileStore whose reads start only once `release` is set: a slow tier, held
     for as long as a test needs."""
 
@@ -282,15 +303,21 @@ class HeldFileStore(FileStore):
         super().__init__(*args, **kw)
         self.release = threading.Event()
 
-    def get(self, keys, rows) -> Future:
-        out = Future()
+    def _delay(self, keys) -> None:
+        self.release.wait(30)
 
-        def read():
-            self.release.wait(30)
-            try:
-                out.set_result(super(HeldFileStore, self).get(keys, rows).result())
-            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
-                out.set_exception(e)
 
-        threading.Thread(target=read, daemon=True).start()
-        return out
+# ---------------------------------------------------------------------------------------------
+# the demo
+
+def demo_error_line(argv: list[str], capsys) -> str:
+    """Runs `python -m jax_kvxfer demo ARGV`, which must refuse it: exit status 2 and one line
+    on stderr, returned."""
+    from jax_kvxfer import demo
+
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err

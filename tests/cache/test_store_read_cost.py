@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import time
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
+from conftest import DelayedFileStore  # tests/, on the path under pytest
 from test_block_manager_stores import (  # tests/cache, on the path under pytest
     MAX_LEN,
     T,
@@ -30,7 +29,7 @@ from jax_kvxfer.stores import FileStore
 FULL = (MAX_LEN - 1) // T  # full blocks a MAX_LEN prompt reuses at most
 
 
-class SlowFileStore(FileStore):
+class SlowFileStore(DelayedFileStore):
     """A real FileStore whose every read takes `latency` seconds more, and `per_block` more
     for each block: a slower tier, of a known speed."""
 
@@ -38,18 +37,8 @@ class SlowFileStore(FileStore):
         super().__init__(*args, **kw)
         self.latency, self.per_block = latency, per_block
 
-    def get(self, keys, rows) -> Future:
-        out = Future()
-
-        def read():
-            time.sleep(self.latency + self.per_block * len(keys))
-            try:
-                out.set_result(super(SlowFileStore, self).get(keys, rows).result())
-            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
-                out.set_exception(e)
-
-        threading.Thread(target=read, daemon=True).start()
-        return out
+    def _delay(self, keys) -> None:
+        time.sleep(self.latency + self.per_block * len(keys))
 
 
 def on_disk_only(path, rng, prompts) -> None:

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 
 import pytest
+from conftest import demo_error_line  # tests/, on the path under pytest
 
 from jax_kvxfer.demo import cli as demo
 from jax_kvxfer.demo import report, store_servers
@@ -123,11 +124,8 @@ def test_the_table_shows_each_replica_and_the_comparisons(replicas_json):
      "--replicas 4: each replica's host pool"),
 ])
 def test_bad_replica_options_one_line_exit_2(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        demo.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    err = demo_error_line(argv, capsys)
+    assert message in err, err
 
 
 def test_a_store_url_where_no_server_answers_exits_2_at_once(capsys):

@@ -16,6 +16,7 @@ import re
 import types
 
 import pytest
+from conftest import demo_error_line  # tests/, on the path under pytest
 
 from jax_kvxfer.demo import cli as demo
 from jax_kvxfer.demo import replicas, report, workloads
@@ -208,8 +209,5 @@ def test_the_lines_under_the_table_describe_the_split(scale_out_json):
      "--scale-out needs --turns 2 or more"),
 ])
 def test_bad_scale_out_options_one_line_exit_2(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        demo.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    err = demo_error_line(argv, capsys)
+    assert message in err, err
