@@ -107,7 +107,9 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
     the store's measured reads (`connector.tiers.read_rate`: latency + bytes / throughput,
     fitted to what its reads took, recent ones weighing most; `store_read_prior` until
     `connector.tiers.MIN_READS` are measured). Otherwise the match stops before it and the
-    prompt recomputes it (`BlockManagerStats.store_skipped_blocks`).
+    prompt recomputes it (`BlockManagerStats.store_skipped_blocks`); one such match in
+    `cache.prefix_match.READ_PROBE_EVERY` is read anyway, so that the estimate follows a
+    store that got faster.
     """
 
     def __init__(self, pools: KVCacheBlockPool | Sequence[KVCacheBlockPool], *,
@@ -158,6 +160,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         """
         self.set_recompute_cost(recompute_s_per_token)
         self.store_read_prior = _checked_read_prior(store_read_prior)
+        self._reads_skipped = 0  # matches read that skipped a store read (for the probes)
         if isinstance(stores, Store):  # one store where a sequence is expected: one tier
             stores = (stores,)
         if events is not None and not isinstance(events, kv_events.KVEventPublisher):
@@ -345,7 +348,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """What `add_sequence(token_ids)` would reuse, without allocating anything."""
         tokens = check_token_ids("token_ids", token_ids)
-        match = self._match(tokens)
+        match = self._match(tokens, reading=False)
         full, partial = match.pool_blocks(), match.partial
         store_partial = match.store_partial
         return PrefixMatch(

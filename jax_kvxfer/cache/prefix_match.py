@@ -7,6 +7,11 @@ import dataclasses
 from ..connector.tiers import longest_stored, read_rate
 from .block_cache import ROOT_KEY, CachedBlock, block_key
 
+# One match in this many that would skip a store's read is read in full instead: the read
+# estimate moves only with reads, and one measured slow (a cold first read, a busy moment)
+# would otherwise never be measured again. At most 1/32 of the skipped reads' loss.
+READ_PROBE_EVERY = 32
+
 
 @dataclasses.dataclass(eq=False)
 class StoreRun:
@@ -44,11 +49,12 @@ class PrefixMatching:
     """`BlockManager`'s prefix matching (`_match`) and reuse of a match (`_reuse`); the state
     is the block manager's, set in its `__init__`."""
 
-    def _match(self, tokens: tuple[int, ...]) -> Match:
+    def _match(self, tokens: tuple[int, ...], reading: bool = True) -> Match:
         """The prompt's full blocks in order, from the GPU and host pools or a store, then an
         optional (block, n) partial match of the pools (a prompt's last, partly filled block
         of an earlier turn, say: its reply's tail); cut before the store reads that would
-        take longer than recomputing their blocks (`_worth_reading`)."""
+        take longer than recomputing their blocks (`_worth_reading`). `reading`: the match
+        is read (False: only asked about, and never a probe read)."""
         t, limit = self.tokens_per_block, len(tokens) - 1  # the last token is always computed
         self._offer_evicted()  # evicted blocks are matched where the host pool put them
         chains = self._key_chains
@@ -101,14 +107,15 @@ class PrefixMatching:
                     if found:
                         store_partial, n = StoreRun([(key, parent, chunk)], store), n + m
                         break
-        return self._worth_reading(Match(runs, partial, n, store_partial))
+        return self._worth_reading(Match(runs, partial, n, store_partial), reading)
 
-    def _worth_reading(self, match: Match) -> Match:
+    def _worth_reading(self, match: Match, reading: bool) -> Match:
         """The match, cut before its store reads that do not pay, with a recompute cost set
         (`set_recompute_cost`). It keeps the prefix of its runs that saves the most time: a
         pool run saves its tokens' recompute, a store run that less its expected read
         (`_read_seconds`); so a read that loses is made only where the pool blocks after it
-        make up for it, and a read at the end only where it wins. Ties recompute."""
+        make up for it, and a read at the end only where it wins. Ties recompute. Every
+        `READ_PROBE_EVERY`th match read that would skip a read is read in full (a probe)."""
         c, t = self.recompute_s_per_token, self.tokens_per_block
         if c is None or not (match.store_blocks() or match.store_partial):
             return match
@@ -129,6 +136,10 @@ class PrefixMatching:
         for cut in cuts[1:]:
             if cut[0] > best[0]:
                 best = cut
+        if reading and best is not cuts[-1]:
+            self._reads_skipped += 1
+            if self._reads_skipped % READ_PROBE_EVERY == 0:
+                return match
         return self._cut(match, best[1])
 
     def _cut(self, match: Match, kept: int) -> Match:
