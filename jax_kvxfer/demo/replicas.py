@@ -1,9 +1,17 @@
 """`--replicas N`: N serving processes, each with its own model, pools and block manager
 (serving.Server), and a router in the demo's process that spreads the conversations over them.
 
-Turn t of conversation c goes to replica (c + t) % N: every turn after the first lands on
-another replica than the turn before it, so its prompt's newest part (the previous turn's
-message and reply) was computed elsewhere. With a shared store (`store`), every replica writes
+The router (`--router`) picks each turn's replica:
+- `round-robin`: turn t of conversation c goes to replica (c + t) % N: every turn after the
+  first lands on another replica than the turn before it, so its prompt's newest part (the
+  previous turn's message and reply) was computed elsewhere;
+- `prefix`: the replica where the turn's prefill costs least, counting what it holds of the
+  prompt and the prefill routed to it and not yet done (`ByPrefix`). What each holds comes
+  from its KV events (every replica publishes them; the router keeps a cache.PrefixIndex),
+  so a chat's next turn mostly stays where its history is, unless that replica is busier by
+  more than the history's prefill.
+A turn that lands on another replica than its conversation's turn before it has moved. With a
+shared store (`store`), every replica writes
 a finished turn's blocks to it at once (BlockManager(store_on_release=True)), and a turn whose
 previous turn ran elsewhere waits (up to serving.PREFIX_WAIT_S of wall time) until the store
 holds that prefix, then until its read into host rows (BlockManager.prefetch) has landed, and
@@ -40,7 +48,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from ..cache import BlockManagerStats
+from ..cache import BlockManagerStats, PrefixIndex
 from ..stores import StoreStats
 from ..transfer.manager import TransferStats
 from . import store_servers
@@ -56,9 +64,53 @@ READY_TIMEOUT_S = 1800.0  # model load and compilation (Llama-8B's shapes: minut
 STORED_MIN_PRIORITY = 30
 
 
+ROUTERS = ("round-robin", "prefix")
+
+
 def route(conversation: int, turn: int, replicas: int) -> int:
     """The replica that serves this turn: round robin per turn, so a chat moves each turn."""
     return (conversation + turn) % replicas
+
+
+class RoundRobin:
+    """`route`'s choice."""
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+
+    def pick(self, conversation: int, turn: int, prompt: list[int]) -> int:
+        return route(conversation, turn, self.replicas)
+
+    def finished(self, conversation: int, turn: int) -> None:
+        pass
+
+
+class ByPrefix:
+    """The replica where a prompt's prefill costs least: its tokens less those the replica
+    holds (its full blocks, by the index of the replicas' KV events), plus the prompt tokens
+    routed to it whose turns have not ended. Ties go to `route`'s choice, else the first."""
+
+    def __init__(self, index: PrefixIndex, replicas: int) -> None:
+        self.index, self.replicas = index, replicas
+        self.queued = [0] * replicas  # per replica: routed prompt tokens of turns not ended
+        self._owed: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def pick(self, conversation: int, turn: int, prompt: list[int]) -> int:
+        self.index.poll()
+        held = self.index.matched_blocks(prompt)
+        t = self.index.tokens_per_block
+        compute = [len(prompt) - held[r] * t for r in range(self.replicas)]
+        cost = [c + q for c, q in zip(compute, self.queued)]
+        best = min(cost)
+        usual = route(conversation, turn, self.replicas)
+        r = usual if cost[usual] == best else cost.index(best)
+        self.queued[r] += compute[r]
+        self._owed[(conversation, turn)] = (r, compute[r])
+        return r
+
+    def finished(self, conversation: int, turn: int) -> None:
+        r, tokens = self._owed.pop((conversation, turn))
+        self.queued[r] -= tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +126,14 @@ class ReplicaSpec:
     store: store_servers.StoreSpec | None
     namespace: str
     mem_fraction: float | None  # XLA_PYTHON_CLIENT_MEM_FRACTION for the process, or None
+    events: bool = False  # publish the block manager's KV events (for ByPrefix)
 
 
 def _replica_main(conn, spec: ReplicaSpec) -> None:
     """A replica process: builds its server, then answers the router until "finish"."""
     if spec.mem_fraction is not None:  # before JAX's backend starts in this process
         os.environ[MEM_FRACTION_ENV] = f"{spec.mem_fraction:.3f}"
-    store = None
+    store = publisher = None
     try:
         import jax.numpy as jnp
 
@@ -96,9 +149,17 @@ def _replica_main(conn, spec: ReplicaSpec) -> None:
             params = init_params(spec.model, spec.seed)
         if spec.store is not None:
             store = store_servers.connect(spec.store, spec.namespace)
+        endpoints = None
+        if spec.events:  # the server's block manager publishes to it (a free local port)
+            from ..observe.events import KVEventPublisher, publish_by_default
+
+            publisher = KVEventPublisher("tcp://127.0.0.1:*",
+                                         replay_endpoint="tcp://127.0.0.1:*")
+            publish_by_default(publisher)
+            endpoints = (publisher.endpoint, publisher.replay_endpoint)
         server = Server(spec.model, params, stores=(store,) if store is not None else (),
                         store_on_release=store is not None, **spec.server)
-        conn.send(("ready", server.compile_seconds))
+        conn.send(("ready", server.compile_seconds, endpoints))
         held: dict[tuple[int, int], TurnResult] = {}
         while True:
             command, arg = conn.recv()
@@ -124,6 +185,8 @@ def _replica_main(conn, spec: ReplicaSpec) -> None:
     finally:
         if store is not None:
             store.close()
+        if publisher is not None:
+            publisher.close()
         conn.close()
 
 
@@ -167,28 +230,37 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
                  namespace: str = "", fixed_step_s: float | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  mem_fraction: float | None = None, stored: Sequence[int] = (),
-                 min_offload_priority: int = STORED_MIN_PRIORITY) -> RunResult:
+                 min_offload_priority: int = STORED_MIN_PRIORITY,
+                 router: str = "round-robin") -> RunResult:
     """Serves the conversations on `replicas` processes (see the module's docstring); each
     gets `server` (serving.Server's sizes) and, with `store`, its own client of that store.
     `mem_fraction`: each process's XLA_PYTHON_CLIENT_MEM_FRACTION (None: JAX's default).
     `stored`: per conversation, the tokens of its first prompt the store holds already (an
     earlier run's: `Part.stored`), which its first turn waits for as a moved turn does.
-    Returns every turn as one run, with each replica's own result (`RunResult.replicas`) and
+    `router`: one of ROUTERS (see the module's docstring). Returns every turn as one run, with each replica's own result (`RunResult.replicas`) and
     the turns that moved (`RunResult.moved`). Raises ReplicaError when a replica fails."""
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     ctx = multiprocessing.get_context("spawn")  # JAX's runtime does not survive a fork
     procs: list[_Replica] = []
+    index = PrefixIndex(server["tokens_per_block"]) if router == "prefix" else None
     try:
         # The first compiles alone, then the others: with an autotuning cache shared through
         # XLA_FLAGS, they all read the kernels it picked (the same numerics in every process).
         compile_seconds = 0.0
         for start in ([0], range(1, replicas)):
             group = [_Replica(ctx, ReplicaSpec(i, replicas, model, seed, smollm2, server, store,
-                                               namespace, mem_fraction)) for i in start]
+                                               namespace, mem_fraction, index is not None))
+                     for i in start]
             procs += group
-            compile_seconds = max([compile_seconds,
-                                   *(p.recv(READY_TIMEOUT_S)[1] for p in group)])
+            for p in group:
+                _, seconds, endpoints = p.recv(READY_TIMEOUT_S)
+                compile_seconds = max(compile_seconds, seconds)
+                if index is not None:
+                    index.subscribe(p.index, endpoints[0], replay_endpoint=endpoints[1])
+        picker = RoundRobin(replicas) if index is None else ByPrefix(index, replicas)
         loop = _route(procs, conversations, priorities, store is not None, fixed_step_s,
-                      progress, min_offload_priority, stored)
+                      progress, min_offload_priority, stored, picker)
         results = []
         for p in procs:
             p.conn.send(("finish", {"steps": loop["steps"], "seconds": loop["clock"]}))
@@ -197,6 +269,8 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
     finally:
         for p in procs:
             p.stop()
+        if index is not None:
+            index.close()
     combined = _combined(results, loop, compile_seconds)
     combined.replicas, combined.moved = results, frozenset(loop["moved"])
     return combined
@@ -205,10 +279,10 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
 def _route(procs: list[_Replica], conversations: Sequence[Conversation],
            priorities: Sequence[int], shared: bool, fixed_step_s: float | None,
            progress: Callable[[int, int], None] | None, min_offload_priority: int,
-           stored: Sequence[int]) -> dict:
+           stored: Sequence[int], picker: RoundRobin | ByPrefix) -> dict:
     """The router's loop; returns its clock, ticks, the moved turns and the full-prefill
     figures."""
-    n = len(procs)
+    where = [-1] * len(conversations)  # each conversation's last turn's replica
     pending = [(c.start_s, i, 0) for i, c in enumerate(conversations)]
     heapq.heapify(pending)
     history = [list(c.prefix) for c in conversations]
@@ -222,9 +296,10 @@ def _route(procs: list[_Replica], conversations: Sequence[Conversation],
         while pending and pending[0][0] <= clock:
             arrival, c, t = heapq.heappop(pending)
             turn = conversations[c].turns[t]
-            r = route(c, t, n)
+            prompt = history[c] + list(turn.user)
+            r = picker.pick(c, t, prompt)
             expect = stored[c] if stored and t == 0 else 0  # an earlier run's (--scale-out)
-            if t > 0 and route(c, t - 1, n) != r:
+            if t > 0 and where[c] != r:
                 moved.add((c, t))
                 if priorities[c] >= min_offload_priority:  # the replica before wrote it:
                     # the previous turn's sequence (its prompt and reply but the last token)
@@ -232,9 +307,10 @@ def _route(procs: list[_Replica], conversations: Sequence[Conversation],
             if not shared:
                 expect = 0
             arrived[r].append({"key": (c, t), "arrival_s": arrival,
-                               "prompt": history[c] + list(turn.user),
+                               "prompt": prompt,
                                "output_len": turn.output_len, "priority": priorities[c],
                                "expect_tokens": expect})
+            where[c] = r
         for p, reqs in zip(procs, arrived):
             p.conn.send(("step", reqs))
         replies = [p.recv() for p in procs]
@@ -263,6 +339,7 @@ def _route(procs: list[_Replica], conversations: Sequence[Conversation],
         for p in stepped:
             finished, p.busy = p.recv()
             for (c, t), tokens in finished:
+                picker.finished(c, t)
                 history[c] = history[c] + list(conversations[c].turns[t].user) + list(tokens)
                 turns = conversations[c].turns
                 if t + 1 < len(turns):

@@ -27,8 +27,11 @@ from .sizes import (
     DISK,
     JOINED,
     JOINED_ALONE,
+    PREFIX_ROUTED,
     REPLICA_RUNS,
     RESTARTED,
+    ROUTED_ALONE,
+    ROUTED_SHARED,
     RUNS,
     SHARED,
     size_text,
@@ -40,7 +43,7 @@ SWEEP_RUNS = ("offload", "drop", "never_evict")  # the runs served at each rate 
 # Logits of offload and drop against never_evict: |a - b| <= tol + tol * |b|, per dtype
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 # The runs whose exactness against never_evict the exit status requires (those that ran).
-MUST_BE_EXACT = ("offload", DISK, RESTARTED, SHARED, JOINED)
+MUST_BE_EXACT = ("offload", DISK, RESTARTED, SHARED, ROUTED_SHARED, JOINED)
 
 
 def wrap(text: str, indent: str = "  ") -> list[str]:
@@ -124,8 +127,9 @@ def _moved(cfg: dict, results: dict) -> set[tuple[int, int]]:
 
 
 def moved_turns(cfg: dict, turns) -> set[tuple[int, int]]:
-    """With --replicas, the turns (of `turns`) whose previous turn the router sends to
-    another replica (the same turns in every run, whoever serves them)."""
+    """With --replicas, the turns (of `turns`) whose previous turn round robin sends to
+    another replica (the same turns in every run but the prefix-routed ones, whoever serves
+    them)."""
     n = cfg.get("replicas")
     if not n:
         return set()
@@ -239,8 +243,9 @@ def print_runs(args: argparse.Namespace, cfg: dict, model: ModelConfig, results:
     the disk runs are exact, None when never_evict (the reference) did not finish (`failed`
     says why). `later`: --repeat's later repeats (`repeat_figures`), whose exactness counts
     too and whose ratios the closing lines take."""
-    moved = _moved(cfg, results)
-    runs = {name: summary(shown(name, res), moved) for name, res in results.items()}
+    moved = _moved(cfg, results)  # (a prefix-routed run's own: where its router sent them)
+    runs = {name: summary(shown(name, res), res.moved if name in PREFIX_ROUTED else moved)
+            for name, res in results.items()}
     verdict = {"exact": None, "device": str(jax.devices()[0].device_kind),
                "devices": args.devices,
                "paths": _paths(runs["offload"]) if "offload" in runs else {}}
@@ -653,10 +658,9 @@ def replica_lines(runs: dict, v: dict) -> list[str]:
         return "-" if x is None else f"{1e3 * x:,.1f} ms"
 
     n = v["replicas"]
-    lines = [(f"replicas: {n} serving process{'es' if n > 1 else ''}, turn t of chat c on "
-              f"replica (c + t) % {n}{' (each turn after the first moves)' if n > 1 else ''}; "
-              f"{SHARED} shares "
-              f"{v['store_described'] or v['store']}, {ALONE} has no store")]
+    lines = [(f"replicas: {n} serving process{'es' if n > 1 else ''}; {v['route']}; the "
+              f"+store runs share {v['store_described'] or v['store']}, the others have no "
+              "store")]
     width = max(len(name) for name in REPLICA_RUNS)
     for name in REPLICA_RUNS:
         for r in runs.get(name, {}).get("replicas", []):
@@ -666,7 +670,8 @@ def replica_lines(runs: dict, v: dict) -> list[str]:
                 f", tokens from store hits {r['store_hit_tokens']:,} "
                 f"({r['store_hit_blocks']:,} blocks read), TTFT p50 {ms(r['ttft_p50_s'])}, "
                 f"moved turns {ms(r.get('ttft_p50_moved_turns_s'))}")
-    shared, off, alone = runs.get(SHARED), runs.get("offload"), runs.get(ALONE)
+    with_store, without = (SHARED, ALONE) if SHARED in runs else (ROUTED_SHARED, ROUTED_ALONE)
+    shared, off, alone = runs.get(with_store), runs.get("offload"), runs.get(without)
     if shared is not None and off is not None:
         ratio = v.get("moved_ttft_p50_over_host_hit_ttft_p50")
         lines.append(f"TTFT p50 of the turns that moved replica, prefix from the store: "
@@ -675,12 +680,18 @@ def replica_lines(runs: dict, v: dict) -> list[str]:
                      + (f" (moved turns {_times(ratio, 'higher', 'lower')})"
                         if ratio is not None else " (it had none)"))
     if v.get("ttft_p50_without_over_with_store") is not None:
-        lines.append(f"TTFT p50 {SHARED} {ms(shared['ttft_s']['p50'])} vs {ALONE} "
+        lines.append(f"TTFT p50 {with_store} {ms(shared['ttft_s']['p50'])} vs {without} "
                      f"{ms(alone['ttft_s']['p50'])}: "
                      f"{_times(v['ttft_p50_without_over_with_store'], 'lower', 'higher')} "
                      "with the store "
                      f"(turns that moved: {ms(shared.get('ttft_p50_moved_turns_s'))} vs "
                      f"{ms(alone.get('ttft_p50_moved_turns_s'))})")
+    if len(v.get("ttft_p50_s", {})) > 2:
+        best = v["best_ttft_p50"]
+        lines.append("TTFT p50 by routing: " + ", ".join(
+            f"{name} {ms(t)}" for name, t in v["ttft_p50_s"].items()) + f"; the lowest: {best}"
+            + "".join(f", {_times(t / v['ttft_p50_s'][best], 'lower', 'higher')} than {name}"
+                      for name, t in v["ttft_p50_s"].items() if name != best))
     return lines
 
 
@@ -688,7 +699,13 @@ def _replica_verdict(cfg: dict, runs: dict) -> dict:
     """--replicas: how the turns were routed, the store, and the two comparisons: the turns
     that moved replica with the store against the offload run's turns with host hits, and
     replicas+store's TTFT p50 against replicas'."""
-    out = {"replicas": cfg["replicas"], "route": "turn t of chat c on replica (c + t) % N",
+    router = cfg.get("router", "round-robin")
+    route = {"round-robin": "turn t of chat c on replica (c + t) % N",
+             "prefix": "a turn on the replica where its prefill costs least, by the replicas' "
+                       "KV events (prefix-routed runs)"}
+    out = {"replicas": cfg["replicas"],
+           "route": " / ".join(text for name, text in route.items()
+                               if router in (name, "both")),
            "store": cfg["store"] if "://" not in cfg["store"]
            else store_servers.shown_url(cfg["store"]),
            "store_described": cfg.get("store_described")}
@@ -696,7 +713,12 @@ def _replica_verdict(cfg: dict, runs: dict) -> dict:
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    shared, alone, off = runs.get(SHARED), runs.get(ALONE), runs.get("offload")
+    ttft = {name: runs[name]["ttft_s"]["p50"] for name in REPLICA_RUNS if name in runs}
+    out["ttft_p50_s"] = ttft
+    if ttft:
+        out["best_ttft_p50"] = min(ttft, key=ttft.get)
+    with_store, without = (SHARED, ALONE) if SHARED in runs else (ROUTED_SHARED, ROUTED_ALONE)
+    shared, alone, off = runs.get(with_store), runs.get(without), runs.get("offload")
     if shared is not None and off is not None:
         out["moved_ttft_p50_over_host_hit_ttft_p50"] = ratio(
             shared.get("ttft_p50_moved_turns_s"), off.get("ttft_p50_host_hit_turns_s"))

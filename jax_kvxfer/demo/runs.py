@@ -33,10 +33,11 @@ from .sizes import (
     DISK,
     JOINED,
     JOINED_ALONE,
+    PREFIX_ROUTED,
     REPLICA_RUNS,
     RESTARTED,
     RUNS,
-    SHARED,
+    STORE_RUNS,
     host_peak,
     memory_shortfall,
     run_pools,
@@ -226,8 +227,8 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
                  convs: list[workloads.Conversation], priorities: list[int], real,
                  primary: int, secondary: int, common: dict, done: dict) -> serving.RunResult:
     """A replicas run: cfg["replicas"] processes of `primary` / `secondary` blocks each,
-    sharing the store --store names (started here, stopped at the end) when `name` is
-    SHARED; or with --scale-out (replicas.py), replica A then B: JOINED runs A with the
+    sharing the store --store names (started here, stopped at the end) when `name` is one of
+    STORE_RUNS, routed by prefix when it is one of PREFIX_ROUTED; or with --scale-out (replicas.py), replica A then B: JOINED runs A with the
     store and B reading it, JOINED_ALONE B alone after the A of JOINED (in `done`)."""
     n = cfg["replicas"]
     server = {"max_blocks": serving.max_request_blocks(convs, cfg["tokens_per_block"]),
@@ -242,7 +243,7 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
                                                         cfg["tokens_per_block"])
                    * (kv_block_nbytes(model, cfg["tokens_per_block"]) + 4096))
     started = (store_servers.start_store(cfg["store"], capacity_bytes=capacity)
-               if name in (SHARED, JOINED) else None)
+               if name in STORE_RUNS else None)
     try:
         if started is not None:
             cfg["store_described"] = started.describe
@@ -256,6 +257,7 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
         if name not in (JOINED, JOINED_ALONE):
             return replica_runs.run_replicas(
                 model, convs, replicas=n, store=spec,
+                router="prefix" if name in PREFIX_ROUTED else "round-robin",
                 progress=_Progress(name, not args.no_progress), **common_args)
         by_document = args.workload == "docqa"
         if name == JOINED:  # replica A, writing to the store

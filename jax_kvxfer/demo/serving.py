@@ -675,6 +675,8 @@ class Server:
             results.append(TurnResult(r.arrival_s, r.first_token_s, clock, len(r.prompt),
                                       r.gpu_hits, r.host_hits, r.store_hits, r.out,
                                       top, ids, prints, key=(r.conv, r.turn)))
+        if finished:  # a router learns of the released blocks now (KV events, if published)
+            self.bm.publish_events()
         took = time.perf_counter() - t0
         self.step_seconds["block manager"] += took
         self.step_seconds["collect"] += took

@@ -87,13 +87,17 @@ CHAT_TEXT = (
 # The runs' names (RUNS: every run, in the order the report shows them)
 DISK, RESTARTED = "offload+disk", "offload+disk (restarted)"
 SHARED, ALONE = "replicas+store", "replicas"  # --replicas: with a shared store, without one
+# --router prefix (both: all four): the same, routed by prefix
+ROUTED_SHARED, ROUTED_ALONE = "prefix-routed+store", "prefix-routed"
 # --scale-out (instead of those two): replica B, joining after replica A, with A's store and
 # without a store
 JOINED, JOINED_ALONE = "replica B+store", "replica B"
-RUNS = ("offload", DISK, RESTARTED, SHARED, ALONE, JOINED, JOINED_ALONE, "drop",
-        "never_evict")  # as reported
+RUNS = ("offload", DISK, RESTARTED, SHARED, ALONE, ROUTED_SHARED, ROUTED_ALONE, JOINED,
+        JOINED_ALONE, "drop", "never_evict")  # as reported
 # they run first: before this process takes GPU memory
-REPLICA_RUNS = (SHARED, ALONE, JOINED, JOINED_ALONE)
+REPLICA_RUNS = (SHARED, ALONE, ROUTED_SHARED, ROUTED_ALONE, JOINED, JOINED_ALONE)
+STORE_RUNS = (SHARED, ROUTED_SHARED, JOINED)  # the replica runs that share a store
+PREFIX_ROUTED = (ROUTED_SHARED, ROUTED_ALONE)
 
 
 def toy_model(cfg: dict) -> ModelConfig:
@@ -192,7 +196,10 @@ def run_pools(cfg: dict, convs: list[workloads.Conversation]) -> dict[str, tuple
         if cfg.get("restart"):
             pools[RESTARTED] = pools[DISK]
     if cfg.get("replicas"):  # each replica's share (there are cfg["replicas"] of each)
-        runs = (JOINED, JOINED_ALONE) if cfg.get("scale_out") else (SHARED, ALONE)
+        router = cfg.get("router", "round-robin")
+        runs = (JOINED, JOINED_ALONE) if cfg.get("scale_out") else \
+            ((SHARED, ALONE) if router != "prefix" else ()) + \
+            ((ROUTED_SHARED, ROUTED_ALONE) if router != "round-robin" else ())
         pools.update(dict.fromkeys(runs, replica_pools(cfg)))
     return {run: pools[run] for run in RUNS if run in pools}
 

@@ -171,6 +171,7 @@ def test_replica_ratios_read_the_right_way_round():
     runs = {"replicas+store": run(0.2614, moved=0.3), "replicas": run(0.1593, moved=0.25),
             "offload": run(0.1, host=0.12)}
     verdict = {"replicas": 2, "store": "valkey", "store_described": None,
+               "route": "turn t of chat c on replica (c + t) % N",
                "moved_ttft_p50_over_host_hit_ttft_p50": 0.3 / 0.12,
                "ttft_p50_without_over_with_store": 0.1593 / 0.2614}
     text = "\n".join(report.replica_lines(runs, verdict))

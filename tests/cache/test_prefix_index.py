@@ -1,0 +1,137 @@
+"""The prefix index a router keeps from several block managers' KV events (cache.PrefixIndex),
+over real publishers and ZMQ sockets: after random requests on two block managers, what it
+says each holds of a prompt matches each block manager's own `match_prefix`; a subscriber that
+joins late catches up from the replay socket, or counts what it lost without one."""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("msgspec")
+pytest.importorskip("zmq")
+
+import jax_kvxfer as kvx
+from jax_kvxfer.cache import BlockManager, PrefixIndex
+from jax_kvxfer.observe.events import KVEventPublisher
+
+T = 4  # tokens per block
+
+
+def make_pool(num_primary: int, num_secondary: int) -> kvx.KVCacheBlockPool:
+    return kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=1, size_per_head=2,
+                                       tokens_per_block=T, dtype=jnp.float32,
+                                       num_primary_blocks=num_primary,
+                                       num_secondary_blocks=num_secondary, kv_factor=1)
+
+
+def replica(replay: bool = True) -> tuple[BlockManager, KVEventPublisher]:
+    pub = KVEventPublisher("tcp://127.0.0.1:*",
+                           replay_endpoint="tcp://127.0.0.1:*" if replay else None)
+    return BlockManager(make_pool(8, 6), events=pub), pub
+
+
+def serve(bm: BlockManager, sid, prompt: list[int]) -> None:
+    bm.add_sequence(sid, prompt)
+    bm.sync_transfers()
+    bm.release_sequence(sid)
+    bm.sync_transfers()  # the release's events published
+
+
+def held_by_each(bms: dict, prompt: list[int]) -> dict:
+    """What each block manager's own prefix match finds of the prompt's full blocks."""
+    out = {}
+    for name, bm in bms.items():
+        m = bm.match_prefix(prompt)
+        out[name] = m.primary_blocks + m.secondary_blocks
+    return out
+
+
+def agrees(index: PrefixIndex, bms: dict, prompts: list[list[int]],
+           timeout_s: float = 10.0) -> None:
+    """The index comes to say, for every prompt, what each block manager holds of it (the
+    events travel on their own: polled until they agree, or the test fails)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        index.poll(0.02)
+        want = [held_by_each(bms, p) for p in prompts]
+        got = [index.matched_blocks(p) for p in prompts]
+        if got == want:
+            return
+        assert time.monotonic() < deadline, (got, want)
+
+
+def prompts_sharing_prefixes(rng, n: int) -> list[list[int]]:
+    roots = [list(map(int, rng.integers(0, 40, 3 * T))) for _ in range(3)]
+    out = []
+    for _ in range(n):
+        root = roots[int(rng.integers(len(roots)))]
+        keep = int(rng.integers(1, len(root) + 1))
+        out.append(root[:keep] + list(map(int, rng.integers(0, 40, int(rng.integers(1, 2 * T))))))
+    return out
+
+
+def test_the_index_says_what_each_block_manager_holds():
+    """60 requests, each on one of two block managers at random, over pools small enough to
+    evict to the host and out of it: after each, for every prompt so far, the index's count
+    of full blocks held per block manager equals that block manager's own match."""
+    rng = np.random.default_rng(11)
+    bms, pubs = {}, []
+    for name in ("a", "b"):
+        bms[name], pub = replica()
+        pubs.append(pub)
+    with PrefixIndex(T) as index:
+        for name, pub in zip(bms, pubs):
+            index.subscribe(name, pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        time.sleep(0.2)  # the subscriptions reach the publishers (else: replayed, also fine)
+        prompts = prompts_sharing_prefixes(rng, 60)
+        for i, prompt in enumerate(prompts):
+            serve(bms["ab"[int(rng.integers(2))]], i, prompt)
+            agrees(index, bms, prompts[:i + 1])
+        assert index.lost_batches == 0
+        assert sum(index.held_blocks(n) for n in bms) > 0
+    for bm, pub in zip(bms.values(), pubs):
+        bm.close()
+        pub.close()
+
+
+def test_a_late_subscriber_catches_up_from_the_replay_or_counts_its_loss():
+    """Ten requests published before the index subscribes: with the replay socket it asks for
+    them at the first batch it sees and then agrees; without one it counts them as lost."""
+    rng = np.random.default_rng(12)
+    prompts = prompts_sharing_prefixes(rng, 11)
+    for replay in (True, False):
+        bm, pub = replica(replay)
+        for i, prompt in enumerate(prompts[:10]):
+            serve(bm, i, prompt)
+        time.sleep(0.3)  # the publisher's thread has sent them
+        before = pub.sent_batches
+        assert before >= 10
+        with PrefixIndex(T) as index:
+            index.subscribe("a", pub.endpoint, replay_endpoint=pub.replay_endpoint)
+            time.sleep(0.2)
+            serve(bm, 10, prompts[10])
+            if replay:
+                agrees(index, {"a": bm}, prompts)
+                assert index.lost_batches == 0
+            else:
+                deadline = time.monotonic() + 10
+                while index.lost_batches == 0 and time.monotonic() < deadline:
+                    index.poll(0.02)
+                assert index.lost_batches == before
+        bm.close()
+        pub.close()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        PrefixIndex(0)
+    with pytest.raises(TypeError, match="media"):
+        PrefixIndex(T, media="GPU")
+    with PrefixIndex(T) as index:
+        index.subscribe("a", "tcp://127.0.0.1:1")
+        with pytest.raises(KeyError, match="'a'"):
+            index.subscribe("a", "tcp://127.0.0.1:1")
