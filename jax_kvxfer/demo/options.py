@@ -212,7 +212,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g["model"].add_argument("--seed", type=_int_at_least(0), default=0,
                    help="weights and workload seed")
     g["output"].add_argument("--repeat", type=_int_at_least(1, 100), default=1, metavar="N",
-                   help="serve the three runs N times (in turn), each checked for exactness: "
+                   help="serve the runs N times (in turn), each checked for exactness: "
                         "each ratio as its median and min-max (the table: the first repeat)")
     g["output"].add_argument("--json", action="store_true",
                    help="print one JSON object instead of a table")
@@ -470,7 +470,8 @@ def _check_sharing(parser: argparse.ArgumentParser, args: argparse.Namespace, cf
     if args.repeat > 1:  # the three runs of one workload, nothing that keeps state between them
         for given, option in ((args.disk is not None,
                                "--disk (its second pass would not start cold)"),
-                              (args.replicas is not None, "--replicas"),
+                              ("://" in (args.store or ""),
+                               "--store URL (its server keeps a repeat's blocks for the next)"),
                               (len(rates) > 1, "--arrival-rate list"),
                               (args.events_overhead, "--events-overhead")):
             if given:

@@ -11,11 +11,12 @@ The router (`--router`) picks each turn's replica:
   so a chat's next turn mostly stays where its history is, unless that replica is busier by
   more than the history's prefill.
 A turn that lands on another replica than its conversation's turn before it has moved. With a
-shared store (`store`), every replica writes
-a finished turn's blocks to it at once (BlockManager(store_on_release=True)), and a turn whose
-previous turn ran elsewhere waits (up to serving.PREFIX_WAIT_S of wall time) until the store
-holds that prefix, then until its read into host rows (BlockManager.prefetch) has landed, and
-onboards it like a host hit; without a store, each replica recomputes it.
+shared store (`store`), every replica writes a finished turn's blocks to it at once
+(BlockManager(store_on_release=True)), and a moved turn waits (up to serving.PREFIX_WAIT_S of
+wall time, and no longer than recomputing the prefix less reading it would take:
+`Server._prefix_wait_s`) until the store holds that prefix, then until its read into host rows
+(BlockManager.prefetch) has landed, and onboards it like a host hit; without a store, each
+replica recomputes it.
 
 The router keeps one clock for all: in each tick, every replica admits what has arrived for
 it and runs one model step (the replicas' steps run at once, on one GPU or several); the tick

@@ -220,8 +220,8 @@ def repeat_figures(cfg: dict, model: ModelConfig, results: dict) -> tuple[dict, 
     """A later repeat (--repeat) as what the report needs of it: its runs' summaries and their
     exactness; the replies' records are left behind."""
     moved = moved_turns(cfg, next(iter(results.values())).turns)
-    return ({name: summary(res, moved) for name, res in results.items()},
-            exactness(model, results))
+    return ({name: summary(res, res.moved if name in PREFIX_ROUTED else moved)
+             for name, res in results.items()}, exactness(model, results))
 
 
 def _merged(compared: dict, later: list[tuple[dict, dict]]) -> dict:
@@ -509,12 +509,46 @@ def same_work(a: dict, b: dict) -> bool:
             and not any(r["host_hit_tokens"] or r.get("store_hit_tokens") for r in (a, b)))
 
 
+def _versus(ref: str, other: str, repeats: list[dict]) -> tuple[dict, str] | None:
+    """Run `ref` against run `other` over the repeats (None where a repeat lacks one): TTFT
+    p50 (other's over ref's: above 1, ref's is lower), output tokens/s (ref's over other's),
+    prefill tokens computed (other's over ref's: the work saved, which unlike the times does
+    not vary from run to run); figures and a line."""
+    pairs = [(r[ref], r[other]) for r in repeats if ref in r and other in r]
+    if not pairs or len(pairs) < len(repeats):
+        return None
+    ttft = [_ratio(o["ttft_s"]["p50"], a["ttft_s"]["p50"]) for a, o in pairs]
+    rate = [_ratio(a["output_tokens_per_s"], o["output_tokens_per_s"]) for a, o in pairs]
+    prefill = [_ratio(o["computed_prefill_tokens"], a["computed_prefill_tokens"])
+               for a, o in pairs]
+    same = all(same_work(a, o) for a, o in pairs)
+    figures = {"same_work": same}
+    for key, values in (("ttft_p50_ratio", ttft), ("output_tokens_per_s_ratio", rate),
+                        ("computed_prefill_ratio", prefill)):
+        known = None not in values
+        figures[key] = statistics.median(values) if known else None
+        if len(pairs) > 1:
+            figures[f"{key}_min"] = min(values) if known else None
+            figures[f"{key}_max"] = max(values) if known else None
+            figures[f"{key}s"] = values
+    head = f"{ref} vs {other}" + (f" (median of {len(pairs)} repeats, min–max)"
+                                  if len(pairs) > 1 else "")
+    if same:
+        tokens = pairs[0][0]["computed_prefill_tokens"]
+        return figures, (f"{head}: the same work ({tokens:,} prefill tokens computed by each, "
+                         f"no host hits), so the difference in their times is noise (TTFT p50 "
+                         f"{_apart(figures['ttft_p50_ratio'])} and output tokens/s "
+                         f"{_apart(figures['output_tokens_per_s_ratio'])} apart)")
+    return figures, (f"{head}: TTFT p50 {_spread(ttft, 'lower', 'higher')}, output tokens/s "
+                     f"{_spread(rate, 'higher', 'lower')}, "
+                     + ("the same prefill computed" if all(p == 1 for p in prefill) else
+                        f"prefill computed {_spread(prefill, 'less', 'more')}"))
+
+
 def closing(runs: dict, compared: dict, repeats: list[dict] | None = None) -> dict:
-    """offload against drop and never_evict, in lines and in figures: TTFT p50 (the other
-    run's over offload's: above 1, offload's is lower), output tokens/s (offload's over the
-    other's), prefill tokens computed (the other's over offload's: the work the host tier saved,
-    which unlike the times does not vary from run to run), and whether offload is exact (else
-    its first differing turn).
+    """offload against drop and never_evict, in lines and in figures (`_versus`); with
+    --replicas, the replica run to beat (prefix-routed+store, else replicas+store) against the
+    other replica runs alike; and whether offload is exact (else its first differing turn).
 
     `repeats`: with --repeat N, each repeat's runs (the first is `runs`): each ratio is then
     their median, with its least and greatest. Two runs that did the same work (`same_work`)
@@ -524,38 +558,16 @@ def closing(runs: dict, compared: dict, repeats: list[dict] | None = None) -> di
     repeats = repeats or [runs]
     out: dict = {"repeats": len(repeats)}
     lines = []
-    for other in ("drop", "never_evict"):
-        pairs = [(r["offload"], r[other]) for r in repeats if "offload" in r and other in r]
-        if not pairs or len(pairs) < len(repeats):
-            continue
-        ttft = [_ratio(o["ttft_s"]["p50"], off["ttft_s"]["p50"]) for off, o in pairs]
-        rate = [_ratio(off["output_tokens_per_s"], o["output_tokens_per_s"]) for off, o in pairs]
-        prefill = [_ratio(o["computed_prefill_tokens"], off["computed_prefill_tokens"])
-                   for off, o in pairs]
-        same = all(same_work(off, o) for off, o in pairs)
-        figures = {"same_work": same}
-        for key, values in (("ttft_p50_ratio", ttft), ("output_tokens_per_s_ratio", rate),
-                            ("computed_prefill_ratio", prefill)):
-            known = None not in values
-            figures[key] = statistics.median(values) if known else None
-            if len(pairs) > 1:
-                figures[f"{key}_min"] = min(values) if known else None
-                figures[f"{key}_max"] = max(values) if known else None
-                figures[f"{key}s"] = values
-        out[f"vs_{other}"] = figures
-        head = f"offload vs {other}" + (f" (median of {len(pairs)} repeats, min–max)"
-                                        if len(pairs) > 1 else "")
-        if same:
-            tokens = pairs[0][0]["computed_prefill_tokens"]
-            lines.append(f"{head}: the same work ({tokens:,} prefill tokens computed by each, "
-                         f"no host hits), so the difference in their times is noise (TTFT p50 "
-                         f"{_apart(figures['ttft_p50_ratio'])} and output tokens/s "
-                         f"{_apart(figures['output_tokens_per_s_ratio'])} apart)")
-            continue
-        lines.append(f"{head}: TTFT p50 {_spread(ttft, 'lower', 'higher')}, output tokens/s "
-                     f"{_spread(rate, 'higher', 'lower')}, "
-                     + ("the same prefill computed" if all(p == 1 for p in prefill) else
-                        f"prefill computed {_spread(prefill, 'less', 'more')}"))
+    best = ROUTED_SHARED if ROUTED_SHARED in runs else SHARED
+    pairs = [("offload", "drop"), ("offload", "never_evict"),
+             *((best, other) for other in (SHARED, ALONE, ROUTED_ALONE)
+               if best in runs and other != best)]
+    for ref, other in pairs:
+        versus = _versus(ref, other, repeats)
+        if versus is not None:
+            key = f"vs_{other}" if ref == "offload" else f"{ref} vs {other}"
+            out[key], line = versus
+            lines.append(line)
     if len(repeats) == 1 and "drop" in runs and "never_evict" in runs:
         drop, never = runs["drop"], runs["never_evict"]
         measured = same_work(drop, never)

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from ..cache import BlockManager, BlockManagerStats, PoolExhaustedError
+from ..connector.tiers import read_rate
 from ..stores import Store, StoreStats
 from ..transfer.manager import KVCacheTransferManager, TransferStats
 from ..transfer.pool import KVCacheBlock
@@ -377,6 +378,7 @@ class Server:
                 mesh, jax.sharding.PartitionSpec()))
         transfers = KVCacheTransferManager([pool], dma=dma)
         self._pool = pool
+        self._block_nbytes = pool.block_nbytes  # what a store read moves a block
         self.model, self.batch, self.chunk = model, batch, chunk
         self.primary_blocks, self.secondary_blocks = primary_blocks, secondary_blocks
         self.prefill_rows = min(prefill_rows, batch)
@@ -483,8 +485,20 @@ class Server:
     def submit(self, request: Request) -> None:
         """Queues an arrived request (admitted in arrival order as rows and blocks allow)."""
         if request.expect_tokens and not request.wait_until:
-            request.wait_until = time.monotonic() + PREFIX_WAIT_S
+            request.wait_until = time.monotonic() + self._prefix_wait_s(request.expect_tokens)
         self.waiting.append(request)
+
+    def _prefix_wait_s(self, tokens: int) -> float:
+        """How long a request waits for `tokens` of its prefix that another replica is
+        writing to the store: PREFIX_WAIT_S at most, and once a prompt token's cost is
+        measured, no longer than recomputing them would take less reading them (by the
+        store's measured reads, where known): a wait that cannot pay is not made."""
+        if self._token_seconds is None:
+            return PREFIX_WAIT_S
+        budget = tokens * self._token_seconds
+        read = read_rate(self.stores[0]).seconds(
+            -(-tokens // self.bm.tokens_per_block) * self._block_nbytes) if self.stores else None
+        return max(0.0, min(PREFIX_WAIT_S, budget - (read or 0.0)))
 
     def _waits_for_prefix(self, req: Request) -> bool:
         """Whether `req` still waits for its expected prefix: fewer of its tokens are found
@@ -501,7 +515,9 @@ class Server:
         if req.expect_tokens <= 0:
             return False
         match = bm.match_prefix(req.prompt)
-        if match.num_tokens < req.expect_tokens and time.monotonic() < req.wait_until:
+        # (blocks found that the read-or-recompute rule leaves to recompute count as found)
+        found = match.num_tokens + match.store_skipped_blocks * bm.tokens_per_block
+        if found < req.expect_tokens and time.monotonic() < req.wait_until:
             return True
         req.expect_tokens = 0
         if req.key not in self._prefetched and self._start_prefetch(req, match):

@@ -67,6 +67,36 @@ def test_two_runs_that_did_the_same_work_are_called_noise():
                                     "1.10× higher, the same prefill computed")
 
 
+def test_the_routed_run_with_a_store_against_each_other_replica_run_with_its_spread():
+    """--router both --repeat 2: prefix-routed+store against the three other replica runs,
+    each ratio as the median of the two repeats and its min-max; one repeat of a pair
+    missing: no line for it."""
+    def repeat(scale: float) -> dict:
+        runs = {"prefix-routed+store": summary(0.10 * scale, 120.0, 300),
+                "replicas+store": summary(0.15, 100.0, 300),
+                "replicas": summary(0.30, 60.0, 600),
+                "prefix-routed": summary(0.12, 110.0, 330)}
+        runs["prefix-routed+store"]["store_hit_tokens"] = 30
+        return runs
+
+    first, second = repeat(1.0), repeat(1.5)
+    c = report.closing(first, {}, [first, second])
+    lines = {line.split(":")[0]: line for line in c["lines"]}
+    head = "prefix-routed+store vs {} (median of 2 repeats, min–max)"
+    # TTFT: 0.15 / 0.10 = 1.5 and 0.15 / 0.15 = 1.0: median 1.25
+    assert lines[head.format("replicas+store")] == (
+        head.format("replicas+store") + ": TTFT p50 1.25× lower (the same to 1.50× lower), "
+        "output tokens/s 1.20× higher (in every repeat), the same prefill computed"), lines
+    assert c["prefix-routed+store vs replicas"]["computed_prefill_ratio"] == 2.0
+    assert c["prefix-routed+store vs prefix-routed"]["ttft_p50_ratios"] == pytest.approx(
+        [1.2, 0.8])
+    assert "prefix-routed+store vs prefix-routed+store" not in c
+    del second["prefix-routed"]
+    c = report.closing(first, {}, [first, second])
+    assert "prefix-routed+store vs prefix-routed" not in c
+    assert "prefix-routed+store vs replicas" in c
+
+
 def test_a_single_run_says_how_far_apart_identical_runs_are():
     runs = {"offload": summary(0.1, 100.0, 200, host_hits=300),
             "drop": summary(0.3, 50.0, 500), "never_evict": summary(0.36, 40.0, 500)}
@@ -152,7 +182,8 @@ def test_repeat_serves_the_runs_in_turn_and_counts_every_repeats_exactness(monke
 @pytest.mark.parametrize("argv, message", [
     (["--repeat", "0"], "--repeat: must be >= 1, got 0"),
     (["--repeat", "2", "--disk", "/tmp"], "--repeat takes no --disk"),
-    (["--repeat", "2", "--replicas", "2"], "--repeat takes no --replicas"),
+    (["--repeat", "2", "--replicas", "2", "--store", "redis://127.0.0.1:1"],
+     "--repeat takes no --store URL"),
     (["--repeat", "2", "--arrival-rate", "1,2"], "--repeat takes no --arrival-rate list"),
     (["--repeat", "2", "--events-overhead"], "--repeat takes no --events-overhead"),
 ])

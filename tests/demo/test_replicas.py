@@ -98,7 +98,7 @@ def prefix_routed_json():
     out, environ = io.StringIO(), dict(os.environ)
     try:
         with contextlib.redirect_stdout(out):
-            code = demo.main([*REPLICAS, "--router", "prefix", "--json"])
+            code = demo.main([*REPLICAS, "--router", "prefix", "--repeat", "2", "--json"])
     finally:
         os.environ.clear()
         os.environ.update(environ)
@@ -110,7 +110,7 @@ def test_routing_by_prefix_keeps_chats_where_their_history_is(prefix_routed_json
                                                               replicas_json):
     """Routed by the replicas' KV events, most turns stay on the replica that computed their
     history (round robin moves all 16 later turns), so without a store they compute far
-    less prefill than round robin's; exact, with and without the store."""
+    less prefill than round robin's; exact, with and without the store, in two repeats."""
     code, out = prefix_routed_json
     assert code == 0 and out["exact"] is True
     runs = out["runs"]
@@ -126,6 +126,10 @@ def test_routing_by_prefix_keeps_chats_where_their_history_is(prefix_routed_json
     assert never <= runs["prefix-routed"]["computed_prefill_tokens"] < round_robin
     assert "prefix-routed" in out["replicas"]["ttft_p50_s"]
     assert "where its prefill costs least" in out["replicas"]["route"]
+    # --repeat 2: both repeats exact, the two routed runs compared in each
+    assert out["repeats"] == 2
+    versus = out["closing"]["prefix-routed+store vs prefix-routed"]
+    assert len(versus["ttft_p50_ratios"]) == 2 and versus["ttft_p50_ratio_min"] > 0
 
 
 def test_the_prefix_router_picks_the_holder_unless_it_is_busier_by_more():
@@ -300,3 +304,36 @@ def test_replica_routing_moves_every_turn():
         for c in range(5):
             seen = [replicas.route(c, t, n) for t in range(4)]
             assert all(a != b for a, b in itertools.pairwise(seen))
+
+
+def test_a_turn_waits_for_a_stored_prefix_no_longer_than_recomputing_it_would_take(tmp_path):
+    """A moved turn waits for its prefix in the store at most serving.PREFIX_WAIT_S; once a
+    prompt token's cost is measured, no longer than recomputing the prefix less reading it
+    (the store's fitted reads), and not at all where the read alone takes longer."""
+    from jax_kvxfer.connector.tiers import read_rate
+    from jax_kvxfer.demo import serving
+    from jax_kvxfer.demo.model import ModelConfig, init_params
+    from jax_kvxfer.stores import FileStore
+
+    model = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
+                        head_dim=16, d_ff=64)
+    store = FileStore(tmp_path, namespace="wait")
+    server = serving.Server(model, init_params(model, 0), max_blocks=8, batch=2, chunk=4,
+                            tokens_per_block=4, primary_blocks=16, secondary_blocks=8,
+                            stores=(store,), store_on_release=True)
+    try:
+        assert server._prefix_wait_s(40) == serving.PREFIX_WAIT_S  # nothing measured yet
+        server._token_seconds = 0.01  # as the steps measure it: 10 ms a prompt token
+        assert server._prefix_wait_s(40) == pytest.approx(0.4)  # no read measured: recompute
+        row = server._block_nbytes
+        for blocks in (1, 2, 3):  # 10 ms + 20 ms a block
+            read_rate(store).add(blocks * row, 0.01 + 0.02 * blocks)
+        assert server._prefix_wait_s(40) == pytest.approx(0.4 - (0.01 + 0.02 * 10))
+        assert server._prefix_wait_s(4) == pytest.approx(0.01)  # 40 ms to recompute, 30 to read
+        server._token_seconds = 0.001
+        assert server._prefix_wait_s(4) == 0.0  # the read alone loses: no wait
+        server._token_seconds = 1.0
+        assert server._prefix_wait_s(40) == serving.PREFIX_WAIT_S  # 40 s: the cap
+    finally:
+        server.close()
+        store.close()
