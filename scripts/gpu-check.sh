@@ -3,7 +3,7 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
 #                        [sanitize] [stress] [stress-dma] [disk] [events] [replicas] [model]
-#                        [connector] [peers] [scale-out]
+#                        [connector] [peers] [scale-out] [router]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -22,6 +22,9 @@
 #   scale-out: a new replica joining (--replicas 2 --scale-out --store valkey) on the chats
 #   (24 conversations) and the documents (12): its TTFT with the store its elders wrote and
 #   without; the wheels as for replicas. GPU_CHECK_SCALE_OUT_ARGS: more demo options.
+#   router: 2 replicas routed round robin and by prefix (KV events), each with and without a
+#   local valkey-server (--router both, 16 chats): the four TTFT p50s and the closing lines;
+#   the wheels as for replicas (pyzmq and msgspec too). GPU_CHECK_ROUTER_ARGS: more options.
 #   connector: the connector's tests, its example and README block on the GPU, and the bench's
 #   connector section (the host time of the scheduler side's calls for one h200 chats step).
 #   model: the demo model's compute rate (scripts/model_bench.py, h200 preset): full-prefill
@@ -210,6 +213,25 @@ if has scale-out; then  # a replica joining after the others: with their store a
     summary+=("demo --scale-out ($1): exit $? ($(( $(date +%s) - t )) s): $(grep -E '^replica B with the store' "$OUT/scale-out-$1.txt" | head -1)")
     tail -3 "$OUT/scale-out-$1.log"
   done
+fi
+if has router; then  # round robin and prefix routing, with a shared store and without
+  carried_wheels
+  t=$(date +%s)
+  JAX_COMPILATION_CACHE_DIR=$demo_cache timeout 560 python3 -m jax_kvxfer demo --preset h200 \
+    --replicas 2 --router both --store valkey --conversations 16 --no-progress --json \
+    ${GPU_CHECK_ROUTER_ARGS:-} > "$OUT/demo-router.json" 2> "$OUT/demo-router.log"
+  code=$?
+  line=$(python3 - "$OUT/demo-router.json" <<'PYEOF' 2>&1
+import json, sys
+d = json.load(open(sys.argv[1]))
+t = d["replicas"]["ttft_p50_s"]
+print("TTFT p50 " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in t.items())
+      + f"; lowest {d['replicas']['best_ttft_p50']} (target: prefix-routed+store); exact "
+      + f"{d['exact']}; " + " | ".join(x for x in d["closing"]["lines"] if "routed" in x))
+PYEOF
+)
+  summary+=("demo --router both: exit $code ($(( $(date +%s) - t )) s): $line")
+  tail -3 "$OUT/demo-router.log"
 fi
 if has events; then  # KV events + metrics on and off in one process: the step-time ratio
   t=$(date +%s)
