@@ -145,21 +145,22 @@ class PrefixIndex:
     # -- applying a stream ------------------------------------------------------------------------
 
     def _receive(self, stream: _Stream, seq: int, payload: bytes) -> int:
-        """Applies one batch that arrived live, the missed ones first (from the replay)."""
-        applied = 0
+        """Applies one batch that arrived live, the missed ones before it first (from the
+        replay); a batch already applied (replayed) is skipped."""
         if stream.next_seq is None:
             stream.next_seq = 0  # the stream's first batch is 0: earlier ones were missed
+        if seq < stream.next_seq:
+            return 0
+        applied = 0
         if seq > stream.next_seq:
             for old_seq, old_payload in self._replay(stream, stream.next_seq):
                 if stream.next_seq <= old_seq < seq:
                     applied += self._apply(stream, old_seq, old_payload)
-            if seq > stream.next_seq:
-                self.lost_batches += seq - stream.next_seq
-        if seq >= stream.next_seq:
-            applied += self._apply(stream, seq, payload)
-        return applied
+        return applied + self._apply(stream, seq, payload)
 
     def _apply(self, stream: _Stream, seq: int, payload: bytes) -> int:
+        """Applies batch `seq` (at least the next expected: those between were lost)."""
+        self.lost_batches += seq - stream.next_seq
         held, media = stream.held, self.media
         for event in self._decode(payload).events:
             kind = type(event).__name__

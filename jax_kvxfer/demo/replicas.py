@@ -88,12 +88,13 @@ class RoundRobin:
 
 class ByPrefix:
     """The replica where a prompt's prefill costs least: its tokens less those the replica
-    holds (its full blocks, by the index of the replicas' KV events), plus the prompt tokens
-    routed to it whose turns have not ended. Ties go to `route`'s choice, else the first."""
+    holds (its full blocks, by the index of the replicas' KV events), plus the tokens it was
+    given to compute for the turns routed to it that have not ended. Ties go to `route`'s
+    choice, else the first."""
 
     def __init__(self, index: PrefixIndex, replicas: int) -> None:
         self.index, self.replicas = index, replicas
-        self.queued = [0] * replicas  # per replica: routed prompt tokens of turns not ended
+        self.queued = [0] * replicas  # per replica: tokens to compute of turns not ended
         self._owed: dict[tuple[int, int], tuple[int, int]] = {}
 
     def pick(self, conversation: int, turn: int, prompt: list[int]) -> int:

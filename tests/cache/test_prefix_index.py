@@ -135,3 +135,32 @@ def test_bad_arguments_are_named():
         index.subscribe("a", "tcp://127.0.0.1:1")
         with pytest.raises(KeyError, match="'a'"):
             index.subscribe("a", "tcp://127.0.0.1:1")
+
+
+def test_what_the_replay_no_longer_holds_is_counted_lost_and_the_rest_applied():
+    """A replay buffer of 3 batches, 10 published before the index subscribes: at the next
+    live batch (the buffer holds it too) it replays the 2 before it (their blocks held), and
+    counts the first 8 lost."""
+    from jax_kvxfer.cache.block_cache import ROOT_KEY, block_key
+    from jax_kvxfer.observe import events as kv_events
+
+    pub = KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                           buffer_steps=3)
+    prompts = [[i] * T + [0] for i in range(11)]  # one full block each
+    keys = [block_key(ROOT_KEY, p[:T]) for p in prompts]
+    for key, p in zip(keys[:10], prompts):
+        pub.publish([(kv_events.STORED, kv_events.MEDIUM_GPU, key, None, tuple(p[:T]), T)])
+    time.sleep(0.3)
+    with PrefixIndex(T) as index:
+        index.subscribe("a", pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        time.sleep(0.2)
+        pub.publish([(kv_events.STORED, kv_events.MEDIUM_GPU, keys[10], None,
+                      tuple(prompts[10][:T]), T)])
+        deadline = time.monotonic() + 10
+        while index.held_blocks("a") < 3:
+            assert time.monotonic() < deadline, index.held_blocks("a")
+            index.poll(0.02)
+        assert index.lost_batches == 8
+        held = [index.matched_blocks(p)["a"] for p in prompts]
+        assert held == [0] * 8 + [1] * 3
+    pub.close()
