@@ -52,7 +52,7 @@ from .block_cache import (
 from .gpu_blocks import GpuBlocks
 from .host_tiers import HostTiers, StoreRead
 from .kv_reporting import EventsAndMetrics
-from .prefix_match import PrefixMatching, StoreRun
+from .prefix_match import Match, PrefixMatching, StoreRun
 from .step_issue import TransferIssuing
 
 
@@ -161,6 +161,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         self.set_recompute_cost(recompute_s_per_token)
         self.store_read_prior = _checked_read_prior(store_read_prior)
         self._reads_skipped = 0  # matches read that skipped a store read (for the probes)
+        self._store_answers: dict = {}  # the stores' lookups this step (`_asked_stores`)
         if isinstance(stores, Store):  # one store where a sequence is expected: one tier
             stores = (stores,)
         if events is not None and not isinstance(events, kv_events.KVEventPublisher):
@@ -250,20 +251,25 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         priority = check_priority(priority)
         match = self._match(tokens)
         num_blocks = math.ceil(len(tokens) / self.tokens_per_block)
-        pinned = [b for b in (*match.pool_blocks(), *([match.partial[0]] if match.partial
-                                                      else [])) if b.is_primary]
-        for block in pinned:
-            self._ref(block)
-        # only the first run's GPU blocks surely save a slot: a short store read drops the rest
-        first = match.runs[0] if match.runs and isinstance(match.runs[0], list) else []
-        need = num_blocks - sum(b.is_primary for b in first)
-        if need > self._available_primary():
+        pinned, need = self._pin_match(match, num_blocks)
+        if need > self._available_primary() and len(pinned) > num_blocks - need:
+            # GPU blocks past the first run hold slots that a short store read would not give
+            # back: the first run alone is reused, the rest computed
+            for block in pinned:
+                self._unref(block)
+            kept = 1 if match.runs and isinstance(match.runs[0], list) else 0
+            match = Match(match.runs[:kept], None, len(match.runs[0]) * self.tokens_per_block
+                          if kept else 0, None, match.skipped)
+            pinned, need = self._pin_match(match, num_blocks)
+        available = self._available_primary()
+        if need > available:
             for block in pinned:
                 self._unref(block)
             raise PoolExhaustedError(
                 f"add_sequence({seq_id!r}): needs {need} free primary blocks but only "
-                f"{self._available_primary()} can be freed (the rest are in use by running "
-                f"sequences); release sequences or use a larger primary pool")
+                f"{available} can be freed (the rest are in use by running sequences, or "
+                f"held for this prompt's reuse); release sequences or use a larger primary "
+                f"pool")
         blocks, partial, reused = self._reuse(match, priority)
         s = self._stats
         s.prompt_tokens += len(tokens)
@@ -345,8 +351,21 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
     def num_tokens(self, seq_id: Hashable) -> int:
         return len(self._seq(seq_id).tokens)
 
+    def _pin_match(self, match: Match, num_blocks: int) -> tuple[list[CachedBlock], int]:
+        """References the match's GPU blocks (so that nothing evicts them); returns them and
+        the free primary blocks the sequence needs: only the first run's GPU blocks surely
+        save a slot (a short store read drops the rest)."""
+        pinned = [b for b in (*match.pool_blocks(), *([match.partial[0]] if match.partial
+                                                      else [])) if b.is_primary]
+        for block in pinned:
+            self._ref(block)
+        first = match.runs[0] if match.runs and isinstance(match.runs[0], list) else []
+        return pinned, num_blocks - sum(b.is_primary for b in first)
+
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """What `add_sequence(token_ids)` would reuse, without allocating anything."""
+        """What `add_sequence(token_ids)` would reuse, without allocating anything. The stores
+        are asked once a step: their answers hold until the next `sync_transfers` (or
+        `flush`), so `add_sequence` after it does not ask them again; poll across steps."""
         tokens = check_token_ids("token_ids", token_ids)
         match = self._match(tokens, reading=False)
         full, partial = match.pool_blocks(), match.partial
@@ -387,6 +406,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
             the next step wait for the onboards it reads (KVCacheTransferManager.sync_transfers).
         """
         t0 = time.perf_counter()
+        self._store_answers.clear()
         self._issue()
         self.transfer_manager.sync_transfers(block=block)
         self._stats.transfer_seconds += time.perf_counter() - t0
@@ -446,6 +466,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         if self._has_stores:
             self._timed_issue()
             self._worker.flush()
+            self._store_answers.clear()  # what the stores hold changed
 
     def close(self) -> None:
         """Flushes the stores and stops the block manager's store threads (the stores

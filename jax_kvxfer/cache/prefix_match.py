@@ -45,6 +45,11 @@ class Match:
         return sum(len(run.chain) for run in self.runs if isinstance(run, StoreRun))
 
 
+def _each_stored(stores, keys: list[bytes]) -> list[list[bool]]:
+    """Per store, per key, whether it holds it (`Store.lookup_each`)."""
+    return [store.lookup_each(keys) for store in stores]
+
+
 class PrefixMatching:
     """`BlockManager`'s prefix matching (`_match`) and reuse of a match (`_reuse`); the state
     is the block manager's, set in its `__init__`."""
@@ -87,7 +92,7 @@ class PrefixMatching:
                     break
                 chain.append((child, key, chunk))
                 key = child
-            store, found = longest_stored(self._host.stores, [c[0] for c in chain])
+            store, found = self._asked_stores(longest_stored, [c[0] for c in chain])
             if not found:
                 break
             runs.append(StoreRun(chain[:found], store))
@@ -99,15 +104,31 @@ class PrefixMatching:
             block, common = self._index.longest_partial(parent, tokens[n:min(n + t, limit)])
             if block is not None:
                 partial, n = (block, common), n + common
-            elif self._has_stores:  # a partly filled block of the prompt's tokens
-                for m in range(min(t - 1, limit - n), 0, -1):  # (a store matches keys only)
-                    chunk = tokens[n:n + m]
-                    key = block_key(parent, chunk)
-                    store, found = longest_stored(self._host.stores, [key])
-                    if found:
-                        store_partial, n = StoreRun([(key, parent, chunk)], store), n + m
+            elif self._has_stores:  # a partly filled block of the prompt's tokens, the
+                # longest a store holds (a store matches keys only: one key per length, asked
+                # of each store at once)
+                lengths = range(min(t - 1, limit - n), 0, -1)
+                keys = [block_key(parent, tokens[n:n + m]) for m in lengths]
+                held = self._asked_stores(_each_stored, keys)
+                for i, m in enumerate(lengths):
+                    where = next((j for j, h in enumerate(held) if h[i]), None)
+                    if where is not None:
+                        store_partial = StoreRun([(keys[i], parent, tokens[n:n + m])], where)
+                        n += m
                         break
         return self._worth_reading(Match(runs, partial, n, store_partial), reading)
+
+    def _asked_stores(self, question, keys: list[bytes]):
+        """`question(stores, keys)`, answered once a step: the Server matches a prompt, then
+        adds it (matching it again), and a server store answers each question in a round trip
+        (~0.1-1 ms). The answers are forgotten at the step boundary (`sync_transfers`), so a
+        block another replica writes is found at the next step. `keys` is a chain or one
+        parent's candidates: its first and last key name it."""
+        memo = self._store_answers
+        name = (question, keys[0], keys[-1], len(keys))
+        if name not in memo:
+            memo[name] = question(self._host.stores, keys)
+        return memo[name]
 
     def _worth_reading(self, match: Match, reading: bool) -> Match:
         """The match, cut before its store reads that do not pay, with a recompute cost set

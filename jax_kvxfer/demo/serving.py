@@ -414,6 +414,7 @@ class Server:
         self._priority: dict[tuple[int, int], int] = {}
         # prefetched[key]: the prompt positions [lo, hi) its prefetch read from a store
         self._prefetched: dict[tuple[int, int], tuple[int, int]] = {}
+        self._prefetch_asked: set[tuple[int, int]] = set()  # requests `_prefetch_next` matched
         # the requests that found their expected prefix and wait for its prefetch to end
         self._reading: set[tuple[int, int]] = set()
         self._step: tuple | None = None  # the last step's rows and records, for collect
@@ -551,6 +552,7 @@ class Server:
             if self._reserved + need > self.primary_blocks:
                 break  # it waits until running requests end and give their blocks back
             self.waiting.remove(req)
+            self._prefetch_asked.discard(req.key)
             prompt = req.prompt
             match = bm.match_prefix(prompt)  # waits for a prefetch of this prompt still reading
             partial = match.partial_tokens
@@ -581,9 +583,10 @@ class Server:
         quarter of the host pool: blocks read ahead hold their host rows until their request
         is admitted, rows that offloads and the reads at admission then lack (prefetching the
         next few requests, or into half the host pool, measured fewer hits in all)."""
-        if not self.waiting or self._prefetched:
+        if not self.waiting or self._prefetched or self.waiting[0].key in self._prefetch_asked:
             return
         req = self.waiting[0]
+        self._prefetch_asked.add(req.key)  # once: a match asks the stores (a round trip each)
         self._start_prefetch(req, self.bm.match_prefix(req.prompt))
 
     def _prefetched_host_tokens(self, prompt: list[int], span: tuple[int, int], match) -> int:

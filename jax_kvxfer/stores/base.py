@@ -9,7 +9,9 @@ bytes of one block in every pool of a block manager, in pool order, as the pools
   description of every pool's block). With the store's own `namespace` (a model id) it makes
   the store's `fingerprint`; a store returns only blocks written under the same fingerprint.
 - `lookup(keys) -> int`: how many keys of a chain, from the first, are stored (the longest
-  stored prefix).
+  stored prefix); `lookup_each(keys) -> list[bool]`: per key, whether it is stored (the
+  candidates for one partly filled block, asked at once: a server store answers in one round
+  trip).
 - `put(keys, rows) -> Future`: queues the writes and returns at once; the future is done when
   every row has been read (the host rows may be reused then). Writes that fail (disk full, a
   server down) are dropped and counted, never raised.
@@ -191,6 +193,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` (a chain), from the first, are stored."""
+
+    def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key (not a chain), whether it is stored. Here one `lookup` a key; a store that
+        can ask for many keys in one round trip overrides it."""
+        return [self.lookup([key]) == 1 for key in check_keys(keys)]
 
     @abc.abstractmethod
     def put(self, keys: Sequence[bytes], rows: Sequence[Any]) -> Future:

@@ -459,6 +459,31 @@ class MooncakeStore(SharedStore):
         self._succeeded()
         return n
 
+    def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the store holds it now: one `batch_is_exist` (all False while the
+        master is unavailable or the call fails)."""
+        keys = check_keys(keys)
+        self._check_open()
+        self._check_bound()
+        with self._lock:
+            self._stats.lookups += len(keys)
+        client = self._usable() if keys else None
+        if client is None:
+            return [False] * len(keys)
+        names = [self._name(k) for k in keys]
+        try:
+            codes = self._call(lambda: client.batch_is_exist(names))
+        except _Abandoned:
+            return [False] * len(keys)
+        except Exception as e:  # noqa: BLE001 - a lookup that failed: misses
+            self._warn_once("a lookup failed", f"{type(e).__name__}: {e}")
+            return [False] * len(keys)
+        if any(code in _MASTER_FAULTS for code in codes):
+            self._failed(f"error {next(c for c in codes if c in _MASTER_FAULTS)}")
+            return [False] * len(keys)
+        self._succeeded()
+        return [code == 1 for code in codes]
+
     def close(self) -> None:
         """Flushes, joins the workers and closes the client (bounded by `timeout_s`); later
         calls raise RuntimeError (close again: nothing)."""

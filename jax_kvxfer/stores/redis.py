@@ -389,6 +389,30 @@ class RedisStore(SharedStore):
         self._succeeded()
         return n
 
+    def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the server holds it now: one pipeline of EXISTS (all False while
+        the server is unavailable or the pipeline fails)."""
+        keys = check_keys(keys)
+        self._check_open()
+        self._check_bound()
+        with self._lock:
+            self._stats.lookups += len(keys)
+        if not keys or not self._usable():
+            return [False] * len(keys)
+        try:
+            pipe = self._conn().pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._name(key))
+            found = [r is True or (isinstance(r, int) and r >= 1) for r in self._replies(pipe)]
+        except self._errors as e:
+            self._failed(e)
+            return [False] * len(keys)
+        except self._redis.RedisError as e:  # a reply not understood: misses, never raised
+            self._warn_once("a lookup failed", e)
+            return [False] * len(keys)
+        self._succeeded()
+        return found
+
     def close(self) -> None:
         """Flushes, joins the workers and closes the connections; later calls raise
         RuntimeError (close again: nothing)."""

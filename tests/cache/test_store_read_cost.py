@@ -329,3 +329,43 @@ def test_a_bad_recompute_cost_is_refused(tmp_path, value, error):
 def test_a_bad_read_prior_is_refused(prior, error):
     with pytest.raises(error, match="store_read_prior"):
         BlockManager(make_pool(4, 2), store_read_prior=prior)
+
+
+def test_the_stores_are_asked_once_a_step(tmp_path):
+    """match_prefix then add_sequence in one step: the stores are asked once (their lookups
+    counted by the store); after the step boundary, asked again, and the answers are right:
+    a block the store dropped meanwhile is found missing at the next step."""
+    rng = np.random.default_rng(1)
+    a, b = random_prompt(rng), random_prompt(rng)
+    on_disk_only(tmp_path, rng, [a, b])
+    store = FileStore(tmp_path, namespace="m")
+    pool = make_pool(4, FULL)
+    bm = BlockManager(pool, stores=[store])
+    store.stats()
+    assert bm.match_prefix(a).store_blocks == FULL
+    asked = store.stats().lookups
+    assert asked > 0
+    assert bm.match_prefix(a).store_blocks == FULL and store.stats().lookups == 0
+    assert serve(bm, pool, "a", a) == FULL * T  # add_sequence: no new question
+    # (serve's sync_transfers is the step boundary: its release asks nothing either)
+    assert bm.match_prefix(b).store_blocks == FULL and store.stats().lookups > 0
+    bm.close()
+    store.close()
+
+
+def test_a_prompt_the_gpu_pool_only_just_holds_is_served_not_refused(tmp_path):
+    """A prompt of the GPU pool's 4 blocks whose match holds a GPU block past its first run
+    (found with this seed): those blocks would keep slots a short store read could not give
+    back, so the first run alone is reused and the rest computed, where add_sequence used to
+    raise PoolExhaustedError. Every reused position is checked (serve), and a new block
+    manager then finds both prompts' blocks on the disk."""
+    rng = np.random.default_rng(9)
+    a, b = random_prompt(rng), random_prompt(rng)
+    on_disk_only(tmp_path, rng, [a, b])
+    store = FileStore(tmp_path, namespace="m")
+    pool = make_pool(4, FULL)
+    bm = BlockManager(pool, stores=[store])
+    assert [bm.match_prefix(p).store_blocks for p in (a, b)] == [FULL, FULL]
+    assert serve(bm, pool, "b", b) == FULL * T
+    bm.close()
+    store.close()

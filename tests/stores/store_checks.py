@@ -54,6 +54,10 @@ def check_namespaces_are_isolated(make: Callable[..., Any], rng: np.random.Gener
     a.flush()
     b.flush()
     assert (a.lookup(keys), b.lookup(keys), a2.lookup(keys)) == (8, 5, 0)
+    # per key, in any order (not a chain): one question for many keys
+    order = list(rng.permutation(8))
+    assert b.lookup_each([keys[i] for i in order]) == [i < 5 for i in order]
+    assert a.lookup_each(keys[::-1]) == [True] * 8 and a2.lookup_each(keys) == [False] * 8
     for store, name, n in ((a, "a", 8), (b, "b", 5)):
         found, out = get_rows(store, keys)
         assert found == [True] * n + [False] * (8 - n)

@@ -80,6 +80,8 @@ def test_round_trip_misses_and_lookup(tmp_path, rng, direct_io, row_nbytes, alig
 
     order = list(rng.permutation(24))
     asked = [chain[i] for i in order]
+    assert store.lookup_each(asked) == [k in ref for k in asked]  # per key, in any order
+    assert store.lookup_each([]) == []
     out = random_rows(rng, 24, row_nbytes, aligned)
     before = out.copy()
     found = store.get(asked, list(out)).result(timeout=60)
@@ -92,7 +94,7 @@ def test_round_trip_misses_and_lookup(tmp_path, rng, direct_io, row_nbytes, alig
     s = store.stats()
     assert (s.hits, s.misses, s.corrupt, s.written, s.dropped_writes) == (16, 8, 0, 16, 0)
     assert s.read_bytes == s.written_bytes == 16 * row_nbytes
-    assert s.lookups == 24 + 5 + 8 + 3
+    assert s.lookups == 24 + 5 + 8 + 3 + 24
     assert store.stats() == StoreStats()  # counting anew
     # every file: a header page, then the payload padded to pages
     files = block_files(store)
