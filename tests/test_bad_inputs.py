@@ -781,6 +781,17 @@ def _params():
         yield pytest.param(case, id=case.id, marks=marks)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _older_objects_frozen():
+    """Each case collects garbage twice (to count the arrays a failed call left alive); what
+    the tests before this module left on the heap is frozen out of those collections, which
+    otherwise take most of this module's time in a whole run."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.mark.parametrize("case", list(_params()))
 def test_bad_input(case: Case, monkeypatch: pytest.MonkeyPatch):
     ctx = Ctx(seed=sum(map(ord, case.id)))

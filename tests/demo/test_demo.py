@@ -187,6 +187,7 @@ def test_inexact_run_exits_1(monkeypatch, capsys):
     assert calls[2] > calls[0] == calls[1], "the oracle gets the bigger primary pool"
 
 
+@pytest.mark.slow  # an end-to-end run of seconds: make test runs it
 def test_a_recomputation_that_differs_is_reported_not_failed(monkeypatch, capsys):
     calls = []
 
@@ -505,6 +506,7 @@ def test_a_third_run_that_fails_still_writes_the_first_two(monkeypatch, capsys):
     assert out["paths"]["offload"] > 0
 
 
+@pytest.mark.slow  # an end-to-end run of seconds: make test runs it
 def test_a_third_run_out_of_memory_prints_the_first_two_and_exits_2(monkeypatch, capsys):
     _failing_third_run(monkeypatch, MemoryError("never_evict's pool does not fit"))
     assert demo.main(TINY) == 2

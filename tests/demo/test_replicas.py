@@ -290,6 +290,7 @@ def test_replica_routing_moves_every_turn():
             assert all(a != b for a, b in itertools.pairwise(seen))
 
 
+@pytest.mark.slow  # an end-to-end run of seconds: make test runs it
 def test_a_turn_waits_for_a_stored_prefix_no_longer_than_recomputing_it_would_take(tmp_path):
     """A moved turn waits for its prefix in the store at most serving.PREFIX_WAIT_S; once a
     prompt token's cost is measured, no longer than recomputing the prefix less reading it

@@ -85,6 +85,7 @@ def test_striped_reads_are_exact(server, rng, row_nbytes, threads, max_batch_byt
     store.close()
 
 
+@pytest.mark.slow  # an end-to-end run of seconds: make test runs it
 def test_killed_server_mid_batch_misses_and_never_gives_wrong_data(server, rng):
     """SIGKILL while a get of many 1 MiB blocks is being received (at several points of it):
     no exception, every block found is exact, the others are counted misses, and the store
