@@ -11,7 +11,8 @@ replica holds, in order from the first.
 Each stream is numbered: a batch that arrives after a gap (a subscriber that joined late, a
 full queue) makes the index ask the publisher's replay socket for the batches missed; what the
 replay no longer holds is counted (`lost_batches`), and the index is then only a guess for
-that replica until its blocks turn over.
+that replica until its blocks turn over. A stream that numbers from below again is a
+restarted replica: what it held is forgotten (`restarts`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class PrefixIndex:
         self._streams: dict[Hashable, _Stream] = {}
         self._poller = zmq.Poller()
         self.lost_batches = 0  # batches missed that the replay socket no longer held
+        self.restarts = 0  # streams that began again from a lower number (a replica restarted)
 
     def subscribe(self, source: Hashable, endpoint: str, *, replay_endpoint: str | None = None,
                   topic: str = "kv-events") -> None:
@@ -146,11 +148,15 @@ class PrefixIndex:
 
     def _receive(self, stream: _Stream, seq: int, payload: bytes) -> int:
         """Applies one batch that arrived live, the missed ones before it first (from the
-        replay); a batch already applied (replayed) is skipped."""
+        replay). One numbered below the next expected is a restarted publisher's: what its
+        replica held is forgotten (its new block manager starts empty) and it is followed
+        anew."""
         if stream.next_seq is None:
             stream.next_seq = 0  # the stream's first batch is 0: earlier ones were missed
-        if seq < stream.next_seq:
-            return 0
+        if seq < stream.next_seq:  # live batches never repeat: a restarted publisher
+            stream.held.clear()
+            stream.next_seq = 0
+            self.restarts += 1
         applied = 0
         if seq > stream.next_seq:
             for old_seq, old_payload in self._replay(stream, stream.next_seq):

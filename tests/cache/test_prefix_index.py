@@ -164,3 +164,31 @@ def test_what_the_replay_no_longer_holds_is_counted_lost_and_the_rest_applied():
         held = [index.matched_blocks(p)["a"] for p in prompts]
         assert held == [0] * 8 + [1] * 3
     pub.close()
+
+
+def test_a_restarted_replica_is_followed_anew(tmp_path):
+    """A replica's publisher closes and a new one binds the same address (a restarted
+    replica, a new block manager): the index forgets the old blocks, counts the restart and
+    holds the new ones."""
+    endpoint = f"ipc://{tmp_path}/events"  # bound by the publisher, whichever runs
+    rng = np.random.default_rng(13)
+    old, new = prompts_sharing_prefixes(rng, 2)
+    with PrefixIndex(T) as index:
+        pub = KVEventPublisher(endpoint)
+        bm = BlockManager(make_pool(8, 0), events=pub)
+        index.subscribe("a", endpoint)
+        time.sleep(0.3)
+        for i in range(3):  # a few batches, so that the new stream numbers from below
+            serve(bm, i, old)
+        agrees(index, {"a": bm}, [old])
+        assert index.matched_blocks(old)["a"] > 0
+        bm.close()
+        pub.close()
+        pub = KVEventPublisher(endpoint)
+        bm = BlockManager(make_pool(8, 0), events=pub)
+        time.sleep(0.5)  # the SUB socket reconnects
+        serve(bm, 0, new)
+        agrees(index, {"a": bm}, [old, new])  # the old blocks forgotten, the new ones held
+        assert index.restarts == 1
+        bm.close()
+        pub.close()
