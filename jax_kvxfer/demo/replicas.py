@@ -239,8 +239,9 @@ def run_replicas(model: ModelConfig, conversations: Sequence[Conversation], *,
     `mem_fraction`: each process's XLA_PYTHON_CLIENT_MEM_FRACTION (None: JAX's default).
     `stored`: per conversation, the tokens of its first prompt the store holds already (an
     earlier run's: `Part.stored`), which its first turn waits for as a moved turn does.
-    `router`: one of ROUTERS (see the module's docstring). Returns every turn as one run, with each replica's own result (`RunResult.replicas`) and
-    the turns that moved (`RunResult.moved`). Raises ReplicaError when a replica fails."""
+    `router`: one of ROUTERS (see the module's docstring). Returns every turn as one run,
+    with each replica's own result (`RunResult.replicas`) and the turns that moved
+    (`RunResult.moved`). Raises ReplicaError when a replica fails."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     ctx = multiprocessing.get_context("spawn")  # JAX's runtime does not survive a fork

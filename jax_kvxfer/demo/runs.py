@@ -228,8 +228,9 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
                  primary: int, secondary: int, common: dict, done: dict) -> serving.RunResult:
     """A replicas run: cfg["replicas"] processes of `primary` / `secondary` blocks each,
     sharing the store --store names (started here, stopped at the end) when `name` is one of
-    STORE_RUNS, routed by prefix when it is one of PREFIX_ROUTED; or with --scale-out (replicas.py), replica A then B: JOINED runs A with the
-    store and B reading it, JOINED_ALONE B alone after the A of JOINED (in `done`)."""
+    STORE_RUNS, routed by prefix when it is one of PREFIX_ROUTED; or with --scale-out
+    (replicas.py), replica A then B: JOINED runs A with the store and B reading it,
+    JOINED_ALONE B alone after the A of JOINED (in `done`)."""
     n = cfg["replicas"]
     server = {"max_blocks": serving.max_request_blocks(convs, cfg["tokens_per_block"]),
               "batch": cfg["batch"], "chunk": cfg["chunk"], "prefill_rows": cfg["prefill_rows"],
