@@ -141,7 +141,7 @@ def test_the_prefix_router_picks_the_holder_unless_it_is_busier_by_more():
     with PrefixIndex(t) as index:
         for i, pub in enumerate(pubs):
             index.subscribe(i, pub.endpoint)
-        time.sleep(0.2)
+        time.sleep(1.0)  # connected before the one batch published (else it is lost)
         bms[1].add_sequence("h", history)
         bms[1].release_sequence("h")
         bms[1].publish_events()
