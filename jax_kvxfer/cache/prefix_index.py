@@ -44,7 +44,7 @@ class PrefixIndex:
     ```
     index = PrefixIndex(tokens_per_block=16)
     index.subscribe("replica-0", publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
-    index.poll()                       # applies what has arrived, never blocks
+    index.poll()                       # applies what has arrived (waits for none)
     index.matched_blocks(prompt)       # {"replica-0": 12}
     ```
     """
@@ -58,9 +58,10 @@ class PrefixIndex:
         Raises:
           TypeError, ValueError: a bad argument, named. ImportError: pyzmq or msgspec missing.
         """
-        if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or \
-                tokens_per_block < 1:
-            raise ValueError(f"tokens_per_block must be an int >= 1, got {tokens_per_block!r}")
+        if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
+            raise TypeError(f"tokens_per_block must be an int, got {tokens_per_block!r}")
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         if isinstance(media, str) or not all(isinstance(m, str) for m in media):
             raise TypeError(f"media must be a sequence of medium names, got {media!r}")
         try:

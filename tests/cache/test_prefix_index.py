@@ -190,8 +190,11 @@ def test_a_restarted_replica_is_followed_anew(tmp_path):
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="tokens_per_block"):
+    with pytest.raises(ValueError, match="tokens_per_block must be >= 1, got 0"):
         PrefixIndex(0)
+    for bad in ("16", 16.0, True):
+        with pytest.raises(TypeError, match="tokens_per_block must be an int"):
+            PrefixIndex(bad)
     with pytest.raises(TypeError, match="media"):
         PrefixIndex(T, media="GPU")
     with PrefixIndex(T) as index:
