@@ -428,29 +428,21 @@ class MooncakeStore(SharedStore):
     # --- the contract -----------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many of `keys`, from the first, the store holds now (0 while the master is
-        unavailable)."""
-        keys = check_keys(keys)
-        self._check_open()
-        self._check_bound()
-        with self._lock:
-            self._stats.lookups += len(keys)
+        """How many of `keys`, from the first, the store holds now (one `batch_is_exist` per
+        4096 keys, asked until a key is absent; 0 while the master is unavailable)."""
+        keys = self._counted_lookup(keys)
         client = self._usable() if keys else None
         if client is None:
             return 0
         n = 0
         try:
-            for start in range(0, len(keys), LOOKUP_BATCH):
-                names = [self._name(k) for k in keys[start:start + LOOKUP_BATCH]]
-                codes = self._call(lambda names=names: client.batch_is_exist(names))
-                for code in codes:
-                    if code in _MASTER_FAULTS:
-                        self._failed(f"error {code}")
-                        return n
-                    if code != 1:
-                        self._succeeded()
-                        return n
-                    n += 1
+            for code in self._exist_codes(client, keys):
+                if code in _MASTER_FAULTS:
+                    self._failed(f"error {code}")
+                    return n
+                if code != 1:
+                    break
+                n += 1
         except _Abandoned:
             return n
         except Exception as e:  # noqa: BLE001 - a lookup that failed: what was confirmed
@@ -460,29 +452,41 @@ class MooncakeStore(SharedStore):
         return n
 
     def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per key, whether the store holds it now: one `batch_is_exist` (all False while the
-        master is unavailable or the call fails)."""
-        keys = check_keys(keys)
-        self._check_open()
-        self._check_bound()
-        with self._lock:
-            self._stats.lookups += len(keys)
+        """Per key, whether the store holds it now: one `batch_is_exist` per 4096 keys (all
+        False while the master is unavailable or a call fails)."""
+        keys = self._counted_lookup(keys)
         client = self._usable() if keys else None
         if client is None:
             return [False] * len(keys)
-        names = [self._name(k) for k in keys]
         try:
-            codes = self._call(lambda: client.batch_is_exist(names))
+            codes = list(self._exist_codes(client, keys))
         except _Abandoned:
             return [False] * len(keys)
         except Exception as e:  # noqa: BLE001 - a lookup that failed: misses
             self._warn_once("a lookup failed", f"{type(e).__name__}: {e}")
             return [False] * len(keys)
-        if any(code in _MASTER_FAULTS for code in codes):
-            self._failed(f"error {next(c for c in codes if c in _MASTER_FAULTS)}")
+        fault = next((code for code in codes if code in _MASTER_FAULTS), None)
+        if fault is not None:
+            self._failed(f"error {fault}")
             return [False] * len(keys)
         self._succeeded()
         return [code == 1 for code in codes]
+
+    def _counted_lookup(self, keys: Sequence[bytes]) -> list[bytes]:
+        """A lookup's keys, checked, and counted in the statistics."""
+        keys = check_keys(keys)
+        self._check_open()
+        self._check_bound()
+        with self._lock:
+            self._stats.lookups += len(keys)
+        return keys
+
+    def _exist_codes(self, client, keys: list[bytes]):
+        """Per key, in order, the master's `batch_is_exist` code (1: held): one call per
+        LOOKUP_BATCH keys, each made only once the caller asks past the one before."""
+        for start in range(0, len(keys), LOOKUP_BATCH):
+            names = [self._name(k) for k in keys[start:start + LOOKUP_BATCH]]
+            yield from self._call(lambda names=names: client.batch_is_exist(names))
 
     def close(self) -> None:
         """Flushes, joins the workers and closes the client (bounded by `timeout_s`); later

@@ -361,25 +361,16 @@ class RedisStore(SharedStore):
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, the server holds now (one pipeline of EXISTS
-        per 4096 keys; 0 while the server is unavailable)."""
-        keys = check_keys(keys)
-        self._check_open()
-        self._check_bound()
-        with self._lock:
-            self._stats.lookups += len(keys)
+        per 4096 keys, asked until a key is absent; 0 while the server is unavailable)."""
+        keys = self._counted_lookup(keys)
         if not keys or not self._usable():
             return 0
         n = 0
         try:
-            for start in range(0, len(keys), LOOKUP_BATCH):
-                pipe = self._conn().pipeline(transaction=False)
-                for key in keys[start:start + LOOKUP_BATCH]:
-                    pipe.exists(self._name(key))
-                for found in self._replies(pipe):
-                    if found is not True and (isinstance(found, BaseException) or found < 1):
-                        self._succeeded()
-                        return n
-                    n += 1
+            for held in self._exists(keys):
+                if not held:
+                    break
+                n += 1
         except self._errors as e:
             self._failed(e)
             return n  # the keys confirmed so far are stored
@@ -390,20 +381,13 @@ class RedisStore(SharedStore):
         return n
 
     def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per key, whether the server holds it now: one pipeline of EXISTS (all False while
-        the server is unavailable or the pipeline fails)."""
-        keys = check_keys(keys)
-        self._check_open()
-        self._check_bound()
-        with self._lock:
-            self._stats.lookups += len(keys)
+        """Per key, whether the server holds it now: one pipeline of EXISTS per 4096 keys
+        (all False while the server is unavailable or a pipeline fails)."""
+        keys = self._counted_lookup(keys)
         if not keys or not self._usable():
             return [False] * len(keys)
         try:
-            pipe = self._conn().pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._name(key))
-            found = [r is True or (isinstance(r, int) and r >= 1) for r in self._replies(pipe)]
+            found = list(self._exists(keys))
         except self._errors as e:
             self._failed(e)
             return [False] * len(keys)
@@ -412,6 +396,26 @@ class RedisStore(SharedStore):
             return [False] * len(keys)
         self._succeeded()
         return found
+
+    def _counted_lookup(self, keys: Sequence[bytes]) -> list[bytes]:
+        """A lookup's keys, checked, and counted in the statistics."""
+        keys = check_keys(keys)
+        self._check_open()
+        self._check_bound()
+        with self._lock:
+            self._stats.lookups += len(keys)
+        return keys
+
+    def _exists(self, keys: list[bytes]):
+        """Per key, in order, whether the server holds it: one pipeline of EXISTS per
+        LOOKUP_BATCH keys, each sent only once the caller asks past the one before. Raises
+        the client's errors."""
+        for start in range(0, len(keys), LOOKUP_BATCH):
+            pipe = self._conn().pipeline(transaction=False)
+            for key in keys[start:start + LOOKUP_BATCH]:
+                pipe.exists(self._name(key))
+            for found in self._replies(pipe):
+                yield found is True or (not isinstance(found, BaseException) and found >= 1)
 
     def close(self) -> None:
         """Flushes, joins the workers and closes the connections; later calls raise
