@@ -333,8 +333,8 @@ def test_a_bad_read_prior_is_refused(prior, error):
 
 def test_the_stores_are_asked_once_a_step(tmp_path):
     """match_prefix then add_sequence in one step: the stores are asked once (their lookups
-    counted by the store); after the step boundary, asked again, and the answers are right:
-    a block the store dropped meanwhile is found missing at the next step."""
+    counted by the store), and the reused positions are right (serve); after the step
+    boundary they are asked again."""
     rng = np.random.default_rng(1)
     a, b = random_prompt(rng), random_prompt(rng)
     on_disk_only(tmp_path, rng, [a, b])
