@@ -124,6 +124,8 @@ class PrefixMatching:
         (~0.1-1 ms). The answers are forgotten at the step boundary (`sync_transfers`), so a
         block another replica writes is found at the next step. `keys` is a chain or one
         parent's candidates: its first and last key name it."""
+        if not keys:  # (a key the index holds for other tokens: a hash collision)
+            return question(self._host.stores, keys)
         memo = self._store_answers
         name = (question, keys[0], keys[-1], len(keys))
         if name not in memo:

@@ -369,3 +369,29 @@ def test_a_prompt_the_gpu_pool_only_just_holds_is_served_not_refused(tmp_path):
     assert serve(bm, pool, "b", b) == FULL * T
     bm.close()
     store.close()
+
+
+def test_a_key_that_names_other_tokens_is_a_miss_not_an_error(tmp_path, monkeypatch):
+    """Block keys forced to collide (a key of the parent and the length only): a prompt
+    whose first block's key the index holds for other tokens matches nothing, with a store
+    asked, and is served computing every token."""
+    import hashlib
+
+    from jax_kvxfer.cache import block_cache, block_manager, prefix_match
+
+    def colliding(parent: bytes, tokens) -> bytes:
+        return hashlib.blake2b(parent + bytes([len(tokens)]), digest_size=16).digest()
+
+    for module in (block_cache, block_manager, prefix_match):
+        monkeypatch.setattr(module, "block_key", colliding)
+    rng = np.random.default_rng(10)
+    a = random_prompt(rng)
+    b = [t + 50 for t in a]  # other tokens, the same keys
+    store = FileStore(tmp_path, namespace="m")
+    pool = make_pool(8, FULL)
+    bm = BlockManager(pool, stores=[store])
+    serve(bm, pool, "a", a)
+    assert bm.match_prefix(b).num_tokens == 0
+    assert serve(bm, pool, "b", b) == 0  # serve checks every reused position: none
+    bm.close()
+    store.close()
