@@ -3,7 +3,7 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
 #                        [sanitize] [stress] [stress-dma] [disk] [events] [replicas] [model]
-#                        [connector] [peers] [scale-out] [router]
+#                        [connector] [peers] [scale-out] [router] [rss]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -39,6 +39,8 @@
 #   chats x 3 turns with pools sized from the workload, its plot in $OUT/sweep.png, about 5).
 #   Together they take longer than one 10-minute command: run them as separate steps.
 #   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them.
+#   rss: scripts/rss_probe.py with an 8 GiB host pool, once per engine (lanes, inline, noring),
+#   each in a fresh process: RSS and the host pool's buffer address after each step (1 minute).
 #   GPU_CHECK_PACK=1 packs everything under $OUT into $OUT/gpu-check.tgz at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -280,6 +282,12 @@ if has sanitize && [ -x scripts/sanitize.sh ]; then
   t=$(date +%s)
   bash scripts/sanitize.sh > "$OUT/sanitize.log" 2>&1
   summary+=("sanitize: exit $? ($(( $(date +%s) - t )) s): $(grep -h 'ERROR SUMMARY' "$OUT/sanitize.log" | sort | uniq -c | tr '\n' ' ')")
+fi
+if has rss; then  # where a pinned host pool's resident memory goes, per engine (fresh processes)
+  for engine in lanes inline noring; do
+    timeout 120 python3 scripts/rss_probe.py 8 $engine > "$OUT/rss-$engine.txt" 2>&1
+    summary+=("rss $engine: $(grep -E 'pool made|offload 256' "$OUT/rss-$engine.txt" | sed -E 's/ +/ /g' | cut -c1-110 | tr '\n' ';')")
+  done
 fi
 if has stress && [ -f scripts/stress.py ]; then
   t=$(date +%s)
