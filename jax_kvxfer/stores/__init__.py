@@ -9,8 +9,8 @@ from typing import Any
 
 from .base import CorruptBlock, Store, StoreStats, layout_fingerprint
 from .file import FileStore, aligned_rows
-from .redis import RedisStore, start_local_valkey
-from .valkey_cluster import start_local_valkey_cluster
+from .local_valkey import start_local_valkey, start_local_valkey_cluster
+from .redis import RedisStore
 
 __all__ = ["CorruptBlock", "FileStore", "MooncakeStore", "RedisStore", "Store", "StoreStats",
            "aligned_rows", "layout_fingerprint", "start_local_master", "start_local_valkey",

@@ -11,7 +11,7 @@
 A subclass makes its client, answers `lookup`, sends a batch of writes (`_write`) and of reads
 (`_read`) on the worker threads, and closes.
 
-The local servers that `start_local_valkey` (redis.py) and `start_local_master` (mooncake.py)
+The local servers that `start_local_valkey` (local_valkey.py) and `start_local_master` (mooncake.py)
 start on 127.0.0.1 take a free port (`free_port`) and run through `spawn_server`.
 """
 

