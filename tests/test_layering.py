@@ -21,6 +21,10 @@ The FFI target names are spelled in one table, `_native.py` (the `*_TARGET` cons
 Python, and in `ffi/targets.h` for both compiled modules' registrations: the two lists are
 equal, and no other module or C++ file spells a target (tests/native/test_targets.py checks
 the compiled registrations against the table).
+
+Sizes a reader can hold in mind: no module outside the demo over MAX_MODULE_LINES lines, no
+function or method of the package over MAX_FUNCTION_LINES (its signature and docstring
+counted).
 """
 
 from __future__ import annotations
@@ -400,3 +404,37 @@ def test_the_check_sees_a_target_spelled_outside_the_table(tmp_path):
     assert len(found) == 2, found
     assert "jax_kvxfer/transfer/manager.py" in found[0], found
     assert "ffi/block_copy_cuda.cu" in found[1], found
+
+
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 80
+
+
+def _too_large(package: Path) -> list[str]:
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        where = path.relative_to(package.parent)
+        lines = source.count("\n")
+        if "demo" not in path.relative_to(package).parts and lines > MAX_MODULE_LINES:
+            found.append(f"{where}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_modules_and_functions_stay_small():
+    assert _too_large(PACKAGE) == []
+
+
+def test_the_size_check_sees_a_long_function_and_a_long_module(tmp_path):
+    copy = tmp_path / "jax_kvxfer"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (copy / "ops" / "long.py").write_text("def long():\n" + body + "\n" * MAX_MODULE_LINES)
+    module_lines = MAX_FUNCTION_LINES + 1 + MAX_MODULE_LINES
+    assert _too_large(copy) == [f"jax_kvxfer/ops/long.py: {module_lines} lines",
+                                f"jax_kvxfer/ops/long.py:1 long: {MAX_FUNCTION_LINES + 1} lines"]
