@@ -286,7 +286,7 @@ fi
 if has rss; then  # where a pinned host pool's resident memory goes, per engine (fresh processes)
   for engine in lanes inline noring; do
     timeout 120 python3 scripts/rss_probe.py 8 $engine > "$OUT/rss-$engine.txt" 2>&1
-    summary+=("rss $engine: $(grep -E 'pool made|offload 256' "$OUT/rss-$engine.txt" | sed -E 's/ +/ /g' | cut -c1-110 | tr '\n' ';')")
+    summary+=("rss $engine: $(grep -E 'pool made|offload 256' "$OUT/rss-$engine.txt" | sed -E 's/ +/ /g' | cut -c1-200 | tr '\n' ';')")
   done
 fi
 if has stress && [ -f scripts/stress.py ]; then

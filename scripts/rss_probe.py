@@ -9,9 +9,9 @@ allocator keeps what it once held.
 
 Prints, after each step (the pool made, an offload, an onboard, several of both, the demo's
 transfer warm-up, a read of the host pool, the pool deleted), this process's RSS and its peak,
-and the host pool's buffer address (`moved` where a step handed the pool a new buffer), so that
-a second host allocation of the pool's size shows as a jump, and whether the pool now lives in
-it.
+and the host pool's buffer address (`moved` where a step handed the pool a new buffer) and
+layout, so that a second host allocation of the pool's size shows as a jump, and whether the
+pool now lives in it (a copy into the layout the transfers were compiled for would move it).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def say(what: str, pool: KVCacheBlockPool | None = None) -> None:
     if pool is not None:
         address = buffer_address(pool.secondary)
         moved = LAST[0] is not None and address != LAST[0]
-        where = f"  host pool at {address:#x}{' moved' if moved else ''}"
+        layout = getattr(getattr(pool.secondary, "format", None), "layout", None)
+        where = f"  host pool at {address:#x}{' moved' if moved else ''}, {layout}"
         LAST[0] = address
     print(f"{time.perf_counter() - T0:6.1f} s  {what:40s} {_host_memory()}{where}", flush=True)
 
