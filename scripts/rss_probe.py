@@ -44,7 +44,8 @@ def say(what: str, pool: KVCacheBlockPool | None = None) -> None:
         address = buffer_address(pool.secondary)
         moved = LAST[0] is not None and address != LAST[0]
         layout = getattr(getattr(pool.secondary, "format", None), "layout", None)
-        where = f"  host pool at {address:#x}{' moved' if moved else ''}, {layout}"
+        where = (f"  host pool at {address:#x}{' moved' if moved else ''}, "
+                 f"{pool.secondary.sharding.memory_kind}, {layout}")
         LAST[0] = address
     print(f"{time.perf_counter() - T0:6.1f} s  {what:40s} {_host_memory()}{where}", flush=True)
 
