@@ -37,6 +37,8 @@ class BlockManagerStats:
     store_hit_blocks: int = 0  # full blocks read from a store (then onboarded)
     # blocks a store holds that prompts recomputed, their read expected to take longer
     store_skipped_blocks: int = 0
+    # store_on_release's blocks not written: no store's reads would beat recomputing them
+    store_declined_blocks: int = 0
     transfer_seconds: float = 0.0  # wall time issuing transfers and in sync_transfers
 
     @property

@@ -208,6 +208,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         self.set_recompute_cost(recompute_s_per_token)
         self.store_read_prior = _checked_read_prior(store_read_prior)
         self._reads_skipped = 0  # matches read that skipped a store read (for the probes)
+        self._writes_declined = 0  # store_on_release's blocks that did not pay (the probes)
         self._store_answers: dict = {}  # the stores' lookups this step (`_asked_stores`)
         self._jobs = itertools.count()  # the worker's job ids
         self._reads: dict[int, StoreRead] = {}  # by job, until the worker reports it finished
@@ -329,7 +330,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
                 if old is None:
                     block.key, block.parent_key, block.tokens = key, parent, tokens
                     self._index.add(block)
-                    if self.store_on_release:
+                    if self.store_on_release and self._store_writes_pay():
                         self._stage_for_stores(block, seq.priority)
                     if self._events is not None:
                         self._event_stored(block, kv_events.MEDIUM_GPU)

@@ -177,6 +177,26 @@ class PrefixMatching:
         return Match(runs[:kept], None, blocks * self.tokens_per_block, None,
                      skipped + (sp is not None))
 
+    def _store_writes_pay(self) -> bool:
+        """Whether a block written to the stores now could be read back faster than the model
+        recomputes it (`set_recompute_cost`): some store's measured reads move a block's bytes
+        in less time, however long the read. Yes without a recompute cost, or while a store's
+        reads are not yet measured at more than one size. Of the blocks that do not pay, every
+        `READ_PROBE_EVERY`th is written all the same (a probe: reading it keeps the estimate
+        current); the others are counted in `store_declined_blocks`."""
+        c = self.recompute_s_per_token
+        if c is None:
+            return True
+        for store in self._host.stores:
+            seconds = read_rate(store).marginal_seconds(self._row_nbytes)
+            if seconds is None or seconds < c * self.tokens_per_block:
+                return True
+        self._writes_declined += 1
+        if self._writes_declined % READ_PROBE_EVERY == 0:
+            return True
+        self._stats.store_declined_blocks += 1
+        return False
+
     def _read_seconds(self, store: int, blocks: int) -> float:
         """How long a read of `blocks` blocks from store `store` is expected to take: by its
         measured reads (`connector.tiers.read_rate`), by the prior until enough are

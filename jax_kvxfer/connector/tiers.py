@@ -88,6 +88,12 @@ class ReadRate:
         throughput, latency = line
         return latency + nbytes / throughput
 
+    def marginal_seconds(self, nbytes: int) -> float | None:
+        """The seconds each further `nbytes` adds to a long read (its share of the throughput,
+        no latency), once reads of more than one size were measured, else None."""
+        estimate = self.estimate()
+        return None if estimate is None else nbytes / estimate[0]
+
     def _fit(self) -> tuple[tuple[float, float] | None, tuple[float, float]] | None:
         """((throughput, latency) or None for reads of one size, (mean bytes, mean seconds))
         of the weighted reads; None before `MIN_READS`."""

@@ -252,6 +252,9 @@ _BLOCK_COUNTERS = [
     ("store_skipped_blocks", ("Blocks a store held that prompts recomputed, their read "
      "expected to take longer (BlockManagerStats.store_skipped_blocks)"),
      "store_skipped_blocks"),
+    ("store_declined_blocks", ("Blocks store_on_release did not write, no store's reads "
+     "expected to beat recomputing them (BlockManagerStats.store_declined_blocks)"),
+     "store_declined_blocks"),
 ]
 _STORE_COUNTERS = [
     ("store_lookups", "Keys asked of a store (StoreStats.lookups)", "lookups"),

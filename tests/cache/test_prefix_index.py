@@ -5,6 +5,7 @@ joins late catches up from the replay socket, or counts what it lost without one
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import jax.numpy as jnp
@@ -107,18 +108,23 @@ def test_a_late_subscriber_catches_up_from_the_replay_or_counts_its_loss():
         bm, pub = replica(replay)
         for i, prompt in enumerate(prompts[:10]):
             serve(bm, i, prompt)
-        time.sleep(0.3)  # the publisher's thread has sent them
+        deadline = time.monotonic() + 10
+        while pub.sent_batches < 10:  # the publisher's thread has sent them
+            assert time.monotonic() < deadline, pub.sent_batches
+            time.sleep(0.01)
         before = pub.sent_batches
-        assert before >= 10
         with PrefixIndex(T) as index:
             index.subscribe("a", pub.endpoint, replay_endpoint=pub.replay_endpoint)
             served = prompts[:10]
-            for i, prompt in enumerate(prompts[10:]):  # until a batch arrives (the
-                serve(bm, 10 + i, prompt)               # subscription takes its time)
-                served = prompts[:11 + i]
+            deadline = time.monotonic() + 20
+            for i in itertools.count(10):  # until a batch arrives (the subscription takes
+                prompt = prompts[10 + i % 10]  # its time, longer on a busy machine)
+                serve(bm, i, prompt)
+                served = served + [prompt]
                 index.poll(0.2)
                 if index.held_blocks("a") or index.lost_batches:
                     break
+                assert time.monotonic() < deadline, "no batch reached the index in 20 s"
             if replay:
                 agrees(index, {"a": bm}, served)
                 assert index.lost_batches == 0

@@ -395,3 +395,43 @@ def test_a_key_that_names_other_tokens_is_a_miss_not_an_error(tmp_path, monkeypa
     assert serve(bm, pool, "b", b) == 0  # serve checks every reused position: none
     bm.close()
     store.close()
+
+
+def released_then_written(path, rng, prompts, s_per_token: float, marginal_s: float | None):
+    """Serves `prompts` (store_on_release) with a FileStore whose reads were measured at
+    `marginal_s` a block (None: not measured); (blocks written, blocks declined)."""
+    path.mkdir()
+    store = FileStore(path, namespace="m")
+    pool = make_pool(len(prompts) * MAX_LEN // T, 8)  # no eviction: only those writes
+    row = pool.block_nbytes
+    if marginal_s is not None:  # reads of three sizes: `marginal_s` a block, 5 ms latency
+        for blocks in (1, 2, 4):
+            read_rate(store).add(blocks * row, 0.005 + blocks * marginal_s)
+        assert read_rate(store).marginal_seconds(row) == pytest.approx(marginal_s)
+    bm = BlockManager(pool, stores=[store], store_on_release=True, metrics=True,
+                      recompute_s_per_token=s_per_token)
+    for i, prompt in enumerate(prompts):
+        serve(bm, pool, i, prompt)
+        bm.sync_transfers()
+    bm.flush()
+    declined = bm.stats.store_declined_blocks
+    assert scraped("store_declined_blocks_total", bm.metrics_label) == declined
+    written = bm.store_stats()[store.tier].written  # what the scrape took of it too
+    bm.close()
+    store.close()
+    return written, declined
+
+
+def test_store_on_release_writes_only_blocks_whose_reads_could_pay(tmp_path):
+    """The same 60 distinct prompts released four times over fresh stores: without a cost
+    and with reads that beat recompute (1 ms a block against 10 ms), every new block is
+    written; with reads that lose (1 ms against 0.4 ms), only every READ_PROBE_EVERY-th, the
+    rest counted as declined; with reads not yet measured, all again."""
+    rng = np.random.default_rng(7)
+    prompts = [random_prompt(rng) for _ in range(60)]
+    every, _ = released_then_written(tmp_path / "a", rng, prompts, None, None)
+    assert every >= 2 * READ_PROBE_EVERY  # the reference: every full block of every prompt
+    assert released_then_written(tmp_path / "b", rng, prompts, 0.01 / T, 0.001) == (every, 0)
+    written, declined = released_then_written(tmp_path / "c", rng, prompts, 0.0004 / T, 0.001)
+    assert (written, declined) == (every // READ_PROBE_EVERY, every - every // READ_PROBE_EVERY)
+    assert released_then_written(tmp_path / "d", rng, prompts, 0.0004 / T, None) == (every, 0)
