@@ -149,6 +149,11 @@ def _turn_figures(res: serving.RunResult, moved: set) -> dict:
     return out
 
 
+def _declined(replica: dict) -> str:
+    n = replica["store_declined_blocks"]
+    return f", {n:,} not written: their reads would lose" if n else ""
+
+
 def _replica_summary(i: int, res: serving.RunResult, moved: set) -> dict:
     m = res.metrics()
     return {"replica": i, "turns": len(res.turns),
@@ -156,6 +161,7 @@ def _replica_summary(i: int, res: serving.RunResult, moved: set) -> dict:
             **{k: m[k] for k in ("computed_prefill_tokens", "gpu_hit_tokens", "host_hit_tokens",
                                  "store_hit_tokens")},
             "store_hit_blocks": res.block_stats.store_hit_blocks,
+            "store_declined_blocks": res.block_stats.store_declined_blocks,
             "moved_turns_store_hit_tokens": sum(r.store_hit_tokens for k, r in res.turns.items()
                                                 if k in moved),
             "store": m["store"], "ttft_p50_s": _ttft_p50(res), **_turn_figures(res, moved),
@@ -680,7 +686,8 @@ def replica_lines(runs: dict, v: dict) -> list[str]:
                 f"  {name:<{width}}  replica {r['replica']}: {r['turns']} turns "
                 f"({r['moved_turns']} moved), prefill computed {r['computed_prefill_tokens']:,}"
                 f", tokens from store hits {r['store_hit_tokens']:,} "
-                f"({r['store_hit_blocks']:,} blocks read), TTFT p50 {ms(r['ttft_p50_s'])}, "
+                f"({r['store_hit_blocks']:,} blocks read{_declined(r)}), TTFT p50 "
+                f"{ms(r['ttft_p50_s'])}, "
                 f"moved turns {ms(r.get('ttft_p50_moved_turns_s'))}")
     with_store, without = (SHARED, ALONE) if SHARED in runs else (ROUTED_SHARED, ROUTED_ALONE)
     shared, off, alone = runs.get(with_store), runs.get("offload"), runs.get(without)
