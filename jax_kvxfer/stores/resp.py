@@ -14,8 +14,8 @@ Why (measured on Valkey 8.1, 2 MiB values, loopback; docs/stores.md has the tabl
   (one value in flight). So reads keep about one 2 MiB value's worth of GETs in flight per
   connection (`WINDOW_BYTES`) and use several connections (the store's threads) instead of
   deep pipelines. Small values need more of them in flight to cover the round trip: 16 KiB
-  values read at 0.35-0.46 GB/s with 64 in flight against 0.26-0.30 with one (this 2-core
-  machine, four interleaved runs).
+  values read at 0.34-0.46 GB/s with 64 or 128 in flight against 0.26-0.30 with one (a
+  2-core machine, interleaved runs).
 - A large receive buffer (SO_RCVBUF, 4 MiB) lets the server write a whole value in one go.
 
 TLS (rediss://) and clusters read through redis-py instead (RedisStore decides).
