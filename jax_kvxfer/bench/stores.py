@@ -70,6 +70,7 @@ from .helpers import err_text, median
 
 _CHUNK = 8 * MiB  # the ceiling's request size
 _LAYOUT = ("bench", "stores")
+IO_THREADS_CASE = 4  # the second local server's io-threads (its own case; the first has 1)
 # the stores on a server: section key -> (the store, the names of its raw client's put and get)
 _SERVERS = {"redis": ("RedisStore", ("SET", "GET")), "mooncake": ("MooncakeStore", ("put", "get"))}
 
@@ -146,7 +147,8 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
                     for c in rs.get("value_sizes", [])]
             out += [f"  {c['name']:26}: put+flush {_runs(c, 'put')}, get {_runs(c, 'get')} GB/s"
                     f"; verified={c['verified']}" if "get_gbps" in c
-                    else f"  {c['name']:26}: {_figures(c)}" for c in rs.get("cluster", [])]
+                    else f"  {c['name']:26}: {_figures(c)}"
+                    for c in rs.get("io_threads", []) + rs.get("cluster", [])]
             out += [f"  ERROR {rs['error'][:200]}"] if "error" in rs else []
     return out
 
@@ -481,6 +483,7 @@ class StoresMixin:
                           lambda r: _figures(r, raw_ops))
             if kind == "redis":
                 self._value_sizes(new_raw, rs, reps, max(counts))
+                self._redis_io_threads(rs, reps, max(counts))
                 self._redis_cluster(rs, reps, max(counts))
 
     def _start_redis(self, rs: dict[str, Any], root: str, stops: contextlib.ExitStack) -> tuple:
@@ -641,11 +644,32 @@ class StoresMixin:
             for n in [threads] if self.cfg.quick else [threads, 2 * threads]:
                 name = f"2M, {n} threads, {nodes} nodes"
                 self._case(out, {"name": name, "nodes": nodes, "threads": n}, f"  {name}",
-                           functools.partial(self._cluster_case, cluster.url, n, reps),
+                           functools.partial(self._spread_case, cluster.url, n, reps, True),
                            lambda r: f"put+flush {_runs(r, 'put')}, get {_runs(r, 'get')} "
                                      f"GB/s, verified={r['verified']}")
 
-    def _cluster_case(self, url: str, threads: int, reps: int) -> dict[str, Any]:
+    def _redis_io_threads(self, rs: dict[str, Any], reps: int, threads: int) -> None:
+        """RedisStore's put and get with `threads` threads on a second local server with
+        `IO_THREADS_CASE` io-threads (Valkey's threads for the sockets' reads and writes), to
+        set beside the first server's (io-threads 1) in the same run. Not with --quick, nor
+        where $KVX_BENCH_VALKEY_IO_THREADS or $KVX_BENCH_REDIS_URL chose the server."""
+        if self.cfg.quick or os.environ.get("KVX_BENCH_VALKEY_IO_THREADS") or \
+                os.environ.get("KVX_BENCH_REDIS_URL"):
+            return
+        from ..stores.local_valkey import start_local_valkey
+
+        name = f"2M, {threads} threads, io-threads {IO_THREADS_CASE}"
+        rs["io_threads"] = out = []
+        with start_local_valkey(config={"io-threads": IO_THREADS_CASE}) as server:
+            self._case(out, {"name": name, "io_threads": IO_THREADS_CASE, "threads": threads},
+                       f"  {name}",
+                       functools.partial(self._spread_case, server.url, threads, reps, False),
+                       lambda r: f"put+flush {_runs(r, 'put')}, get {_runs(r, 'get')} "
+                                 f"GB/s, verified={r['verified']}")
+
+    def _spread_case(self, url: str, threads: int, reps: int, cluster: bool) -> dict[str, Any]:
+        """RedisStore's put then get of `--stores-bytes` of 2 MiB rows with `threads` threads,
+        on a server or (`cluster`) a cluster, `reps` times after a warm-up."""
         row = 2 * MiB
         count = max(1, self.cfg.stores_bytes // row)
         src = np.frombuffer(self.rng.bytes(count * row), np.uint8).reshape(count, row)
@@ -653,9 +677,10 @@ class StoresMixin:
         puts, gets, verified = [], [], True
         import redis
 
-        with RedisStore(url, namespace=f"bench-cluster-{threads}", threads=threads,
-                        cluster=True) as store, \
-                contextlib.closing(redis.cluster.RedisCluster.from_url(url)) as raw:
+        client = redis.cluster.RedisCluster if cluster else redis.Redis
+        with RedisStore(url, namespace=f"bench-spread-{threads}", threads=threads,
+                        cluster=cluster) as store, \
+                contextlib.closing(client.from_url(url)) as raw:
             store.bind(("bench", "RedisStore", row), row)
             for rep in range(reps + 1):  # the first: a warm-up
                 keys = [self.rng.bytes(16) for _ in range(count)]
