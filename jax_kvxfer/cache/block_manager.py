@@ -117,7 +117,9 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
     `connector.tiers.MIN_READS` are measured). Otherwise the match stops before it and the
     prompt recomputes it (`BlockManagerStats.store_skipped_blocks`); one such match in
     `cache.prefix_match.READ_PROBE_EVERY` is read anyway, so that the estimate follows a
-    store that got faster.
+    store that got faster. By the same estimate, `store_on_release` does not write a block
+    that no store could read back faster than the model recomputes it
+    (`BlockManagerStats.store_declined_blocks`; one in READ_PROBE_EVERY written anyway).
     """
 
     def __init__(self, pools: KVCacheBlockPool | Sequence[KVCacheBlockPool], *,
