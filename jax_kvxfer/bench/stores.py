@@ -71,6 +71,7 @@ from .helpers import err_text, median
 _CHUNK = 8 * MiB  # the ceiling's request size
 _LAYOUT = ("bench", "stores")
 IO_THREADS_CASE = 4  # the second local server's io-threads (its own case; the first has 1)
+SMALL_ROW = 16 * 1024  # the small blocks' case (the demo's cpu preset's block size)
 # the stores on a server: section key -> (the store, the names of its raw client's put and get)
 _SERVERS = {"redis": ("RedisStore", ("SET", "GET")), "mooncake": ("MooncakeStore", ("put", "get"))}
 
@@ -137,7 +138,8 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
             out.append(f"stores: {store} ERROR {rs['error'][:200]}")
         elif rs:
             out.append(f"stores: {store} on {rs.get('server')} ({rs.get('where')}), client "
-                       f"{rs.get('client')}; 2 MiB rows, {fmt_size(rs.get('bytes', 0))} per case")
+                       f"{rs.get('client')}; 2 MiB rows unless named, "
+                       f"{fmt_size(rs.get('bytes', 0))} per case")
             out += [f"  {c['name']:26}: {_figures(c, raw)}" for c in rs["cases"]]
             out += [f"  {c['name']:26}  get {_runs(c, 'get')} GB/s = {c['bare_get_ratio']:4.0%}"
                     f" of bare GET {_runs(c, 'bare_get')}, raw GET {_runs(c, 'raw_get')}"
@@ -481,6 +483,13 @@ class StoresMixin:
                           f"  {name}", functools.partial(self._server_case, new_raw, new_store,
                                                          n, reps, raw_ops),
                           lambda r: _figures(r, raw_ops))
+            if kind == "redis" and not cfg.quick:  # small blocks, packed into 2 MiB values
+                name = f"16K, {max(counts)} threads"
+                self._case(rs["cases"], {"name": name, "row_bytes": SMALL_ROW,
+                                         "threads": max(counts)},
+                           f"  {name}", functools.partial(
+                               self._server_case, new_raw, new_store, max(counts), reps,
+                               raw_ops, SMALL_ROW), lambda r: _figures(r, raw_ops))
             if kind == "redis":
                 self._value_sizes(new_raw, rs, reps, max(counts))
                 self._redis_io_threads(rs, reps, max(counts))
@@ -541,10 +550,11 @@ class StoresMixin:
                                            timeout_s=60.0), mc.DEFAULT_THREADS)
 
     def _server_case(self, new_raw: Callable[[], Any], new_store: Callable[[int], Any],
-                     threads: int, reps: int, raw_ops: tuple[str, str]) -> dict[str, Any]:
+                     threads: int, reps: int, raw_ops: tuple[str, str],
+                     row: int = 2 * MiB) -> dict[str, Any]:
         """One case of a store on a server with `threads` threads (see the module's docstring):
-        `--stores-bytes` of 2 MiB rows."""
-        row = 2 * MiB
+        `--stores-bytes` of `row`-byte rows (RedisStore packs small ones; the raw loop and
+        the bare GET move them a value each)."""
         count = max(1, self.cfg.stores_bytes // row)
         src = np.frombuffer(self.rng.bytes(count * row), np.uint8).reshape(count, row)
         dst = np.zeros_like(src)

@@ -22,9 +22,10 @@ bytes of one block in every pool of a block manager, in pool order, as the pools
 - `close()`: flushes and releases the store's threads and handles.
 - `stats()`: a `StoreStats` since the last call.
 
-Every value starts with the same 64-byte header (`encode_header`): magic, format version, the
-namespace fingerprint, the key, the payload's length and its CRC-32, so that a value from
-another namespace or layout, a torn write or flipped bits are recognised wherever it is stored.
+Every block's value starts with the same 64-byte header (`encode_header`): magic, format
+version, the namespace fingerprint, the key, the payload's length and its CRC-32, so that a
+value from another namespace or layout, a torn write or flipped bits are recognised wherever it
+is stored (RedisStore keeps small blocks' values inside larger ones, each with its header).
 """
 
 from __future__ import annotations

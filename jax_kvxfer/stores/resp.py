@@ -105,7 +105,8 @@ class ValueReader:
             self._sock = None
 
     def get_each(self, names: Sequence[bytes], head_nbytes: int, value_nbytes: int,
-                 head: Callable[[int, Any], Any], body: Callable[[int], None]) -> None:
+                 head: Callable[[int, Any], Any], body: Callable[[int], None],
+                 ranges: Sequence[tuple[int, int]] | None = None) -> None:
         """GETs `names` in order, `WINDOW_BYTES` of values (one at least) ahead of the reply
         being read. Per name, `head(i, reply)` with reply: the value's first `head_nbytes`
         bytes (a value of `value_nbytes`), None (absent), an int (a value of another length:
@@ -115,11 +116,20 @@ class ValueReader:
         connection closed) on a fault: the names before it were answered, the buffer `head`
         gave for the one it broke in may be partly filled. A connection kept from an earlier
         call that breaks before its first reply (the server closed it meanwhile, or
-        restarted) is replaced once, as redis-py's pool does."""
+        restarted) is replaced once, as redis-py's pool does. `ranges`: per name, (first
+        byte, bytes) of the value to read (GETRANGE) instead of all of it; a reply of another
+        length (a value shorter than the range, or none: 0) is then skipped as above."""
         reused = self._sock is not None
         if not reused:
             self.connect()
-        args = (names, head_nbytes, value_nbytes, head, body)
+        if ranges is None:
+            commands = [[b"GET", name] for name in names]
+            lengths = [value_nbytes] * len(names)
+        else:
+            commands = [[b"GETRANGE", name, start, start + n - 1]
+                        for name, (start, n) in zip(names, ranges)]
+            lengths = [n for _, n in ranges]
+        args = (commands, lengths, head_nbytes, head, body)
         try:
             self._get_each(*args)
         except RespFault as fault:
@@ -128,10 +138,9 @@ class ValueReader:
             self.connect()
             self._get_each(*args)
 
-    def _get_each(self, names: Sequence[bytes], head_nbytes: int, value_nbytes: int,
+    def _get_each(self, commands: list[list[Any]], lengths: list[int], head_nbytes: int,
                   head: Callable[[int, Any], Any], body: Callable[[int], None]) -> None:
-        commands = [[b"GET", name] for name in names]
-        window = max(1, WINDOW_BYTES // value_nbytes)
+        window = max(1, WINDOW_BYTES // max(lengths, default=1))
         i = 0
         try:
             self._send(commands[:window])
@@ -139,7 +148,7 @@ class ValueReader:
                 line = self._line()
                 if i + window < len(commands):  # the server prepares it while we receive
                     self._send(commands[i + window:i + window + 1])
-                self._reply(i, line, head_nbytes, value_nbytes, head, body)
+                self._reply(i, line, head_nbytes, lengths[i], head, body)
         except (OSError, ValueError) as e:
             self.close()
             fault = e if isinstance(e, RespFault) else RespFault(f"{type(e).__name__}: {e}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import subprocess
 import sys
 import textwrap
@@ -29,7 +30,9 @@ from valkey_servers import TlsProxy, Valkey, start_cluster, valkey_executable, w
 
 from jax_kvxfer.stores import RedisStore
 from jax_kvxfer.stores.base import HEADER_NBYTES, encode_header
-from jax_kvxfer.stores.redis import connection_class
+from jax_kvxfer.stores.redis import PACK_BYTES, connection_class
+
+UNPACKED = 300_000  # a row too large to pack (a value of its own, as the tests below read it)
 
 LAYOUT = ("redis-test", 1)
 
@@ -79,7 +82,8 @@ def make(url: str, row_nbytes: int, namespace: str = "model-a", layout=LAYOUT,
 def test_round_trip_lookup_and_layout(valkey, rng, row_nbytes, max_batch_bytes):
     """Random rows come back bit for bit (several pipelines per call where max_batch_bytes is
     small); absent keys miss and leave their rows untouched; lookup is the longest stored
-    prefix; the server holds `kvx:<fingerprint>:<key hex>` = header + row."""
+    prefix; the server holds `kvx:<fingerprint>:<key hex>` = header + row, or for small
+    blocks a pointer to that value's place in a pack of the batch's blocks."""
     ns = f"rt-{row_nbytes}-{max_batch_bytes}"
     store = make(valkey.url, row_nbytes, namespace=ns, max_batch_bytes=max_batch_bytes)
     n = 24 if row_nbytes < (1 << 20) else 10
@@ -114,6 +118,14 @@ def test_round_trip_lookup_and_layout(valkey, rng, row_nbytes, max_batch_bytes):
     name = f"kvx:{store.fingerprint.hex()}:{chain[0].hex()}"
     assert store.key_prefix == f"kvx:{store.fingerprint.hex()}:"
     value = raw.get(name)
+    if row_nbytes < 200_000:  # small blocks are packed: the key holds where its value is
+        per = PACK_BYTES // (HEADER_NBYTES + row_nbytes)
+        assert store.pack_blocks == per
+        batch = min(stored // 2, max_batch_bytes // (HEADER_NBYTES + row_nbytes))
+        magic, pack_id, index, count = struct.unpack("<4s16sHH", value)
+        assert (magic, index, count) == (b"KVXP", 0, batch)  # a pack a put's batch
+        value = raw.getrange(f"kvx:{store.fingerprint.hex()}:pack:{pack_id.hex()}", 0,
+                             HEADER_NBYTES + row_nbytes - 1)
     assert value[HEADER_NBYTES:] == want[0].tobytes()
     assert value[:HEADER_NBYTES] == encode_header(store.fingerprint, chain[0], want[0])
     assert raw.pttl(name) == -1  # no ttl_s: kept until evicted
@@ -199,10 +211,10 @@ def test_foreign_values_under_our_keys_are_counted_misses_and_deleted(valkey, rn
     refused value's row is untouched where its header was refused; the flipped bit's header
     is intact, so its payload was received into the row before the checksum refused it (its
     bytes are unspecified, as FileStore's)."""
-    store = make(valkey.url, 2048, namespace="foreign")
-    other = make(valkey.url, 2048, namespace="foreign-other")
+    store = make(valkey.url, UNPACKED, namespace="foreign")
+    other = make(valkey.url, UNPACKED, namespace="foreign-other")
     keys = new_keys(rng, 7)
-    rows = random_rows(rng, 7, 2048)
+    rows = random_rows(rng, 7, UNPACKED)
     store.put(keys, list(rows)).result(timeout=30)
     other.put(keys[5:6], list(rows[5:6])).result(timeout=30)
     store.flush()
@@ -212,7 +224,7 @@ def test_foreign_values_under_our_keys_are_counted_misses_and_deleted(valkey, rn
     def name(store, key):
         return f"{store.key_prefix}{key.hex()}".encode()
 
-    raw.set(name(store, keys[0]), rng.bytes(HEADER_NBYTES + 2048))  # junk of the right size
+    raw.set(name(store, keys[0]), rng.bytes(HEADER_NBYTES + UNPACKED))  # junk of the right size
     raw.set(name(store, keys[1]), raw.get(name(store, keys[1]))[:-1])  # short
     flipped = bytearray(raw.get(name(store, keys[2])))
     flipped[HEADER_NBYTES + 100] ^= 0x10
