@@ -21,7 +21,8 @@
 #   cudaMemcpyBatchAsync's over scattered blocks, one table (about 1 minute).
 #   scale-out: a new replica joining (--replicas 2 --scale-out --store valkey) on the chats
 #   (24 conversations) and the documents (12): its TTFT with the store its elders wrote and
-#   without; the wheels as for replicas. GPU_CHECK_SCALE_OUT_ARGS: more demo options.
+#   without; the wheels as for replicas. GPU_CHECK_SCALE_OUT_ARGS: more demo options;
+#   GPU_CHECK_SCALE_OUT_WORKLOADS: which of the two (default "chats docqa").
 #   router: 2 replicas routed round robin and by prefix (KV events), each with and without a
 #   local valkey-server (--router both, 16 chats): the four TTFT p50s and the closing lines;
 #   the wheels as for replicas (pyzmq and msgspec too). GPU_CHECK_ROUTER_ARGS: more options.
@@ -206,8 +207,8 @@ PYEOF
 fi
 if has scale-out; then  # a replica joining after the others: with their store and without
   carried_wheels
-  for w in "chats 24" "docqa 12"; do
-    set -- $w
+  for w in ${GPU_CHECK_SCALE_OUT_WORKLOADS:-chats docqa}; do
+    set -- $w $([ "$w" = chats ] && echo 24 || echo 12)
     t=$(date +%s)
     JAX_COMPILATION_CACHE_DIR=$demo_cache timeout 480 python3 -m jax_kvxfer demo --preset h200 \
       --workload "$1" --replicas 2 --scale-out --store valkey --conversations "$2" --no-progress \
