@@ -61,6 +61,11 @@ def main(gib: int, engine: str) -> None:
                                    tokens_per_block=16, dtype="bfloat16",
                                    num_primary_blocks=1024, num_secondary_blocks=gib * 512)
     say(f"pool made ({gib} GiB host)", pool)
+    # A small pinned_host array after the pool: should XLA's host allocator grow by regions
+    # of its largest request so far (a BFC allocator's growth), this alone adds a pool's size.
+    small = jax.device_put(np.zeros(1 << 20, np.uint8), jax.sharding.SingleDeviceSharding(
+        pool.device, memory_kind="pinned_host"))
+    say("a 1 MiB pinned_host array", pool)
     tm = KVCacheTransferManager([pool], **ENGINES[engine])
     rng = np.random.default_rng(0)
     src = rng.choice(1024, 256, replace=False).astype(np.int32)
@@ -80,6 +85,7 @@ def main(gib: int, engine: str) -> None:
     say("the demo's transfer warm-up", pool)
     np.asarray(pool.secondary[:1])
     say("one host block read", pool)
+    small.delete()
     pool.secondary.delete()
     pool.primary.delete()
     say("pool deleted")

@@ -16,6 +16,7 @@ import jax
 
 from ..cache import PoolExhaustedError
 from ..stores import FileStore
+from ..transfer.limits import HOST_LIMIT_ENV
 from . import observe, serving, store_servers, workloads
 from . import replicas as replica_runs
 from .model import ModelConfig, kv_block_nbytes
@@ -38,6 +39,7 @@ from .sizes import (
     RESTARTED,
     RUNS,
     STORE_RUNS,
+    cap_pinned_host,
     host_peak,
     memory_shortfall,
     run_pools,
@@ -116,6 +118,7 @@ def _start(args: argparse.Namespace, cfg: dict, model: ModelConfig,
 
     from .model import TP_AXIS
 
+    capped = cap_pinned_host(model, cfg, convs)  # before JAX starts its GPU client
     devices = jax.devices()
     if args.devices > len(devices):
         hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N)"
@@ -149,9 +152,12 @@ def _start(args: argparse.Namespace, cfg: dict, model: ModelConfig,
     if "prefill_why" in cfg:  # (once every option is checked: a bad one stays one line)
         print(cfg["prefill_why"], file=sys.stderr)
     peak, each = host_peak(model, cfg, convs)
+    cap = (f"; XLA's pinned-host limit set to {capped} GiB ({HOST_LIMIT_ENV}) so that its "
+           "allocator takes no more" if capped is not None and devices[0].platform == "gpu"
+           else "")
     print("\n".join(wrap(f"host memory: peak {size_text(peak)} (" + ", ".join(
         f"{name} {size_text(nbytes)}" for name, nbytes in each.items()) + "; a run's host pool and "
-        "the replies' token records so far)")), file=sys.stderr)
+        f"the replies' token records so far){cap}")), file=sys.stderr)
     return common, pools
 
 

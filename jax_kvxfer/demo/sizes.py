@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import os
 
 import jax
 
@@ -256,6 +257,29 @@ def host_peak(model: ModelConfig, cfg: dict, convs: list[workloads.Conversation]
         if name not in REPLICA_RUNS:
             each[name] = secondary * block + kept
     return max(each.values(), default=kept), each
+
+
+PINNED_MARGIN_GIB = 4  # pinned host memory beside the host pools: plan rings, XLA's staging
+
+
+def cap_pinned_host(model: ModelConfig, cfg: dict, convs: list[workloads.Conversation]
+                    ) -> int | None:
+    """Sets XLA's pinned-host limit (HOST_LIMIT_ENV, read when JAX starts its GPU client) to
+    the largest host pool of the runs plus PINNED_MARGIN_GIB, unless it is set already; the
+    GiB it set, or None. Why: XLA's pinned-host allocator grows by regions as large as the
+    largest request so far, up to that limit (64 GiB by default), so after a 32 GiB host pool
+    the first small pinned array (the transfer manager's plan ring) took a second 32 GiB
+    region: the h200 chats preset held 74 GB of host memory for a 32 GiB pool. Capped, a new
+    region is at most what is left under the limit. Replicas inherit it (their pools are
+    smaller shares)."""
+    if HOST_LIMIT_ENV in os.environ:
+        return None
+    block = kv_block_nbytes(model, cfg["tokens_per_block"])
+    largest = max((secondary * block for _, secondary in run_pools(cfg, convs).values()),
+                  default=0)
+    gib = -(-largest // 2**30) + PINNED_MARGIN_GIB
+    os.environ[HOST_LIMIT_ENV] = str(gib)
+    return gib
 
 
 def memory_shortfall(model: ModelConfig, cfg: dict, convs: list[workloads.Conversation],

@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -774,3 +775,22 @@ def test_a_finished_run_gives_its_pools_memory_back():
     # after the first run (which also leaves the transfers' small cached index arrays),
     # less than one host pool more per run
     assert live[2] - live[1] < 64 * block_bytes and live[1] - live[0] < 64 * block_bytes, live
+
+
+def test_the_pinned_host_limit_is_set_to_the_largest_host_pool_unless_given(monkeypatch):
+    """XLA's pinned-host allocator grows by regions as large as its largest request, up to
+    HOST_LIMIT_ENV: the demo sets that limit to its largest host pool (rounded up to a GiB)
+    plus PINNED_MARGIN_GIB before JAX starts, and leaves a limit the user gave alone."""
+    from jax_kvxfer.transfer.limits import HOST_LIMIT_ENV
+
+    cfg = {**sizes.PRESETS["cpu"], "primary_blocks": 100, "secondary_blocks": 3000}
+    model = sizes.toy_model(cfg)
+    convs = sizes.synthetic_chats(cfg, model.vocab_size, seed=0)
+    host_pool = 3000 * _weights_and_block_bytes(model, cfg["tokens_per_block"])[1]
+    monkeypatch.delenv(HOST_LIMIT_ENV, raising=False)
+    gib = sizes.cap_pinned_host(model, cfg, convs)
+    assert gib == math.ceil(host_pool / 2**30) + sizes.PINNED_MARGIN_GIB
+    assert os.environ[HOST_LIMIT_ENV] == str(gib)
+    monkeypatch.setenv(HOST_LIMIT_ENV, "7")
+    assert sizes.cap_pinned_host(model, cfg, convs) is None
+    assert os.environ[HOST_LIMIT_ENV] == "7"
