@@ -291,7 +291,9 @@ if has rss; then  # where a pinned host pool's resident memory goes, per engine 
     limit=$([ $engine = capped ] && echo 12 || echo "${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-64}")
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$limit timeout 120 python3 scripts/rss_probe.py 8 \
       ${engine/capped/lanes} > "$OUT/rss-$engine.txt" 2>&1
-    summary+=("rss $engine: $(grep -E 'pool made|1 MiB pinned|offload 256' "$OUT/rss-$engine.txt" | sed -E 's/ +/ /g' | cut -c1-200 | tr '\n' ';')")
+    summary+=("rss $engine: $(grep -E 'pool made|1 MiB pinned|offload 256' "$OUT/rss-$engine.txt" \
+      | sed -E 's/^ *[0-9.]+ s +(.*[^ ]) +RSS ([0-9.]+ GB).*host pool at 0x[0-9a-f]+( moved)?.*/\1 \2\3/' \
+      | tr '\n' ';')")
   done
 fi
 if has stress && [ -f scripts/stress.py ]; then
