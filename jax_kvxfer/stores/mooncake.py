@@ -52,7 +52,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from .base import HEADER_NBYTES, CorruptBlock, check_keys, check_value
+from .base import HEADER_NBYTES, CorruptBlock, check_value
 from .shared import LocalServer, SharedStore, free_port, int_at_least, spawn_server, stop_server
 
 log = logging.getLogger(__name__)
@@ -471,15 +471,6 @@ class MooncakeStore(SharedStore):
             return [False] * len(keys)
         self._succeeded()
         return [code == 1 for code in codes]
-
-    def _counted_lookup(self, keys: Sequence[bytes]) -> list[bytes]:
-        """A lookup's keys, checked, and counted in the statistics."""
-        keys = check_keys(keys)
-        self._check_open()
-        self._check_bound()
-        with self._lock:
-            self._stats.lookups += len(keys)
-        return keys
 
     def _exist_codes(self, client, keys: list[bytes]):
         """Per key, in order, the master's `batch_is_exist` code (1: held): one call per

@@ -37,7 +37,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import numpy as np
 
-from .base import HEADER_NBYTES, CorruptBlock, check_header, check_keys, check_value, checksum
+from .base import HEADER_NBYTES, CorruptBlock, check_header, check_value, checksum
 from .resp import RespError, ValueReader
 from .shared import (
     SharedStore,
@@ -406,15 +406,6 @@ class RedisStore(SharedStore):
             return [False] * len(keys)
         self._succeeded()
         return found
-
-    def _counted_lookup(self, keys: Sequence[bytes]) -> list[bytes]:
-        """A lookup's keys, checked, and counted in the statistics."""
-        keys = check_keys(keys)
-        self._check_open()
-        self._check_bound()
-        with self._lock:
-            self._stats.lookups += len(keys)
-        return keys
 
     def _exists(self, keys: list[bytes]):
         """Per key, in order, whether the server holds it: one pipeline of EXISTS per

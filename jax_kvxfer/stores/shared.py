@@ -224,6 +224,15 @@ class SharedStore(Store):
 
     # --- helpers ----------------------------------------------------------------------------
 
+    def _counted_lookup(self, keys: Sequence[bytes]) -> list[bytes]:
+        """A lookup's keys, checked, and counted in the statistics."""
+        keys = check_keys(keys)
+        self._check_open()
+        self._check_bound()
+        with self._lock:
+            self._stats.lookups += len(keys)
+        return keys
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
