@@ -10,6 +10,7 @@
 
 #include "block_copy.h"
 #include "copy_units.cuh"
+#include "dma_plan.h"
 
 namespace kvxfer {
 
@@ -80,6 +81,10 @@ ffi::Error RefuseCopyEngines(const Batch& b, const char* call, bool across);
 // (which write bytes of their own). In any order where a batch's destinations are distinct, else
 // (or with `in_order`) one copy after another in pair order. Counts one batch in dma_batches.
 cudaError_t EnqueueDmaCopies(cudaStream_t stream, const std::vector<Batch>& parts, bool in_order);
+// Planned copies (dma_plan.h) on the copy engines, in any order unless `in_order`; counts one
+// batch in dma_batches.
+cudaError_t EnqueuePlannedCopies(cudaStream_t stream, const std::vector<DmaCopy>& copies,
+                                 bool in_order);
 
 // The whole block copy on `stream`, as the block-copy targets run it (block_copy_cuda.cu).
 ffi::Error CopyOnStream(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,

@@ -83,9 +83,14 @@ cudaError_t EnqueueBatch(cudaStream_t stream, std::vector<void*>& dsts,
 cudaError_t EnqueueDmaCopies(cudaStream_t stream, const std::vector<Batch>& parts, bool in_order) {
   // The parts write bytes of their own, so their plans run in any order relative to each other,
   // one after another where a part's own pairs must keep theirs.
-  dma_batches.fetch_add(1, std::memory_order_relaxed);
   std::vector<DmaCopy> copies;
   for (const Batch& part : parts) in_order = PlanDmaCopies(part, &copies) || in_order;
+  return EnqueuePlannedCopies(stream, copies, in_order);
+}
+
+cudaError_t EnqueuePlannedCopies(cudaStream_t stream, const std::vector<DmaCopy>& copies,
+                                 bool in_order) {
+  dma_batches.fetch_add(1, std::memory_order_relaxed);
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "copy_units.cuh"
@@ -54,6 +55,46 @@ inline bool PlanDmaCopies(const Batch& b, std::vector<DmaCopy>* out) {
     last_whole = whole;
   }
   return duplicates;
+}
+
+// A run of a staged onboard's first half: `bytes` from `src` into the staging slots from `pair`'s.
+struct StagedRun {
+  int64_t pair;
+  const char* src;
+  size_t bytes;
+};
+
+// A staged onboard's first half (lanes_cuda.cu): whole blocks of `b` from its source pool into a
+// staging buffer of one `b.g.block_bytes` slot per pair (pair order), one copy per run of pairs
+// whose source slots follow each other (the block manager hands host rows out in runs), out-of-
+// range pairs skipped; the copy kernel then moves each staged block to its destination. Returns
+// false, planning nothing, where two valid pairs write one block (the kernel's launch over parts
+// does no duplicate scan) or where there would be more than `max_copies_per_pair` copies per
+// valid pair (scattered rows: one copy each straight to its slot is as good). Host code.
+inline bool PlanStagedSources(const Batch& b, double max_copies_per_pair,
+                              std::vector<StagedRun>* out) {
+  const PoolGeometry& g = b.g;
+  std::vector<bool> written(static_cast<size_t>(b.dst_blocks), false);
+  std::vector<StagedRun> runs;
+  const bool contiguous = b.src.stride == g.block_bytes;
+  int64_t valid = 0, last_s = -2, last_pair = -2;
+  for (int64_t i = 0; i < b.num_pairs; ++i) {
+    const int64_t s = b.src_idx[i], d = b.dst_idx[i];
+    if (!IndicesInRange(b, s, d)) continue;
+    if (written[d]) return false;
+    written[d] = true;
+    ++valid;
+    if (contiguous && s == last_s + 1 && i == last_pair + 1) {
+      runs.back().bytes += static_cast<size_t>(g.block_bytes);
+    } else {
+      runs.push_back({i, b.src.data + s * b.src.stride, static_cast<size_t>(g.block_bytes)});
+    }
+    last_s = s;
+    last_pair = i;
+  }
+  if (valid == 0 || static_cast<double>(runs.size()) > max_copies_per_pair * valid) return false;
+  *out = std::move(runs);
+  return true;
 }
 
 }  // namespace kvxfer

@@ -8,14 +8,80 @@
 #include "streams.h"
 
 namespace kvxfer {
+
+std::atomic<int64_t> staged_onboard_below{int64_t{1} << 20};
+std::atomic<int64_t> staged_onboards{0};
+
 namespace {
+
+// A staged onboard takes at most this many copies per pair: rows in runs of two on average.
+constexpr double kStagedCopiesPerPair = 0.5;
+// The staged onboard's kernel grid, in CTAs of 1024 threads: a few of the GPU's SMs, beside the
+// model step (a device-to-device scatter needs few to keep ahead of PCIe).
+constexpr int64_t kStagingCtas = 16;
+
+// Plans an onboard of whole host rows through a staging buffer in device memory, where its rows
+// come in runs and are smaller than staged_onboard_below: `runs` get the copies from the host
+// rows into the staging rows (one per pair), and `parts` (rows of `row_bytes`, part k at
+// offsets[k] of a row) read the staging rows and a device copy of the indices, which XLA's
+// stream makes here: once XLA's stream has passed this call, the manager may hand the plan
+// ring's slot out again, while the lane's kernel reads the indices later. `*staging` stays null,
+// with nothing enqueued, where the onboard is not staged (then: one copy per pair).
+ffi::Error StageOnboard(cudaStream_t stream, DeviceStreams* lanes, std::vector<Batch>* parts,
+                        const std::vector<int64_t>& offsets, int64_t row_bytes,
+                        std::vector<DmaCopy>* runs, void** staging) {
+  const Batch first = (*parts)[0];
+  if (!first.whole_blocks || row_bytes >= staged_onboard_below.load(std::memory_order_relaxed)) {
+    return ffi::Error::Success();
+  }
+  Batch rows = first;  // whole host rows
+  rows.src = {first.src.data - offsets[0], row_bytes, false};
+  rows.g.outer = 1;
+  rows.g.block_bytes = row_bytes;
+  std::vector<StagedRun> planned;
+  if (!PlanStagedSources(rows, kStagedCopiesPerPair, &planned)) return ffi::Error::Success();
+  const int64_t n = first.num_pairs;
+  const int64_t index_at = (n * row_bytes + 15) / 16 * 16;
+  if (cudaMallocFromPoolAsync(staging, index_at + 2 * n * sizeof(int32_t), lanes->staging,
+                              stream) != cudaSuccess) {
+    (void)cudaGetLastError();  // no room: one copy per pair instead
+    *staging = nullptr;
+    return ffi::Error::Success();
+  }
+  char* base = static_cast<char*>(*staging);
+  int32_t* indices = reinterpret_cast<int32_t*>(base + index_at);
+  cudaError_t err = cudaMemcpyAsync(indices, first.src_idx, n * sizeof(int32_t),
+                                    cudaMemcpyDefault, stream);
+  if (err == cudaSuccess) {
+    err = cudaMemcpyAsync(indices + n, first.dst_idx, n * sizeof(int32_t), cudaMemcpyDefault,
+                          stream);
+  }
+  if (err != cudaSuccess) {
+    (void)cudaFreeAsync(*staging, stream);
+    *staging = nullptr;
+    return CudaStatus(err, "lane copy: staging the indices");
+  }
+  for (size_t k = 0; k < parts->size(); ++k) {
+    Batch& part = (*parts)[k];
+    part.src = {base + offsets[k], row_bytes, true};
+    part.src_idx = indices;
+    part.dst_idx = indices + n;
+  }
+  runs->clear();
+  for (const StagedRun& r : planned) {
+    runs->push_back({base + r.pair * row_bytes, r.src, r.bytes, r.bytes, 1});
+  }
+  staged_onboards.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
 
 // Enqueues `parts` (one batch, or a layered copy's batch per layer and slab) on lane
 // options.lane, behind XLA's stream. An offload (a source in device memory, not `within` one
 // pool) first gathers every part's sources on XLA's stream into a snapshot of one row of
 // `row_bytes` per pair, part k at `offsets[k]` of the row; with whole blocks the lane then copies
 // whole rows, one copy per pair (adjacent rows merged). `unaliased`: (result, operand, bytes) of
-// the destinations, copied first where XLA did not alias them.
+// the destinations, copied first where XLA did not alias them. An onboard of whole host rows in
+// runs may go through staging instead (StageOnboard).
 ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
                          const std::vector<std::tuple<void*, const void*, size_t>>& unaliased,
                          std::vector<Batch> parts, const std::vector<int64_t>& offsets,
@@ -44,11 +110,12 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
   const Batch first = parts[0];
   if (NothingToCopy(first)) return ffi::Error::Success();
   const cudaStream_t lane_stream = lanes->lane[options.lane];
-  void* snapshot = nullptr;
+  void* staging = nullptr;  // an offload's snapshot, or a staged onboard's rows
+  std::vector<DmaCopy> staged_runs;
   if (!within && !IsHostMemory(first.src.data)) {
     // An offload: gather the source blocks on XLA's stream (a device-to-device copy, a small
     // part of the transfer's time), then copy the gathered blocks to the host on the lane.
-    err = cudaMallocFromPoolAsync(&snapshot, first.num_pairs * row_bytes, lanes->staging, stream);
+    err = cudaMallocFromPoolAsync(&staging, first.num_pairs * row_bytes, lanes->staging, stream);
     if (err != cudaSuccess) {
       // No room for a snapshot: copy on XLA's stream instead, after both lanes (the copy
       // must come after the pending ones), ordered like any other op from then on.
@@ -57,14 +124,14 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
       if (err == cudaSuccess) err = EnqueueDmaCopies(stream, parts, false);
       return CudaStatus(err, "lane copy (in line)");
     }
-    char* rows = static_cast<char*>(snapshot);
+    char* rows = static_cast<char*>(staging);
     std::vector<Batch> gathers = parts;
     for (size_t k = 0; k < parts.size(); ++k) gathers[k].dst = {rows + offsets[k], row_bytes, true};
     const auto timing = lanes->BeginExposed(stream);
     ffi::Error launched = LaunchPartsKernel(stream, gathers, 0);  // one slot per pair: no duplicates
     lanes->EndExposed(timing, stream);
     if (launched.failure()) {
-      (void)cudaFreeAsync(snapshot, stream);
+      (void)cudaFreeAsync(staging, stream);
       return launched;
     }
     if (first.whole_blocks) {  // the snapshot holds whole rows
@@ -77,19 +144,29 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
     } else {
       for (size_t k = 0; k < parts.size(); ++k) parts[k].src = {rows + offsets[k], row_bytes, true};
     }
+  } else if (!within) {
+    KVXFER_RETURN_IF_ERROR(
+        StageOnboard(stream, lanes, &parts, offsets, row_bytes, &staged_runs, &staging));
   }
   // The lane starts behind XLA's stream, and behind wait_lane (where their slots meet).
   err = lanes->Follow(lane_stream, stream);
   if (err == cudaSuccess && options.wait_lane >= 0 && options.wait_lane != options.lane) {
     err = lanes->Await(lane_stream, int64_t{1} << options.wait_lane);
   }
-  if (err == cudaSuccess) err = EnqueueDmaCopies(lane_stream, parts, within);
-  if (snapshot != nullptr) {
+  ffi::Error launched = ffi::Error::Success();
+  if (err == cudaSuccess && !staged_runs.empty()) {  // a staged onboard
+    err = EnqueuePlannedCopies(lane_stream, staged_runs, false);
+    if (err == cudaSuccess) launched = LaunchPartsKernel(lane_stream, parts, kStagingCtas);
+  } else if (err == cudaSuccess) {
+    err = EnqueueDmaCopies(lane_stream, parts, within);
+  }
+  if (staging != nullptr) {
     // Freed in the lane's order even if enqueueing failed: nothing may leak.
-    cudaError_t freed = cudaFreeAsync(snapshot, err == cudaSuccess ? lane_stream : stream);
+    cudaError_t freed = cudaFreeAsync(staging, err == cudaSuccess ? lane_stream : stream);
     if (err == cudaSuccess) err = freed;
   }
   if (err == cudaSuccess) err = cudaEventRecord(lanes->done[options.lane], lane_stream);
+  KVXFER_RETURN_IF_ERROR(launched);
   return CudaStatus(err, "lane copy");
 }
 

@@ -27,6 +27,13 @@ NB_MODULE(_kvxfer_cuda, m) {
   });
   m.def("dma_batches", []() { return kvxfer::dma_batches.load(std::memory_order_relaxed); },
         "How many batches the CUDA handlers have copied on the copy engines (for tests).");
+  m.def("staged_onboards",
+        []() { return kvxfer::staged_onboards.load(std::memory_order_relaxed); },
+        "How many lane onboards went through a staging buffer in device memory (for tests).");
+  m.def("stage_onboards_below", [](int64_t row_bytes) {
+    return kvxfer::staged_onboard_below.exchange(row_bytes, std::memory_order_relaxed);
+  }, "Onboards of host rows smaller than this many bytes, in runs, are staged in device "
+     "memory (0: never); returns the previous limit.");
   m.def("wait_lanes", []() {
     cudaError_t err = cudaSuccess;
     {

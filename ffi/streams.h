@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
@@ -54,6 +55,13 @@ struct DeviceStreams {
 // The streams of the device of XLA's `stream`, made on its first use and never destroyed
 // (handlers may run late). Callers make that device current and hold `mu` while enqueueing.
 ffi::Error StreamsFor(cudaStream_t stream, DeviceStreams** streams);
+
+// Onboards of whole host rows smaller than this (bytes) go through a staging buffer in device
+// memory where their rows come in runs: one copy per run over the link, then the copy kernel
+// scatters the blocks (lanes_cuda.cu, StageOnboard). 0: never. Set from the Python side (the
+// bench compares both ways).
+extern std::atomic<int64_t> staged_onboard_below;
+extern std::atomic<int64_t> staged_onboards;  // onboards that went through staging (for tests)
 
 // For the Python side, over every device: blocks until the manager's lanes have done what was
 // enqueued so far; whether they have (without waiting); the exposed seconds since the last call.

@@ -29,6 +29,27 @@ def dma_batches() -> int | None:
     return _native.dma_batches()
 
 
+def staged_onboards() -> int | None:
+    """Lane onboards that went through a staging buffer in device memory so far, in this
+    process (None where there is no GPU or no CUDA handlers): read before and after a call to
+    see whether it took that path."""
+    if jax.default_backend() != "gpu":
+        return None
+    return _native.staged_onboards()
+
+
+@contextlib.contextmanager
+def onboard_staging(below_bytes: int) -> Iterator[None]:
+    """Within the block, the lanes stage onboards of host rows smaller than `below_bytes`
+    that come in runs (0: none); the default is restored after. For comparing both ways."""
+    previous = _native.stage_onboards_below(below_bytes)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            _native.stage_onboards_below(previous)
+
+
 def registered_targets() -> dict[str, list[str]]:
     """The target names each compiled module registers with XLA, by platform ("cpu", and
     "cuda" where this build has the CUDA handlers), sorted."""
@@ -74,4 +95,4 @@ def plan_ring(manager: Any) -> Any:
 
 
 __all__ = ["DISPATCHERS", "copy_engine", "count_dispatches", "dispatcher", "dma_batches",
-           "plan_ring", "registered_targets"]
+           "onboard_staging", "plan_ring", "registered_targets", "staged_onboards"]

@@ -6,6 +6,11 @@ direction (d2h "offload": GPU -> pinned host; h2d "onboard": pinned host -> GPU)
 with a wait for the GPU, median of --repeats after a warm-up, GB/s and % of one contiguous
 pinned copy of the same bytes measured in the same run (`ceiling`). Rows:
   manager        KVCacheTransferManager.offload_indices / onboard_indices + sync_transfers
+  manager_runs   the same with the host rows in runs of RUN_ROWS consecutive rows (runs in random
+                 order), as the block manager hands them out (5-10 rows a run on the demo's
+                 workloads), the GPU slots still random: an offload's rows then go one copy a run
+                 from the snapshot, an onboard's through a staging buffer in device memory
+  manager_runs_unstaged  manager_runs' onboard with the staging off (one copy per block)
   copy_blocks    jax_kvxfer.copy_blocks between the device pool and the pinned_host pool
   jax            a jitted gather on the GPU + jax.device_put to pinned_host (back: device_put
                  of the packed host rows + a jitted scatter)
@@ -27,14 +32,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import KVCacheBlockPool, KVCacheTransferManager, copy_blocks
+from ..testing import onboard_staging
 from .config import DTYPE, KiB, MiB, fmt_size
 from .helpers import block_on, err_text
 
 BLOCK_SIZES = (2 * MiB, 256 * KiB, 64 * KiB, 16 * KiB)
 BATCHES = (64 * MiB, 512 * MiB)
 DIRS = ("d2h", "h2d")
-ROWS = ("manager", "copy_blocks", "jax", "torch_per_blk", "torch_gather", "memcpy_batch")
-OURS = ("manager", "copy_blocks")
+ROWS = ("manager", "manager_runs", "manager_runs_unstaged", "copy_blocks", "jax",
+        "torch_per_blk", "torch_gather", "memcpy_batch")
+OURS = ("manager", "manager_runs", "manager_runs_unstaged", "copy_blocks")
+RUN_ROWS = 8
+
+
+def rows_in_runs(rng: np.random.Generator, n: int, pool_n: int, run: int = RUN_ROWS
+                 ) -> np.ndarray:
+    """n distinct rows of a pool of pool_n, in runs of `run` consecutive rows, runs in random
+    order."""
+    starts = rng.permutation(pool_n // run)[: -(-n // run)] * run
+    return np.concatenate([np.arange(s, s + run) for s in starts])[:n].astype(np.int32)
 
 
 def geometry(block_bytes: int) -> dict[str, int]:
@@ -124,6 +140,7 @@ class PeersMixin:
                         lambda: same(pool.primary, src, pool.secondary, dst))
         self._peers_row(rec, "manager", "d2h", mgr_run(True),
                         lambda: same(pool.secondary, dst, pool.primary, src))
+        self._peers_runs(rec, mgr, pool, src, same)
         s_j, d_j = jnp.asarray(src), jnp.asarray(dst)
         st = {"h": pool.secondary, "g": pool.primary}  # donated below, as the manager does
 
@@ -157,6 +174,25 @@ class PeersMixin:
         self._peers_row(rec, "jax", "h2d", jax_onboard,
                         lambda: np.array_equal(self.fetch(buf[0], src[-1:]),
                                                self.fetch(packed, [-1])))
+
+    def _peers_runs(self, rec: dict[str, Any], mgr: KVCacheTransferManager,
+                    pool: KVCacheBlockPool, src: np.ndarray, same: Callable[..., bool]) -> None:
+        """The manager's rows with the host rows in runs (module docstring): staged onboards,
+        then the same with the staging off, then offloads."""
+        rows = rows_in_runs(self.rng, len(src), pool.num_secondary_blocks)
+
+        def run(off: bool) -> Callable[[], None]:
+            def go() -> None:
+                (mgr.offload_indices(src, rows) if off else mgr.onboard_indices(rows, src))
+                mgr.sync_transfers()
+            return go
+
+        check = (lambda: same(pool.primary, src, pool.secondary, rows))
+        self._peers_row(rec, "manager_runs", "h2d", run(False), check)
+        with onboard_staging(0):
+            self._peers_row(rec, "manager_runs_unstaged", "h2d", run(False), check)
+        self._peers_row(rec, "manager_runs", "d2h", run(True),
+                        lambda: same(pool.secondary, rows, pool.primary, src))
 
     def _peers_torch(self, rec: dict[str, Any], torch: Any, cudart: Any, pool_n: int,
                      src: np.ndarray, dst: np.ndarray) -> None:
@@ -238,8 +274,8 @@ def peers_summary(sec: dict[str, Any]) -> list[str]:
         return out
     cols = [(k, d) for k in cases for d in DIRS]
     out.append("peers, GB/s (% of one contiguous pinned copy, same run); d2h offload, h2d onboard")
-    out.append(f"{'':14}" + "".join(f"{k + ' ' + d:>26}" for k, d in cols))
-    out.append(f"{'ceiling':14}" + "".join(f"{cases[k]['ceiling'][d]:>20.1f}      "
+    out.append(f"{'':22}" + "".join(f"{k + ' ' + d:>26}" for k, d in cols))
+    out.append(f"{'ceiling':22}" + "".join(f"{cases[k]['ceiling'][d]:>20.1f}      "
                                             for k, d in cols))
     for row in ROWS:
         cells = []
@@ -249,7 +285,7 @@ def peers_summary(sec: dict[str, Any]) -> list[str]:
                          f"{c['gbps']:.1f} ({c['ratio']:.0%})"
                          + ("" if c.get("verified", True) else " BAD"))
         if any(c != "-" for c in cells):
-            out.append(f"{row:14}" + "".join(f"{c:>26}" for c in cells))
+            out.append(f"{row:22}" + "".join(f"{c:>26}" for c in cells))
     for row in ROWS:
         for k, d in cols:
             c = cases[k].get(row, {}).get(d)

@@ -110,6 +110,19 @@ def dma_batches() -> int | None:
     return None if _kvxfer_cuda is None else _kvxfer_cuda.dma_batches()
 
 
+def staged_onboards() -> int | None:
+    """Lane onboards that went through a staging buffer in device memory so far, in this
+    process (None without the CUDA handlers)."""
+    return None if _kvxfer_cuda is None else _kvxfer_cuda.staged_onboards()
+
+
+def stage_onboards_below(row_bytes: int) -> int | None:
+    """Stages the lanes' onboards of host rows smaller than `row_bytes` that come in runs (one
+    copy per run over the link, then a scatter in device memory); 0: never. Returns the
+    previous limit (None without the CUDA handlers: nothing to set)."""
+    return None if _kvxfer_cuda is None else _kvxfer_cuda.stage_onboards_below(int(row_bytes))
+
+
 def registered_targets() -> dict[str, list[str]]:
     """The target names each compiled module registers, by platform ("cpu", and "cuda" where
     this build has the CUDA handlers), sorted."""

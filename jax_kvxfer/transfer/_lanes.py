@@ -4,8 +4,10 @@ Each GPU has two lanes, streams of the library's own: lane 0 carries offloads (d
 pinned host), lane 1 onboards (pinned host -> device) and copies within the GPU pool. A lane
 copy is a custom call on XLA's stream that enqueues its copy on the lane behind everything XLA's
 stream had before it, and returns; XLA's later work, the model step, runs beside the copy. The
-lanes move blocks with the GPU's copy engines, so they take no SMs from the step. A join makes
-XLA's stream wait for the lanes it names: everything after it sees their copies done.
+lanes move blocks with the GPU's copy engines, so they take no SMs from the step (but for an
+onboard of small host rows in runs: one copy per run into staging, then the copy kernel on a
+few SMs scatters the blocks). A join makes XLA's stream wait for the lanes it names: everything
+after it sees their copies done.
 
 Who keeps what safe (the manager, manager.py, uses these):
 - an offload snapshots its source blocks on XLA's stream before the lane copies them, so compute

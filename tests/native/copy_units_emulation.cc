@@ -182,10 +182,19 @@ Case RandomCase(std::mt19937_64& rng) {
   const bool whole = std::uniform_int_distribution<int>(0, 3)(rng) == 0;  // whole blocks only
   // runs of neighbouring blocks in both pools (the copy engines merge them), now and then broken
   const bool runs = std::uniform_int_distribution<int>(0, 3)(rng) == 0;
+  // or no block written twice (what a staged onboard needs), now and then a padding pair
+  const bool distinct = std::uniform_int_distribution<int>(0, 3)(rng) == 0;
+  std::vector<int32_t> slots;
+  if (distinct) {
+    c.dst_blocks = std::max<int64_t>(c.dst_blocks, c.num_pairs + pick({0, 3}));
+    for (int32_t d = 0; d < c.dst_blocks; ++d) slots.push_back(d);
+    std::shuffle(slots.begin(), slots.end(), rng);
+  }
   for (int64_t i = 0; i < c.num_pairs; ++i) {
     const bool next = runs && i > 0 && (rng() % 5 != 0);
     c.src_idx.push_back(next ? c.src_idx.back() + 1 : si(rng));
-    c.dst_idx.push_back(next ? c.dst_idx.back() + 1 : di(rng));
+    c.dst_idx.push_back(distinct ? (rng() % 9 == 0 ? -1 : slots[i])
+                        : next ? c.dst_idx.back() + 1 : di(rng));
     const int32_t n = nt(rng);
     c.tokens.push_back(whole && n > 0 && n < c.g.tokens ? 0 : n);
   }
@@ -217,6 +226,45 @@ void RunDmaPlan(const Batch& b, bool* ordered) {
   }
 }
 
+bool AnyValid(const Case& c) {
+  for (int64_t i = 0; i < c.num_pairs; ++i) {
+    if (Valid(c, i)) return true;
+  }
+  return false;
+}
+
+// A staged onboard of batch `b` (whole blocks): the plan's runs copied into staging slots with
+// memcpy, then every unit of the kernel from them in reverse. The plan must refuse exactly the
+// batches with two valid pairs writing one block, or none valid; and each of its runs must be
+// as long as the source slots allow (never two runs where one copy would do).
+std::string RunStaged(const Case& c, const Batch& b) {
+  std::vector<kvxfer::StagedRun> runs;
+  const bool planned = kvxfer::PlanStagedSources(b, 1.0, &runs);
+  if (planned == (HasDuplicateDestinations(c) || !AnyValid(c))) return "the staged plan's refusal";
+  if (!planned) return "";
+  const bool contiguous = c.src_stride == c.g.block_bytes;
+  for (size_t k = 1; k < runs.size(); ++k) {
+    const kvxfer::StagedRun& r = runs[k - 1];
+    const int64_t next = r.pair + static_cast<int64_t>(r.bytes / c.g.block_bytes);
+    if (contiguous && runs[k].pair == next &&
+        runs[k].src == r.src + r.bytes) {
+      return "the staged plan split a run";
+    }
+  }
+  Buffer staging(c.num_pairs * c.g.block_bytes);
+  for (const kvxfer::StagedRun& r : runs) {
+    if (r.pair < 0 || (r.pair * c.g.block_bytes + static_cast<int64_t>(r.bytes)) > staging.size) {
+      return "a staged run outside the staging buffer";
+    }
+    std::memcpy(staging.data() + r.pair * c.g.block_bytes, r.src, r.bytes);
+  }
+  Batch scatter = b;
+  scatter.src = {reinterpret_cast<char*>(staging.data()), c.g.block_bytes, true};
+  scatter.superseded = nullptr;
+  WithVector(scatter, [&](auto v) { Emulate<decltype(v)>(scatter, true, 8 * 132); });
+  return staging.GuardsIntact() ? "" : "a write outside the staging buffer";
+}
+
 // Runs one case in both orders, and through the copy engines' plan where the handler would
 // take it (never the staging gather); returns an empty string or what went wrong.
 std::string Check(const Case& c, std::mt19937_64& rng) {
@@ -238,11 +286,14 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
 
   // kernel forward and reverse with the scan's answers, copy engines, and where no two pairs
   // write one block, kernel reverse with no scan (unique_dst_indices=True, or one pair).
-  for (int mode = 0; mode < 4; ++mode) {
-    const bool reverse = mode != 0, dma = mode == 2, unique = mode == 3;
-    if ((dma || unique) && c.gather) continue;
+  // mode 4: a staged onboard (PlanStagedSources with memcpy, then the kernel from the staging
+  // slots, in reverse), for whole blocks
+  for (int mode = 0; mode < 5; ++mode) {
+    const bool reverse = mode != 0, dma = mode == 2, unique = mode == 3, staged = mode == 4;
+    if ((dma || unique || staged) && c.gather) continue;
     if (unique && HasDuplicateDestinations(c)) continue;
-    const char* name = unique ? "reverse, no scan" : dma ? "copy engines"
+    if (staged && !all_whole) continue;
+    const char* name = staged ? "staged" : unique ? "reverse, no scan" : dma ? "copy engines"
                        : reverse ? "reverse" : "forward";
     Buffer dst(dst_slots * c.dst_stride);
     if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
@@ -261,6 +312,10 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
       bool ordered = false;
       RunDmaPlan(b, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
+    } else if (staged) {
+      std::string failed = RunStaged(c, b);
+      if (!failed.empty()) return failed;
+      if (HasDuplicateDestinations(c) || !AnyValid(c)) continue;  // refused: nothing copied
     } else {
       WithVector(b, [&](auto v) { Emulate<decltype(v)>(b, reverse, wave_ctas); });
     }
