@@ -386,6 +386,34 @@ def manager_transfers(rng):
 
 
 @case
+def staged_onboards(rng):
+    # Onboards of small host rows in runs go through a staging buffer (ffi/lanes_cuda.cu,
+    # StageOnboard): the runs' copies into staging, the scatter kernel from it on the lane,
+    # padding pairs (a batch of 6 in a bucket of 8) skipped; back to back, so that the plan
+    # ring's slots are written again while the lane's kernels may still be reading indices.
+    from jax_kvxfer import testing
+    nb = 16
+    pool = kvx.KVCacheBlockPool.create(num_layers=1, num_kv_heads=2, size_per_head=32,
+                                       tokens_per_block=8, dtype=jnp.bfloat16,
+                                       num_primary_blocks=nb, num_secondary_blocks=nb)
+    prim = random_pool(rng, pool.primary.shape, pool.dtype)
+    sec = random_pool(rng, pool.secondary.shape, pool.dtype)
+    pool.primary, pool.secondary = put(prim, "device"), put(sec, "pinned_host")
+    m = kvx.KVCacheTransferManager(pool)
+    before = testing.staged_onboards()
+    for start in (2, 9, 4):
+        rows = np.arange(start, start + 6)
+        pages = rng.permutation(nb)[:6]
+        m.onboard_indices(rows, pages)
+        prim[pages] = sec[rows]
+    m.sync_transfers()
+    check(pool.primary, prim, "staged onboards")
+    staged = testing.staged_onboards()
+    if before is not None and staged - before != 3:
+        raise AssertionError(f"staged onboards: {staged - before} of 3 were staged")
+
+
+@case
 def layer_pool_transfers(rng):
     # A pool over K/V-first per-layer arrays (from_layers): the layered copies, one part per layer
     # and slab in one kernel launch, whole and partial, both ways, on the lanes and in line; then
