@@ -7,9 +7,10 @@ with a wait for the GPU, median of --repeats after a warm-up, GB/s and % of one 
 pinned copy of the same bytes measured in the same run (`ceiling`). Rows:
   manager        KVCacheTransferManager.offload_indices / onboard_indices + sync_transfers
   manager_runs   the same with the host rows in runs of RUN_ROWS consecutive rows (runs in random
-                 order), as the block manager hands them out (5-10 rows a run on the demo's
-                 workloads), the GPU slots still random: an offload's rows then go one copy a run
-                 from the snapshot, an onboard's through a staging buffer in device memory
+                 order), as the block manager hands them out (a prompt's onboard: 2.4 rows a run
+                 on the CPU demo's chats, 5.0 on its documents), the GPU slots still random: an
+                 offload's rows then go one copy a run from the snapshot, an onboard's through a
+                 staging buffer in device memory
   manager_runs_unstaged  manager_runs' onboard with the staging off (one copy per block)
   copy_blocks    jax_kvxfer.copy_blocks between the device pool and the pinned_host pool
   jax            a jitted gather on the GPU + jax.device_put to pinned_host (back: device_put
@@ -42,7 +43,7 @@ DIRS = ("d2h", "h2d")
 ROWS = ("manager", "manager_runs", "manager_runs_unstaged", "copy_blocks", "jax",
         "torch_per_blk", "torch_gather", "memcpy_batch")
 OURS = ("manager", "manager_runs", "manager_runs_unstaged", "copy_blocks")
-RUN_ROWS = 8
+RUN_ROWS = 4
 
 
 def rows_in_runs(rng: np.random.Generator, n: int, pool_n: int, run: int = RUN_ROWS

@@ -33,6 +33,10 @@ class HostTiers:
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
+        # A sequence's blocks are evicted last block first; the host pool gets them first block
+        # first, so that a prefix's rows ascend (a later onboard of it, and this offload, then
+        # move runs of rows in one copy each), and its eviction order stays theirs (below).
+        evicted.reverse()
         out = self._host.prepare_store([block.key for block, _ in evicted],
                                        priority=evicted[0][0].priority)
         dropped_queued_store = self._drop_evicted()
@@ -53,6 +57,7 @@ class HostTiers:
         if dropped_queued_store:  # the rest of the queue too, before these blocks join the
             self._timed_issue()  # host pool: as when they were offered one at a time
         if kept:
+            kept.reverse()  # last block first, as evicted: the host pool evicts them in that order
             self._host.complete_store(kept)
             self._host_pushes += len(kept)
             self._publish_host_events()  # on the host now, and written through to the stores

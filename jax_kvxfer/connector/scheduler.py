@@ -260,7 +260,9 @@ class OffloadingManager:
                       admit: bool = True) -> PrepareStoreOutput | None:
         """Rows for the blocks the host pool does not hold yet (those the admission policy
         takes), evicting ready, unprotected blocks of no higher priority, the lowest priority
-        and least recently used first. The blocks are protected until `complete_store`.
+        and least recently used first; the blocks get the rows in ascending order (hand a
+        prompt's blocks over first to last: its rows then ascend along it, and runs of
+        consecutive rows move in one copy). The blocks are protected until `complete_store`.
 
         `admit=False` does not ask the admission policy: a write-through of blocks the engine
         keeps on the GPU and wants in the stores at once (its replicas read them there), as
@@ -463,7 +465,8 @@ class OffloadingManager:
 
     def _hold(self, hashes: list[BlockHash], priority: int, state: set) -> list[BlockHash]:
         """Rows for new blocks in `state` (free rows first, then evicting: the lowest priority,
-        least recently used first; callers checked there is room); returns the evicted."""
+        least recently used first; callers checked there is room), in ascending order; returns
+        the evicted."""
         take = min(len(hashes), len(self._free))
         slots = self._free[:take]
         del self._free[:take]
@@ -483,6 +486,9 @@ class OffloadingManager:
             self._ready.difference_update(evicted)
             self._stats.evicted += len(evicted)
             self._event(evicted, MEDIUM_CPU, removed=True)
+        # The rows in ascending order: a batch handed over in its order (a prompt's blocks, first
+        # to last) then lies in runs of consecutive rows, which one copy moves each way.
+        slots.sort()
         self._slot.update(zip(hashes, slots))
         self._priority.update(dict.fromkeys(hashes, priority))
         state.update(hashes)

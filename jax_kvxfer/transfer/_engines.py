@@ -100,24 +100,6 @@ def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def by_host_row(run: PairBatch) -> PairBatch:
-    """A run of whole blocks between the GPU and the host in the order of its host rows, where
-    that order copies the same: host rows that follow each other then go in one copy over the
-    link (an offload's, from the snapshot XLA's stream gathers in pair order; an onboard's,
-    into a staging buffer, ffi/lanes_cuda.cu). An offload's pairs keep their order among equal
-    rows (the last writer wins); an onboard is reordered only where no two pairs write one
-    block."""
-    src_primary, dst_primary = run.direction
-    if not run.whole or src_primary == dst_primary or len(run) < 2:
-        return run
-    rows = run.src if dst_primary else run.dst
-    if (rows[1:] >= rows[:-1]).all():
-        return run
-    if dst_primary and np.unique(run.dst).size < len(run):
-        return run
-    return run.take(np.argsort(rows, kind="stable"))
-
-
 def plan_tokens(slots: Sequence[PlanSlot | None], retry: bool = False) -> tuple[Any, ...]:
     """The tokens a dispatch reading these plan ring slots donates (None for a NumPy plan).
     retry: after a dispatch that failed, which may have consumed them."""
@@ -294,7 +276,7 @@ class LaneEngine(Engine):
     def copy(self, run: PairBatch) -> None:
         src_primary, dst_primary = run.direction
         order = self.hazards.order(run.src, run.dst, src_primary, dst_primary)
-        plan, slot = self.plan_arrays(by_host_row(run))
+        plan, slot = self.plan_arrays(run)
         static = {"lane": order.lane, "wait_lane": order.wait_lane,
                   "stream_wait_lane": order.stream_wait_lane, "whole": run.whole,
                   "storages": self.storages}

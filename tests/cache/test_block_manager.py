@@ -467,3 +467,38 @@ def test_a_burst_of_evictions_keeps_the_latest_blocks_on_a_small_host():
     assert bm.reusable_blocks(primary=False) == [(4, 5, 6, 7), (0, 1, 2, 3)]
     assert bm.match_prefix(list(range(20))).secondary_blocks == 2
     check_slots(bm)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_prompts_host_rows_ascend_along_it_both_ways(seed):
+    """A prompt's blocks evicted together get host rows that ascend from its first block to its
+    last, whichever rows were free or freed (other prompts came and went before), so that its
+    offload and its later onboard each move runs of consecutive rows in one copy; and the host
+    pool still evicts its last block first."""
+    rng = np.random.default_rng(seed)
+    bm, fake = make(12, 24)
+    for k in range(int(rng.integers(3, 8))):  # rows taken and freed in some order first
+        serve(bm, fake, f"other{k}", [int(x) for x in rng.integers(1000, 2000, 4 * T)])
+    prompt = [int(x) for x in rng.integers(0, 1000, 8 * T)]
+    serve(bm, fake, "long", prompt)
+    fake.calls.clear()
+    serve(bm, fake, "evictor", [int(x) for x in rng.integers(2000, 3000, 12 * T)])
+    keys = bm._host.eviction_order()
+    rows = {bm._host.host_slot(k): k for k in keys}
+    ours = [p for op, pairs, _ in fake.ops("offload") for p in pairs
+            if tuple(fake.mem[False][p[1].memory_pool_block_index]) in
+            {tuple(prompt[i:i + T]) for i in range(0, len(prompt), T)}]
+    assert len(ours) == 8
+    by_position = sorted(ours, key=lambda p: prompt.index(
+        fake.mem[False][p[1].memory_pool_block_index][0]))
+    host_rows = [p[1].memory_pool_block_index for p in by_position]
+    assert host_rows == sorted(host_rows), host_rows  # ascending from the first block
+    assert [p[1].memory_pool_block_index for p in ours] == host_rows  # in that order
+    # the host pool evicts the prompt's last block before its first
+    order = [rows[r] for r in host_rows]
+    assert keys.index(order[-1]) < keys.index(order[0])
+    fake.calls.clear()
+    assert serve(bm, fake, "long again", prompt + [1]) == len(prompt)
+    loads = [p for op, pairs, _ in fake.ops("onboard") for p in pairs if not p[0].is_primary]
+    assert [p[0].memory_pool_block_index for p in loads] == host_rows
+    check_slots(bm)

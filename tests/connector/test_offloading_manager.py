@@ -212,6 +212,29 @@ def test_low_priority_blocks_are_evicted_first_and_only_by_no_lower_priority():
     assert mgr.prepare_store([5], priority=50).block_hashes_evicted == [3]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_batch_gets_its_rows_in_ascending_order(seed):
+    """Whatever order rows were freed and evicted in, a batch's blocks get them in ascending
+    order (its blocks then lie in runs of consecutive rows, one copy each): the same rows as
+    before, only their order."""
+    rnd = random.Random(seed)
+    mgr = OffloadingManager(32, block_size=4)
+    next_hash = iter(range(1, 10**6))
+    held: list[int] = []
+    for _ in range(30):  # store, load and remove blocks in random order
+        batch = [next(next_hash) for _ in range(rnd.randint(1, 12))]
+        out = mgr.prepare_store(batch)
+        if out is None:
+            continue
+        rows = list(out.store_spec.host_slots)
+        assert rows == sorted(rows) and len(set(rows)) == len(rows)
+        mgr.complete_store(batch)
+        held = [h for h in held if h not in out.block_hashes_evicted] + batch
+        gone = rnd.sample(held, k=min(len(held), rnd.randint(0, 6)))
+        mgr.remove(gone)
+        held = [h for h in held if h not in gone]
+
+
 def test_remove_frees_rows_and_refuses_blocks_in_use():
     mgr = OffloadingManager(3, block_size=4)
     mgr.prepare_store([1, 2, 3])

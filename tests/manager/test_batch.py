@@ -177,34 +177,3 @@ def test_keyboard_interrupt_while_reading_a_block_propagates():
         check_batch([(Interrupted(0, 1, True), KVCacheBlock(1, 2, False))], None, NUM_PRIMARY,
                     NUM_SECONDARY, TOKENS)
 
-
-@pytest.mark.parametrize("seed", range(6))
-def test_by_host_row_orders_host_rows_and_copies_the_same(seed):
-    """A run between the GPU and the host goes in the order of its host rows where that copies
-    the same: applied one pair after another, the sorted run leaves every slot as the run does
-    (the last writer wins); an onboard that writes one block twice keeps its order."""
-    from jax_kvxfer.transfer._engines import by_host_row
-
-    rng = np.random.default_rng(seed)
-    for _ in range(50):
-        n = int(rng.integers(1, 12))
-        pairs = random_pairs(rng, n, mixed=False)
-        whole = bool(rng.integers(4))
-        batch = check_batch(pairs, None if whole else 3, NUM_PRIMARY, NUM_SECONDARY, TOKENS)
-        ordered = by_host_row(batch)
-
-        def applied(b):
-            slots = {}
-            for s, d in zip(b.src.tolist(), b.dst.tolist()):
-                slots[d] = s
-            return slots
-
-        assert sorted(zip(ordered.src.tolist(), ordered.dst.tolist())) == sorted(
-            zip(batch.src.tolist(), batch.dst.tolist()))
-        assert applied(ordered) == applied(batch)
-        onboard = batch.direction == (False, True)
-        rows = (ordered.src if onboard else ordered.dst).tolist()
-        if not whole or (onboard and not reference(pairs)["unique_dst"]):
-            assert ordered is batch
-        else:
-            assert rows == sorted(rows)
