@@ -22,6 +22,9 @@ after the warm-up ones; every copy checked against a shadow of which block each 
 
 from __future__ import annotations
 
+import cProfile
+import os
+import pstats
 import time
 from typing import Any
 
@@ -103,11 +106,13 @@ class ManagerMixin:
             rec[case] = {"median_us": median(us), "min_us": min(us), "max_us": max(us)}
             if xs[0][1] is not None:
                 rec[case]["returns_median_us"] = median([1e6 * x for _, x in xs])
+        rec["profile"] = call_profile(cases["offload"], warmup + timed, rounds=50)
         rec["verified"] = all(
             np.array_equal(self.fetch(get(), np.arange(nb)),
                            np.stack([first[k][i] for k, i in (held[(a, j)] for j in range(nb))]))
             for a, get in arrays.items())
         self.log("manager " + fixed_cost_line(rec))
+        self.log("manager " + profile_line(rec["profile"]))
 
     def _fixed_cost_cases(self, mgr: KVCacheTransferManager, bare: dict[str, jax.Array],
                           held: dict[tuple[str, int], tuple[str, int]], nb: int
@@ -221,6 +226,34 @@ def manager_line(r: dict[str, Any]) -> str:
             f"{r['compiles']} compiles")
 
 
+def call_profile(sample: Any, first_round: int, rounds: int, top: int = 8) -> dict[str, Any]:
+    """Where a sampled call's host time goes: `rounds` samples (from round `first_round`) under
+    cProfile; the functions of most own time (us a call), and the Python functions of the jax
+    package called a call (JAX's jitted dispatch is C++ once warm: a Python function of its
+    dispatch here is a fast path missed)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for r in range(first_round, first_round + rounds):
+        sample(r)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    jax_calls = sorted(((nc / rounds, name) for (fn, _, name), (_, nc, _, _, _) in stats.items()
+                        if f"{os.sep}jax{os.sep}" in fn), reverse=True)
+    return {"rounds": rounds,
+            "own_us": [{"function": f"{fn.rsplit(os.sep, 1)[-1]}:{line}({name})",
+                        "us": 1e6 * tt / rounds} for (fn, line, name), (_, _, tt, _, _) in own],
+            "jax_python_calls": [{"function": name, "calls": n} for n, name in jax_calls]}
+
+
+def profile_line(p: dict[str, Any]) -> str:
+    top = ", ".join(f"{e['function']} {e['us']:.1f}" for e in p["own_us"][:6])
+    jax_calls = ", ".join(f"{e['function']} x{e['calls']:.0f}"
+                          for e in p["jax_python_calls"][:6]) or "none"
+    return (f"offload_indices + sync under cProfile ({p['rounds']} calls): own time, us a call: "
+            f"{top}; jax's Python functions a call: {jax_calls}")
+
+
 def fixed_cost_line(r: dict[str, Any]) -> str:
     def us(case: str) -> str:
         x = r[case]
@@ -245,6 +278,8 @@ def manager_summary(sec: dict[str, Any]) -> list[str]:
     first = ([f"manager {fixed_cost_line(fixed)}"] if "verified" in fixed else
              [f"manager call fixed cost: ERROR {fixed['error'][:300]}"] if "error" in fixed
              else [])
+    if "profile" in fixed:
+        first.append(f"manager {profile_line(fixed['profile'])}")
     return first + [
         f"manager {r.get('skipped') or manager_line(r)}" for r in sec.values()
         if isinstance(r, dict) and ("skipped" in r or "call_64_us" in r)]
