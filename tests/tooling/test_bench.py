@@ -155,9 +155,16 @@ def test_manager_fixed_cost_case(tmp_path):
     for verb in ("offload", "onboard"):  # each sample's return comes before its wait ends
         assert 0 < rec[verb]["returns_median_us"] <= rec[verb]["median_us"]
     assert rec["memcpy_us"]["d2h"] > 0 and rec["memcpy_us"]["h2d"] > 0
-    (line,) = manager_summary({"fixed_cost": rec})
+    line, profile = manager_summary({"fixed_cost": rec})
     assert line.startswith("manager call fixed cost, one 64K block (one layer of it)"), line
     assert "VERIFY FAILED" not in line
+    # where the call's host time goes: the manager's own functions, the jitted dispatch in C++
+    # (warm: no Python function of JAX's dispatch path a call)
+    own = {e["function"].split("(")[-1].rstrip(")") for e in rec["profile"]["own_us"]}
+    assert {"dispatch", "check_index_batch"} <= own, own
+    assert not {e["function"] for e in rec["profile"]["jax_python_calls"]} & {
+        "cache_miss", "_python_pjit_helper", "_cpp_pjit_cache_miss"}
+    assert profile.startswith("manager offload_indices + sync under cProfile (50 calls)")
     assert manager_summary({"fixed_cost": {"error": "RuntimeError: x"}}) == [
         "manager call fixed cost: ERROR RuntimeError: x"]
 
