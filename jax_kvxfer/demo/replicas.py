@@ -166,9 +166,10 @@ def _replica_main(conn, spec: ReplicaSpec) -> None:
         while True:
             command, arg = conn.recv()
             if command == "step":
-                for fields in arg:
+                requests, clock = arg
+                for fields in requests:
                     server.submit(Request(**fields))
-                stepped = server.step()
+                stepped = server.step(clock)
                 conn.send((stepped, server.full_step_flops if stepped else 0, server.busy))
             elif command == "collect":
                 done = server.collect(arg)
@@ -315,7 +316,7 @@ def _route(procs: list[_Replica], conversations: Sequence[Conversation],
                                "expect_tokens": expect})
             where[c] = r
         for p, reqs in zip(procs, arrived):
-            p.conn.send(("step", reqs))
+            p.conn.send(("step", (reqs, clock)))
         replies = [p.recv() for p in procs]
         stepped = [p for p, (ran, _, _) in zip(procs, replies) if ran]
         for p, (_, _, busy) in zip(procs, replies):

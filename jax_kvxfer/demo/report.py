@@ -364,6 +364,8 @@ def _table_rows(runs: dict, verdict: dict) -> list[tuple[str, Callable[[dict], s
          lambda s: f"{s['primary_blocks']} / {s['secondary_blocks']}"),
         ("TTFT p50 / p90", lambda s: f"{_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p90'])}"),
         ("TTFT p99", lambda s: _ms(s["ttft_s"]["p99"])),
+        ("queue wait p50 / p90", lambda s: f"{_ms(s['queue_wait_s']['p50'])} / "
+                                           f"{_ms(s['queue_wait_s']['p90'])}"),
         ("TPOT p50", lambda s: _ms(s["tpot_s"]["p50"])),
         ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:,.0f}"),
         ("prefill tokens computed", lambda s: f"{s['computed_prefill_tokens']:,}"),

@@ -110,6 +110,8 @@ class TurnResult:
     top_logit_tokens: np.ndarray
     logits_fingerprints: np.ndarray
     key: tuple[int, int] | None = None  # (conversation, turn)
+    # when it was admitted (rows and blocks given): it waited from arrival_s in the queue
+    admitted_s: float | None = None
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -168,8 +170,11 @@ class RunResult:
 
         def pct(x: np.ndarray, q: float) -> float:
             return float(np.percentile(x, q)) if x.size else 0.0
+        waits = np.array([r.admitted_s - r.arrival_s for r in res if r.admitted_s is not None])
         return {
             "ttft_s": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
+            # TTFT's first part: from arrival to admission (a row and the blocks free)
+            "queue_wait_s": {"p50": pct(waits, 50), "p90": pct(waits, 90)},
             "tpot_s": {"p50": pct(tpot, 50)},
             "output_tokens": out_tokens,
             "output_tokens_per_s": out_tokens / self.seconds if self.seconds else 0.0,
@@ -203,6 +208,7 @@ class _Running:
     host_hits: int
     store_hits: int
     output_len: int = 0  # the reply's length, unless it ends on the stop token
+    admitted_s: float = 0.0
     first_token_s: float = 0.0
     out: list[int] = dataclasses.field(default_factory=list)
     # each reply token's (top logits, their token ids, fingerprint): rows of its step's record
@@ -537,10 +543,10 @@ class Server:
         self._prefetched[req.key] = (lo, lo + bm.prefetch(req.prompt))
         return True
 
-    def _admit(self) -> None:
+    def _admit(self, clock: float) -> None:
         """Admits waiting requests in order while a row is free and the primary pool can
         hold all they will need; a request waiting for its prefix lets the next ones go
-        first."""
+        first. `clock`: the driver's, now."""
         t_block = self.bm.tokens_per_block
         bm = self.bm
         for req in list(self.waiting):
@@ -574,7 +580,7 @@ class Server:
             self._reserved += need
             self.running.append(_Running(req.key[0], req.key[1], req.arrival_s, prompt, start,
                                          need, gpu, host - early, read + early,
-                                         output_len=req.output_len))
+                                         output_len=req.output_len, admitted_s=clock))
 
     def _prefetch_next(self) -> None:
         """Starts reading from the stores the prefix of the next request, if one waits (for a
@@ -603,11 +609,11 @@ class Server:
         return (self.bm.match_prefix(prompt[:end + 1]).secondary_blocks
                 - self.bm.match_prefix(prompt[:lo + 1]).secondary_blocks) * t_block
 
-    def step(self) -> bool:
+    def step(self, clock: float) -> bool:
         """Admits what it can, then runs one model step over the running requests; False
-        (and nothing run) when none runs."""
+        (and nothing run) when none runs. `clock`: the driver's at the step's start."""
         t0 = time.perf_counter()
-        self._admit()
+        self._admit(clock)
         self.step_seconds["admit"] += time.perf_counter() - t0
         if not self.running:
             self._step = None
@@ -693,7 +699,8 @@ class Server:
             top, ids, prints = (np.stack(x) for x in zip(*r.records))
             results.append(TurnResult(r.arrival_s, r.first_token_s, clock, len(r.prompt),
                                       r.gpu_hits, r.host_hits, r.store_hits, r.out,
-                                      top, ids, prints, key=(r.conv, r.turn)))
+                                      top, ids, prints, key=(r.conv, r.turn),
+                                      admitted_s=r.admitted_s))
         if finished:  # a router learns of the released blocks now (KV events, if published)
             self.bm.publish_events()
         took = time.perf_counter() - t0
@@ -791,7 +798,7 @@ def _serve(server: Server, conversations: Sequence[Conversation], *, priorities:
     mark = time.perf_counter()  # the clock's wall time so far runs from here
     while pending or server.busy:
         submit_arrived()
-        if not server.step():  # idle until the next arrival
+        if not server.step(clock):  # idle until the next arrival
             now = time.perf_counter()
             step_seconds += now - mark  # the last step's collect, whose phase is counted too
             elapsed = 0.0 if fixed_step_s is not None else now - mark

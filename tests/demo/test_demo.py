@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import gc
 import io
+import itertools
 import json
 import math
 import os
@@ -794,3 +795,28 @@ def test_the_pinned_host_limit_is_set_to_the_largest_host_pool_unless_given(monk
     monkeypatch.setenv(HOST_LIMIT_ENV, "7")
     assert sizes.cap_pinned_host(model, cfg, convs) is None
     assert os.environ[HOST_LIMIT_ENV] == "7"
+
+
+def test_the_queue_wait_is_the_steps_a_request_waited_for_a_row():
+    """With one row and a fixed step, requests that arrive together are admitted one after
+    another: each waits (on the serving clock) for the replies before it, exactly the steps
+    those took, and never longer than its TTFT; the metrics give their p50 and p90."""
+    step = 0.01
+    convs = workloads.chat_workload(conversations=4, turns=1, system_tokens=6, user_tokens=6,
+                                    assistant_tokens=3, think_s=0.01, arrival_rate=1e6,
+                                    vocab_size=TINY_MODEL.vocab_size, seed=5)
+    params = init_params(TINY_MODEL, 0)
+    res = serving.run(TINY_MODEL, params, convs, batch=1, chunk=4, tokens_per_block=4,
+                      primary_blocks=serving.blocks_to_never_evict(convs, 1, 4),
+                      secondary_blocks=0, fixed_step_s=step)
+    turns = sorted(res.turns.values(), key=lambda r: r.admitted_s)
+    assert turns[0].admitted_s == turns[0].arrival_s  # the first: no wait
+    for before, after in itertools.pairwise(turns):
+        # the next is admitted at the step after the one that ended the turn before it
+        assert after.admitted_s == pytest.approx(before.done_s)
+    for r in turns:
+        assert r.arrival_s <= r.admitted_s < r.first_token_s
+    waits = np.array([r.admitted_s - r.arrival_s for r in turns])
+    m = res.metrics()["queue_wait_s"]
+    assert m["p50"] == pytest.approx(np.percentile(waits, 50))
+    assert m["p90"] == pytest.approx(np.percentile(waits, 90)) and m["p90"] > 0

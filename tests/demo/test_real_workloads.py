@@ -155,6 +155,7 @@ def test_the_table_is_aligned_at_any_width_and_ends_with_the_closing_line():
     def summary(scale: float, moved: bool) -> dict:
         return {"primary_blocks": 80, "secondary_blocks": 96 if moved else 0,
                 "ttft_s": {"p50": 1.6803 * scale, "p90": 2.3454 * scale, "p99": 9 * scale},
+                "queue_wait_s": {"p50": 0.5 * scale, "p90": 1.5 * scale},
                 "tpot_s": {"p50": 0.003}, "output_tokens_per_s": 1234.5 / scale,
                 "computed_prefill_tokens": 10**9, "gpu_hit_tokens": 5, "host_hit_tokens": 6,
                 "store_hit_tokens": 0, "onboarded_bytes": 2**40 if moved else 0,
