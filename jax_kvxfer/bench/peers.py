@@ -188,7 +188,7 @@ class PeersMixin:
                 mgr.sync_transfers()
             return go
 
-        check = (lambda: same(pool.primary, src, pool.secondary, rows))
+        check = lambda: same(pool.primary, src, pool.secondary, rows)
         self._peers_row(rec, "manager_runs", "h2d", run(False), check)
         with onboard_staging(0):
             self._peers_row(rec, "manager_runs_unstaged", "h2d", run(False), check)
