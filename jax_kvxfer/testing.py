@@ -41,7 +41,13 @@ def staged_onboards() -> int | None:
 @contextlib.contextmanager
 def onboard_staging(below_bytes: int) -> Iterator[None]:
     """Within the block, the lanes stage onboards of host rows smaller than `below_bytes`
-    that come in runs (0: none); the default is restored after. For comparing both ways."""
+    that come in runs (0: none); the default is restored after. For comparing both ways.
+
+    Raises:
+      ValueError: `below_bytes` is not an integer >= 0.
+    """
+    if isinstance(below_bytes, bool) or not isinstance(below_bytes, int) or below_bytes < 0:
+        raise ValueError(f"below_bytes must be an integer >= 0, got {below_bytes!r}")
     previous = _native.stage_onboards_below(below_bytes)
     try:
         yield

@@ -136,3 +136,10 @@ def test_per_layer_arrays_are_staged_whole_rows(rng):
         np.testing.assert_array_equal(kvx.to_numpy(got), want, err_msg=f"layer {k}")
     if ON_GPU:
         assert staged_count() - before == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1", True])
+def test_the_staging_limit_is_checked(bad):
+    with pytest.raises(ValueError, match="below_bytes must be an integer >= 0"), \
+            testing.onboard_staging(bad):
+        pass
