@@ -76,7 +76,11 @@ def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, who
 
 
 def _join_impl(arrays, token, lanes):
-    return tuple(join_call(a, lanes) for a in arrays), token
+    # One wait on XLA's stream, through the first array; the others pass through a barrier
+    # with it, so that XLA's order puts them after the wait too (one custom call, not one per
+    # array: a pool over an engine's arrays may have dozens).
+    joined = join_call(arrays[0], lanes)
+    return jax.lax.optimization_barrier((joined, *arrays[1:])), token
 
 
 def _donated_and_not(impl, pools_argnums: tuple[int, ...], token_argnum: int, static):

@@ -305,3 +305,22 @@ def test_arrays_split_by_heads_move_shard_by_shard(name, devices, rng):
         want = np.concatenate([m.device_arrays()[k] for m in models], axis=head_axis)
         np.testing.assert_array_equal(kvx.to_numpy(a), want, err_msg=f"array {k}")
         assert a.sharding.is_equivalent_to(arrays[0].sharding, a.ndim)
+
+
+def test_a_join_over_many_arrays_waits_once_and_hands_every_array_on(rng):
+    """The step boundary's join over an engine's per-layer arrays (dozens of them) is one wait
+    on XLA's stream, not one per array: its program holds one join custom call, and every
+    array comes back with its contents, the others ordered after the wait by a barrier."""
+    from jax_kvxfer.ops._native import JOIN_LANES_TARGET
+
+    pool, _ = _make(rng, LAYOUTS["K/V first"], ml_dtypes.bfloat16, num_blocks=6)
+    arrays = tuple(pool.primary)
+    assert len(arrays) == 3
+    join = testing.dispatcher("JOIN")
+    text = join.lower(arrays, None, lanes=(1,)).as_text()
+    assert text.count(JOIN_LANES_TARGET) == 1, text
+    before = [kvx.to_numpy(a) for a in arrays]
+    out, _ = join(arrays, None, lanes=(1,))
+    assert len(out) == len(arrays)
+    for got, want in zip(out, before):
+        np.testing.assert_array_equal(kvx.to_numpy(got).view(np.uint8), want.view(np.uint8))
