@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from ..ops._checks import IndexFacts, index_facts
-from ..ops._jax_seams import pinned_by_external_reference
+from ..ops._jax_seams import memory_space, pinned_by_external_reference
 from ._batch import PairBatch
 from ._hazards import OFFLOAD_LANE, ONBOARD_LANE, LaneHazards
 from ._lanes import join_call, lanes_idle, wait_lanes
@@ -76,11 +76,20 @@ def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, who
 
 
 def _join_impl(arrays, token, lanes):
-    # One wait on XLA's stream, through the first array; the others pass through a barrier
-    # with it, so that XLA's order puts them after the wait too (one custom call, not one per
-    # array: a pool over an engine's arrays may have dozens).
-    joined = join_call(arrays[0], lanes)
-    return jax.lax.optimization_barrier((joined, *arrays[1:])), token
+    # One wait on XLA's stream, through the first device array; the other device arrays pass
+    # through a barrier with it, which puts them after the wait in XLA's order too (one custom
+    # call, not one per array: a pool over an engine's arrays may have dozens). A pinned_host
+    # array (a pool's host rows: one a pool) gets a join of its own: host memory goes only
+    # where custom calls take it.
+    out = list(arrays)
+    on_device = [i for i, a in enumerate(arrays) if memory_space(a) != jax.memory.Space.Host]
+    for i, a in enumerate(arrays):
+        if i not in on_device[1:]:
+            out[i] = join_call(a, lanes)
+    if len(on_device) > 1:
+        for i, a in zip(on_device, jax.lax.optimization_barrier(tuple(out[i] for i in on_device))):
+            out[i] = a
+    return tuple(out), token
 
 
 def _donated_and_not(impl, pools_argnums: tuple[int, ...], token_argnum: int, static):

@@ -309,8 +309,9 @@ def test_arrays_split_by_heads_move_shard_by_shard(name, devices, rng):
 
 def test_a_join_over_many_arrays_waits_once_and_hands_every_array_on(rng):
     """The step boundary's join over an engine's per-layer arrays (dozens of them) is one wait
-    on XLA's stream, not one per array: its program holds one join custom call, and every
-    array comes back with its contents, the others ordered after the wait by a barrier."""
+    on XLA's stream, not one per array: its program holds one join custom call (and one for
+    the host rows where it takes them), and every array comes back with its contents, the
+    others ordered after the wait by a barrier."""
     from jax_kvxfer.ops._native import JOIN_LANES_TARGET
 
     pool, _ = _make(rng, LAYOUTS["K/V first"], ml_dtypes.bfloat16, num_blocks=6)
@@ -319,6 +320,10 @@ def test_a_join_over_many_arrays_waits_once_and_hands_every_array_on(rng):
     join = testing.dispatcher("JOIN")
     text = join.lower(arrays, None, lanes=(1,)).as_text()
     assert text.count(JOIN_LANES_TARGET) == 1, text
+    # with the host rows too (a join of both lanes): one more, for the pinned_host array, which
+    # goes only where custom calls take it
+    text = join.lower((*arrays, pool.secondary), None, lanes=(0, 1)).as_text()
+    assert text.count(JOIN_LANES_TARGET) == 2, text
     before = [kvx.to_numpy(a) for a in arrays]
     out, _ = join(arrays, None, lanes=(1,))
     assert len(out) == len(arrays)
