@@ -325,7 +325,10 @@ def test_a_join_over_many_arrays_waits_once_and_hands_every_array_on(rng):
     text = join.lower((*arrays, pool.secondary), None, lanes=(0, 1)).as_text()
     assert text.count(JOIN_LANES_TARGET) == 2, text
     before = [kvx.to_numpy(a) for a in arrays]
+    buffers = [a.unsafe_buffer_pointer() for a in arrays]
     out, _ = join(arrays, None, lanes=(1,))
     assert len(out) == len(arrays)
+    # handed on in place (donated): the barrier copies nothing
+    assert [a.unsafe_buffer_pointer() for a in out] == buffers
     for got, want in zip(out, before):
         np.testing.assert_array_equal(kvx.to_numpy(got).view(np.uint8), want.view(np.uint8))
