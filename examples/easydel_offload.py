@@ -42,6 +42,7 @@ tail, and the generated tokens are identical. ``--reference`` adds a run whose p
 evicts (64 pages), the most prefix caching can save: the same 528.
 
 Usage: scripts/easydel-check.sh [--num-pages N] [--max-tokens N] [--reference]
+       [--host-blocks N] [--disk]
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ def main(argv=None) -> int:
                          "prefix cache can save; its tokens must equal the baseline's")
     ap.add_argument("--host-blocks", type=int, default=64,
                     help="host blocks of the offloading run")
+    ap.add_argument("--disk", action="store_true",
+                    help="a disk tier below the host pool (a FileStore in a temporary folder): "
+                         "with few --host-blocks, revisits read their pages back from it")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -240,18 +244,32 @@ def main(argv=None) -> int:
 
     from jax_kvxfer.integrations.easydel import enable_offloading
 
-    offl = run(args, prompts, "offload", args.num_pages, offload=lambda engine:
-               enable_offloading(engine, num_host_blocks=args.host_blocks))
+    stores, disk = (), None
+    if args.disk:
+        from jax_kvxfer.stores import FileStore
+
+        disk = tempfile.mkdtemp(prefix="kvxfer-easydel-disk-")
+        stores = (FileStore(disk, namespace="easydel-example"),)
+    try:
+        offl = run(args, prompts, "offload", args.num_pages, offload=lambda engine:
+                   enable_offloading(engine, num_host_blocks=args.host_blocks, stores=stores))
+    finally:
+        for store in stores:
+            store.close()
+        if disk is not None:
+            shutil.rmtree(disk, ignore_errors=True)
     report = offl["report"]
     same = offl["generated"] == base["generated"]
     ratio = offl["prefill_total"] / base["prefill_total"]
-    ok &= same and ratio <= 0.5 and report.loaded_pages_gpu_held == 0
+    # the default host pool holds every revisited prefix (0.38x expected); a small one with a
+    # disk tier reads part of them back from the disk and must still save prefill
+    ok &= same and ratio <= (0.5 if not args.disk else 0.9) and report.loaded_pages_gpu_held == 0
     line = (f"easydel offloading: generated tokens {'identical' if same else 'DIFFER'} with and "
             f"without; prefill computed {offl['prefill_total']} with, {base['prefill_total']} "
             f"without ({ratio:.2f}x); pages loaded from the host {report.loaded_pages} (of "
             f"them held by the GPU: {report.loaded_pages_gpu_held}), stored "
             f"{report.stored_pages}; {args.num_pages} GPU pages, {args.host_blocks} host "
-            f"blocks. " + line)
+            f"blocks{', a disk tier' if args.disk else ''}. " + line)
 
     print(line)
     return 0 if ok else 1

@@ -177,16 +177,21 @@ class EsurgeOffloading:
         self._pool.touch((held,))  # out of the free queue: the allocation cannot evict them
         try:
             pages = self._pool.get_new_pages(len(wanted))
-            self._flush_stores()  # the pages just evicted leave before the load writes them
+            # The host rows first: `lookup` counted them, and the stores of the pages just
+            # evicted, submitted next (before the load that writes those pages), could take
+            # them (a store read needs a free row).
+            spec = self.manager.prepare_load(hashes)
+            self._flush_stores()
             self.report.loaded_pages_gpu_held += sum(
                 bool(self._pool.cached_page_hash_to_page.get(self._key(h))) for h in wanted)
-            spec = self.manager.prepare_load(hashes)
             self.manager.touch(hashes)
             job = ("load", next(self._jobs))
             self._take_engine_arrays()
             self.worker.submit_load(job, spec, [p.page_id for p in pages])
-            self._give_engine_arrays()
             self.worker.wait([job])
+            # after the wait: a load reading a store is issued once the read has landed, and
+            # the arrays the engine gets must come after it
+            self._give_engine_arrays()
             success = True
             for done, ok in self.worker.get_finished():
                 if done == job:
