@@ -8,12 +8,14 @@ for the device (`jax.block_until_ready`, the manager's `sync_transfers`)."""
 
 from __future__ import annotations
 
+import cProfile
 import datetime
 import functools
 import gc
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -44,6 +46,14 @@ def count_compiles(event: str, *args: Any, **kwargs: Any) -> None:
 
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
+
+
+def by_own_time(prof: cProfile.Profile, top: int) -> list[tuple[str, int, float]]:
+    """The `top` functions of a profile by their own time: ("file:line(name)", calls, own
+    seconds)."""
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{fn.rsplit(os.sep, 1)[-1]}:{line}({name})", nc, tt)
+            for (fn, line, name), (_, nc, tt, _, _) in rows]
 
 
 def err_text(e: BaseException) -> str:

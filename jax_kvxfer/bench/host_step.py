@@ -21,7 +21,7 @@ import numpy as np
 
 from ..cache import BlockManager
 from ..transfer.pool import KVCacheBlockPool
-from .helpers import median
+from .helpers import by_own_time, median
 
 H200 = {"tokens_per_block": 16, "primary": 3840, "secondary": 16384, "batch": 16,
         "budget": 2048, "turn_tokens": 1024, "gen": 32, "conversations": 48, "turns": 5,
@@ -120,11 +120,9 @@ def run_host(quick: bool, top: int = 12) -> dict[str, Any]:
         medians.append(median(times))
     prof = cProfile.Profile()
     drive(p, prof=prof)
-    st = pstats.Stats(prof)
-    total = st.total_tt or 1.0
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
-    profile = [{"function": f"{fn.rsplit('/', 1)[-1]}:{line}({name})", "calls": nc,
-                "own_share": tt / total} for (fn, line, name), (_, nc, tt, _, _) in rows]
+    total = pstats.Stats(prof).total_tt or 1.0
+    profile = [{"function": fn, "calls": nc, "own_share": tt / total}
+               for fn, nc, tt in by_own_time(prof, top)]
     return {"steps": p["steps"], "repeats": p["repeats"], "sizes": dict(p),
             "step_mean_s": median(means), "step_mean_spread_s": [min(means), max(means)],
             "step_median_s": median(medians), "profile": profile}

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import KVCacheBlock, KVCacheBlockPool, KVCacheTransferManager, copy_blocks
 from .config import DTYPE, fmt_size
-from .helpers import COMPILES, err_text, median
+from .helpers import COMPILES, by_own_time, err_text, median
 
 GEOMETRY = {"num_kv_heads": 8, "size_per_head": 128, "tokens_per_block": 16}
 GEOMETRIES = (("Llama-3.1-8B", 32, 256), ("one layer of it", 1, 1024))  # name, layers, blocks
@@ -236,13 +236,12 @@ def call_profile(sample: Any, first_round: int, rounds: int, top: int = 8) -> di
     for r in range(first_round, first_round + rounds):
         sample(r)
     prof.disable()
-    stats = pstats.Stats(prof).stats
-    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    jax_calls = sorted(((nc / rounds, name) for (fn, _, name), (_, nc, _, _, _) in stats.items()
-                        if f"{os.sep}jax{os.sep}" in fn), reverse=True)
+    jax_calls = sorted(((nc / rounds, name) for (fn, _, name), (_, nc, _, _, _)
+                        in pstats.Stats(prof).stats.items() if f"{os.sep}jax{os.sep}" in fn),
+                       reverse=True)
     return {"rounds": rounds,
-            "own_us": [{"function": f"{fn.rsplit(os.sep, 1)[-1]}:{line}({name})",
-                        "us": 1e6 * tt / rounds} for (fn, line, name), (_, _, tt, _, _) in own],
+            "own_us": [{"function": fn, "us": 1e6 * tt / rounds}
+                       for fn, _, tt in by_own_time(prof, top)],
             "jax_python_calls": [{"function": name, "calls": n} for n, name in jax_calls]}
 
 
