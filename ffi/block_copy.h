@@ -125,12 +125,17 @@ struct CopyOptions {
   bool hazard_free = true;  // no block is both read and written (a layered copy: always)
 };
 
+constexpr int64_t kOnboardLane = 1;  // the lane of onboards (host -> device)
+
 // A lane copy (the manager's copies beside compute; lanes_cuda.cu).
 struct LaneOptions {
   int64_t lane;              // 0: offloads, 1: onboards
   int64_t wait_lane;         // the lane waits for this one first, or -1
   int64_t stream_wait_lane;  // XLA's stream waits for it first, or -1
   bool whole_blocks;
+  // An onboard: its copies in this many groups of layers, each group's done before the next
+  // starts (a step's layer waits for its group alone: WaitLayers); 1: not split.
+  int64_t layer_groups;
 };
 
 // A layered copy's (layer_copy.h): the layers' views, then a copy's or a lane copy's options.
@@ -180,6 +185,15 @@ auto BindJoinLanes(Binding&& binding) {
       .template Attr<int64_t>("lanes");  // bit i: wait for lane i
 }
 
+// The wait for onboarded layers: after the binding's one array, the same, aliased, and how many
+// of the first layers to wait for.
+template <typename Binding>
+auto BindWaitLayers(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("layers");
+}
+
 // TensorRT-LLM's rule: n <= 0 or n >= tokens copies the whole block. Rows that are not whole
 // bytes (odd size_per_head of a 4-bit type) only ever copy whole blocks.
 KVXFER_HOST_DEVICE inline int64_t TokensToCopy(int32_t n, const PoolGeometry& g) {
@@ -195,7 +209,8 @@ KVXFER_HOST_DEVICE inline int64_t TokensToCopy(int32_t n, const PoolGeometry& g)
       KVXFER_ATTR(bool, "whole_blocks")
 #define KVXFER_LANE_ATTRS                                                                \
   KVXFER_ATTR(int64_t, "lane"), KVXFER_ATTR(int64_t, "wait_lane"),                       \
-      KVXFER_ATTR(int64_t, "stream_wait_lane"), KVXFER_ATTR(bool, "whole_blocks")
+      KVXFER_ATTR(int64_t, "stream_wait_lane"), KVXFER_ATTR(bool, "whole_blocks"),    \
+      KVXFER_ATTR(int64_t, "layer_groups")
 #define KVXFER_LAYER_ATTRS \
   KVXFER_ATTR(bool, "offload"), KVXFER_ATTR(xla::ffi::Span<const int64_t>, "views")
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(kvxfer::CopyOptions, KVXFER_COPY_ATTRS,

@@ -1,5 +1,7 @@
 // CPU handler of the jax_kvxfer block copy: the reference implementation of the op's semantics.
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "block_copy.h"
 #include "dma_plan.h"
@@ -85,12 +87,48 @@ ffi::Error BlockCopyWithinCpu(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src_idx
                       options);
 }
 
+// Runs the copy engines' plan of `parts` (dma_plan.h) with memcpy: each part's pairs in order.
+void CopyPlanned(const std::vector<Batch>& parts) {
+  for (const Batch& part : parts) {
+    if (part.src_blocks == 0 || part.dst_blocks == 0) continue;
+    std::vector<DmaCopy> copies;
+    PlanDmaCopies(part, &copies);
+    for (const DmaCopy& c : copies) {
+      for (size_t row = 0; row < c.height; ++row) {
+        std::memcpy(c.dst + row * c.pitch, c.src + row * c.pitch, c.width);
+      }
+    }
+  }
+}
+
+// An onboard split by layers as the GPU's lane splits it (SplitLayerGroups), group after group;
+// false where it does not split (the caller copies it whole).
+bool CopyLayerGroups(const std::vector<LayeredPart>& parts, int64_t groups) {
+  std::vector<std::vector<Batch>> split;
+  std::vector<int64_t> ends;
+  if (!SplitLayerGroups(parts, groups, &split, &ends)) return false;
+  for (const std::vector<Batch>& group : split) CopyPlanned(group);
+  return true;
+}
+
 // The manager's lane copies (lanes_cuda.cu) and their join. The CPU has no lanes: a lane copy
 // is done when its call is, in pair order, which is what the manager's runs need (no pair reads
-// a slot that an earlier pair of the run writes), and the join only hands the array on.
+// a slot that an earlier pair of the run writes), and the join only hands the array on. An
+// onboard with layer groups runs the GPU's split, so that tests check it here too.
 ffi::Error LaneCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
                        ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
-                       ffi::Result<ffi::AnyBuffer> out, LaneOptions /*options*/) {
+                       ffi::Result<ffi::AnyBuffer> out, LaneOptions options) {
+  if (options.layer_groups > 1 && options.lane == kOnboardLane && src.untyped_data() != dst.untyped_data()) {
+    Batch b;
+    KVXFER_RETURN_IF_ERROR(
+        PoolBatch(dst, src, *out, src_idx, dst_idx, num_tokens, options.whole_blocks, &b));
+    if (b.dst.data != dst.untyped_data()) {  // XLA did not alias: start from dst's contents
+      std::memcpy(b.dst.data, dst.untyped_data(), b.dst_blocks * b.g.block_bytes);
+    }
+    if (CopyLayerGroups({{b, 0, dst.dimensions()[1]}}, options.layer_groups)) {
+      return ffi::Error::Success();
+    }
+  }
   return CopyPairs(dst, src, src_idx, dst_idx, num_tokens, *out, true,
                    src_idx.element_count(), nullptr, 0);
 }
@@ -114,16 +152,16 @@ ffi::Error CopyLayers(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> dst_i
       std::memcpy(out, in, bytes);
     }
   }
-  for (const Batch& part : plan.parts) {
-    if (part.src_blocks == 0 || part.dst_blocks == 0) continue;
-    std::vector<DmaCopy> copies;
-    PlanDmaCopies(part, &copies);
-    for (const DmaCopy& c : copies) {
-      for (size_t row = 0; row < c.height; ++row) {
-        std::memcpy(c.dst + row * c.pitch, c.src + row * c.pitch, c.width);
+  if constexpr (std::is_same_v<Options, LaneOptions>) {
+    if (options.o.layer_groups > 1 && !options.offload) {
+      std::vector<LayeredPart> parts;
+      for (size_t k = 0; k < plan.parts.size(); ++k) {
+        parts.push_back({plan.parts[k], plan.part_layers[k], 1});
       }
+      if (CopyLayerGroups(parts, options.o.layer_groups)) return ffi::Error::Success();
     }
   }
+  CopyPlanned(plan.parts);
   return ffi::Error::Success();
 }
 
@@ -149,6 +187,12 @@ ffi::Error JoinLanesCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
   return ffi::Error::Success();
 }
 
+// The CPU's lanes are done when their calls are: nothing to wait for.
+ffi::Error WaitLayersCpu(ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
+                         int64_t /*layers*/) {
+  return JoinLanesCpu(array, out, 0);
+}
+
 }  // namespace
 
 // The start of a binding: two pools (destination, source) or one (a copy within it).
@@ -162,6 +206,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerCopyCpu, LayerCopyCpu, BindLayerCopy(ffi::Ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCpu, LayerLaneCopyCpu,
                               BindLayerLaneCopy(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu, BindJoinLanes(KVXFER_POOLS_1));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kWaitLayersCpu, WaitLayersCpu, BindWaitLayers(KVXFER_POOLS_1));
 
 void DefineSlotColumns(nb::module_& m);  // slot_columns.cc
 

@@ -4,6 +4,7 @@
 // memcpy (block_copy_cpu.cc), and the host emulation (tests/native/copy_units_emulation.cc).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -94,6 +95,64 @@ inline bool PlanStagedSources(const Batch& b, double max_copies_per_pair,
   }
   if (valid == 0 || static_cast<double>(runs.size()) > max_copies_per_pair * valid) return false;
   *out = std::move(runs);
+  return true;
+}
+
+// The layers of group g of `groups` over `num_layers` layers: [g * L / G, (g + 1) * L / G), as
+// near equal as whole layers allow. jax_kvxfer/transfer/_lanes.py spells the same rule.
+inline std::pair<int64_t, int64_t> LayerGroupBounds(int64_t g, int64_t groups, int64_t num_layers) {
+  return {g * num_layers / groups, (g + 1) * num_layers / groups};
+}
+
+// A part of a copy and the layers it holds: `first_layer` and `num_layers` (a pool's batch: all
+// of them, its `outer` runs layer by layer; a layered copy's part: one layer's slab).
+struct LayeredPart {
+  Batch batch;
+  int64_t first_layer;
+  int64_t num_layers;
+};
+
+// An onboard split by layers (lanes_cuda.cu: the model's layer l waits only for its group's
+// copies): per group of `groups`, the parts' bytes of that group's layers, and `ends[g]`, the
+// layer that group g ends before. A part over several layers is cut into its layers' runs (each
+// layer's runs are contiguous in a block, so a group's runs are one range per block, at the
+// part's block strides). Returns false, splitting nothing, where a part's runs are not whole
+// bytes or not whole layers (a 4-bit pool with odd rows), or `groups` is not in [2, layers].
+// Host code.
+inline bool SplitLayerGroups(const std::vector<LayeredPart>& parts, int64_t groups,
+                             std::vector<std::vector<Batch>>* out, std::vector<int64_t>* ends) {
+  int64_t num_layers = 0;
+  for (const LayeredPart& p : parts) {
+    const PoolGeometry& g = p.batch.g;
+    if (p.num_layers < 1 || g.outer % p.num_layers != 0 || (p.num_layers > 1 && g.row_bytes == 0)) {
+      return false;
+    }
+    num_layers = std::max(num_layers, p.first_layer + p.num_layers);
+  }
+  if (groups < 2 || groups > num_layers) return false;
+  out->assign(static_cast<size_t>(groups), {});
+  ends->clear();
+  for (int64_t k = 0; k < groups; ++k) {
+    const auto [lo, hi] = LayerGroupBounds(k, groups, num_layers);
+    ends->push_back(hi);
+    for (const LayeredPart& p : parts) {
+      const int64_t from = std::max(lo, p.first_layer);
+      const int64_t to = std::min(hi, p.first_layer + p.num_layers);
+      if (from >= to) continue;
+      if (to - from == p.num_layers) {
+        (*out)[k].push_back(p.batch);
+        continue;
+      }
+      Batch b = p.batch;
+      const int64_t runs = b.g.outer / p.num_layers;  // per layer
+      const int64_t offset = (from - p.first_layer) * runs * b.g.tokens * b.g.row_bytes;
+      b.dst.data += offset;
+      b.src.data += offset;
+      b.g.outer = (to - from) * runs;
+      b.g.block_bytes = b.g.outer * b.g.tokens * b.g.row_bytes;
+      (*out)[k].push_back(b);
+    }
+  }
   return true;
 }
 

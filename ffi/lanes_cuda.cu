@@ -1,7 +1,8 @@
 // The handlers on the library's own streams (streams.h): the transfer lanes' copies and their
-// join. docs/design.md ("The native side") tells what each
+// join, and a step's wait for onboarded layers. docs/design.md ("The native side") tells what each
 // orders after what and what must outlive a call; the comments here say how.
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "layer_copy.h"
@@ -75,17 +76,43 @@ ffi::Error StageOnboard(cudaStream_t stream, DeviceStreams* lanes, std::vector<B
   return ffi::Error::Success();
 }
 
+// Enqueues an onboard split by layers (SplitLayerGroups) on `lane_stream`: each group's copies,
+// then its event, marked for AwaitLayers once every group's is recorded.
+cudaError_t EnqueueLayerGroups(DeviceStreams* lanes, cudaStream_t lane_stream,
+                               const std::vector<std::vector<Batch>>& groups,
+                               const std::vector<int64_t>& ends) {
+  lanes->layer_marks = 0;  // until every group's event is recorded: waits take done[] instead
+  while (lanes->layer_events.size() < groups.size()) {
+    cudaEvent_t event = nullptr;
+    if (cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+        err != cudaSuccess) {
+      return err;
+    }
+    lanes->layer_events.push_back(event);
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    cudaError_t err = EnqueueDmaCopies(lane_stream, groups[g], false);
+    if (err == cudaSuccess) err = cudaEventRecord(lanes->layer_events[g], lane_stream);
+    if (err != cudaSuccess) return err;
+  }
+  lanes->layer_ends = ends;
+  lanes->layer_marks = groups.size();
+  return cudaSuccess;
+}
+
 // Enqueues `parts` (one batch, or a layered copy's batch per layer and slab) on lane
 // options.lane, behind XLA's stream. An offload (a source in device memory, not `within` one
 // pool) first gathers every part's sources on XLA's stream into a snapshot of one row of
 // `row_bytes` per pair, part k at `offsets[k]` of the row; with whole blocks the lane then copies
 // whole rows, one copy per pair (adjacent rows merged). `unaliased`: (result, operand, bytes) of
 // the destinations, copied first where XLA did not alias them. An onboard of whole host rows in
-// runs may go through staging instead (StageOnboard).
+// runs may go through staging instead (StageOnboard), or, with options.layer_groups, be split by
+// the layers `part_layers` names for each part (first, count) instead.
 ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
                          const std::vector<std::tuple<void*, const void*, size_t>>& unaliased,
                          std::vector<Batch> parts, const std::vector<int64_t>& offsets,
-                         int64_t row_bytes, bool within) {
+                         int64_t row_bytes, bool within,
+                         const std::vector<std::pair<int64_t, int64_t>>& part_layers) {
   const auto lane_ok = [](int64_t l) { return l >= 0 && l < kLanes; };
   if (!lane_ok(options.lane) || (options.wait_lane >= 0 && !lane_ok(options.wait_lane)) ||
       (options.stream_wait_lane >= 0 && !lane_ok(options.stream_wait_lane))) {
@@ -112,6 +139,8 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
   const cudaStream_t lane_stream = lanes->lane[options.lane];
   void* staging = nullptr;  // an offload's snapshot, or a staged onboard's rows
   std::vector<DmaCopy> staged_runs;
+  std::vector<std::vector<Batch>> layer_groups;  // an onboard split by layers
+  std::vector<int64_t> group_ends;
   if (!within && !IsHostMemory(first.src.data)) {
     // An offload: gather the source blocks on XLA's stream (a device-to-device copy, a small
     // part of the transfer's time), then copy the gathered blocks to the host on the lane.
@@ -145,8 +174,15 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
       for (size_t k = 0; k < parts.size(); ++k) parts[k].src = {rows + offsets[k], row_bytes, true};
     }
   } else if (!within) {
-    KVXFER_RETURN_IF_ERROR(
-        StageOnboard(stream, lanes, &parts, offsets, row_bytes, &staged_runs, &staging));
+    std::vector<LayeredPart> layered;
+    for (size_t k = 0; k < parts.size(); ++k) {
+      layered.push_back({parts[k], part_layers[k].first, part_layers[k].second});
+    }
+    if (options.layer_groups < 2 ||
+        !SplitLayerGroups(layered, options.layer_groups, &layer_groups, &group_ends)) {
+      KVXFER_RETURN_IF_ERROR(
+          StageOnboard(stream, lanes, &parts, offsets, row_bytes, &staged_runs, &staging));
+    }
   }
   // The lane starts behind XLA's stream, and behind wait_lane (where their slots meet).
   err = lanes->Follow(lane_stream, stream);
@@ -157,8 +193,13 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
   if (err == cudaSuccess && !staged_runs.empty()) {  // a staged onboard
     err = EnqueuePlannedCopies(lane_stream, staged_runs, false);
     if (err == cudaSuccess) launched = LaunchPartsKernel(lane_stream, parts, kStagingCtas);
+  } else if (err == cudaSuccess && !layer_groups.empty()) {
+    err = EnqueueLayerGroups(lanes, lane_stream, layer_groups, group_ends);
   } else if (err == cudaSuccess) {
     err = EnqueueDmaCopies(lane_stream, parts, within);
+  }
+  if (options.lane == kOnboardLane && layer_groups.empty()) {
+    lanes->layer_marks = 0;  // this copy is not split: a layer wait waits for all of it
   }
   if (staging != nullptr) {
     // Freed in the lane's order even if enqueueing failed: nothing may leak.
@@ -182,7 +223,7 @@ ffi::Error LaneCopy(cudaStream_t stream, ffi::AnyBuffer dst, ffi::AnyBuffer src,
   if (within) b.src.data = b.dst.data;
   return EnqueueOnLane(stream, options,
                        {{b.dst.data, dst.untyped_data(), b.dst_blocks * b.g.block_bytes}}, {b},
-                       {0}, b.g.block_bytes, within);
+                       {0}, b.g.block_bytes, within, {{0, dst.dimensions()[1]}});
 }
 
 // The layered copy (layer_copy.h) on a lane: per layer and slab a part; an offload's snapshot
@@ -193,8 +234,10 @@ ffi::Error LayerLaneCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
                          Layered<LaneOptions> options) {
   LayerCopyPlan plan;
   KVXFER_RETURN_IF_ERROR(PlanLayerCopy(src_idx, dst_idx, num_tokens, arrays, outs, options, &plan));
+  std::vector<std::pair<int64_t, int64_t>> part_layers;
+  for (int64_t layer : plan.part_layers) part_layers.emplace_back(layer, 1);
   return EnqueueOnLane(stream, options.o, plan.destinations, plan.parts, plan.row_offsets,
-                       plan.row_bytes, false);
+                       plan.row_bytes, false, part_layers);
 }
 
 // XLA's stream waits for everything enqueued so far on the lanes of its device that `lanes`
@@ -214,11 +257,29 @@ ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi:
   return CudaStatus(err, "join the transfer lanes");
 }
 
+// XLA's stream waits until the first `layers` layers of everything enqueued on the onboard lane
+// so far have landed (DeviceStreams::AwaitLayers): a model step's wait before those layers.
+ffi::Error WaitLayers(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t layers) {
+  DeviceStreams* lanes = nullptr;
+  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &lanes));
+  ScopedDevice on_device(lanes->device);
+  std::lock_guard<std::mutex> lock(lanes->mu);
+  const auto timing = lanes->BeginExposed(stream);
+  cudaError_t err = lanes->AwaitLayers(stream, layers);
+  lanes->EndExposed(timing, stream);
+  if (err == cudaSuccess) {
+    err = CopyUnaliased(stream, out->untyped_data(), array.untyped_data(), array.size_bytes());
+  }
+  return CudaStatus(err, "wait for the onboarded layers");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyCuda, LaneCopy, BindLaneCopy(KVXFER_POOLS_2));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLaneCopyWithinCuda, Within<LaneCopy>{}, BindLaneCopy(KVXFER_POOLS_1));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kLayerLaneCopyCuda, LayerLaneCopy, BindLayerLaneCopy(KVXFER_STREAM));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCuda, JoinLanes, BindJoinLanes(KVXFER_POOLS_1));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kWaitLayersCuda, WaitLayers, BindWaitLayers(KVXFER_POOLS_1));
 
 }  // namespace kvxfer

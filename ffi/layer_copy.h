@@ -25,6 +25,7 @@ namespace kvxfer {
 struct LayerCopyPlan {
   std::vector<Batch> parts;  // one per layer and slab, each writing bytes of its own
   std::vector<int64_t> row_offsets;  // where each part lies in a host row
+  std::vector<int64_t> part_layers;  // each part's layer
   int64_t row_bytes = 0;             // of a host row
   // (result, operand, bytes) of each destination array: where XLA did not alias them, the
   // result starts as a copy of the operand
@@ -126,6 +127,7 @@ ffi::Error PlanLayerCopy(ffi::Buffer<ffi::S32> src_idx, ffi::Buffer<ffi::S32> ds
               g, o.o.whole_blocks};
       plan->parts.push_back(b);
       plan->row_offsets.push_back(offset + c * g.block_bytes);
+      plan->part_layers.push_back(static_cast<int64_t>(l));
     }
     offset += v[0] * g.block_bytes;
   }

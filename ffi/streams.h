@@ -25,6 +25,12 @@ struct DeviceStreams {
   cudaStream_t lane[kLanes] = {};
   cudaEvent_t done[kLanes] = {};  // the last copy enqueued on each of the manager's lanes
   cudaEvent_t ready = nullptr;    // where XLA's stream was when a lane last followed it
+  // Where the onboard lane's last copy was split by layers (lanes_cuda.cu): layer_events[g] is
+  // recorded once the layers before layer_ends[g] have landed, for the first `layer_marks`
+  // groups; 0 where that copy was not split (then only done[kOnboardLane] says anything).
+  std::vector<cudaEvent_t> layer_events;
+  std::vector<int64_t> layer_ends;
+  size_t layer_marks = 0;
   cudaMemPool_t staging = nullptr;  // offload snapshots, freed in a lane's order
   // Timed event pairs around what the lanes cost XLA's stream (a join's wait, a snapshot),
   // recorded there and summed once both have completed (SumExposed).
@@ -44,6 +50,15 @@ struct DeviceStreams {
       if (mask & (int64_t{1} << i)) err = cudaStreamWaitEvent(waiter, done[i], 0);
     }
     return err;
+  }
+  // `waiter` waits until the first `layers` layers of everything enqueued on the onboard lane
+  // so far have landed: the event of the last copy's first group that ends at or after them
+  // (the lane runs in order, so it follows every earlier copy whole), else done[kOnboardLane].
+  cudaError_t AwaitLayers(cudaStream_t waiter, int64_t layers) {
+    for (size_t g = 0; g < layer_marks; ++g) {
+      if (layer_ends[g] >= layers) return cudaStreamWaitEvent(waiter, layer_events[g], 0);
+    }
+    return cudaStreamWaitEvent(waiter, done[kOnboardLane], 0);
   }
   // Times what is enqueued on `stream` between the two calls as the lanes' cost.
   std::pair<cudaEvent_t, cudaEvent_t> BeginExposed(cudaStream_t stream);

@@ -15,4 +15,5 @@
   X("jax_kvxfer_layer_lane_copy", LayerLaneCopy, LayerLaneCopy)                      \
   X("jax_kvxfer_lane_copy", LaneCopy, LaneCopy)                                      \
   X("jax_kvxfer_lane_copy_within", LaneCopyWithin, LaneCopyWithin)                   \
-  X("jax_kvxfer_join_lanes", JoinLanes, JoinLanes)
+  X("jax_kvxfer_join_lanes", JoinLanes, JoinLanes)                                  \
+  X("jax_kvxfer_wait_layers", WaitLayers, WaitLayers)

@@ -4,7 +4,8 @@
   usable inside `jax.jit` (CPU and CUDA).
 - `KVCacheBlockPool`, `KVCacheBlock`, `KVCacheTransferManager`: TensorRT-LLM's offload/onboard
   machinery with pools held as `jax.Array`s (primary in `device`, secondary in `pinned_host`);
-  on a GPU the manager's copies run on transfer lanes beside compute.
+  on a GPU the manager's copies run on transfer lanes beside compute; `wait_for_layers` lets a
+  step's layers wait only for their own onboarded blocks.
 - `BlockManager`: a prefix cache over a pool, with stores behind it.
 """
 
@@ -15,6 +16,8 @@ from .transfer.manager import (
     KVCacheTransferManager,
     PendingTransfer,
     TransferStats,
+    layer_group_bounds,
+    wait_for_layers,
 )
 from .transfer.pool import KVCacheBlock, KVCacheBlockPool, to_numpy
 
@@ -31,7 +34,9 @@ __all__ = [
     "PrefixMatch",
     "TransferStats",
     "copy_blocks",
+    "layer_group_bounds",
     "partial_block_copy",
     "to_numpy",
+    "wait_for_layers",
 ]
 __version__ = "0.1.0"

@@ -35,18 +35,20 @@ LAYER_LANE_COPY_TARGET = "jax_kvxfer_layer_lane_copy"  # the same on a transfer 
 LANE_COPY_TARGET = "jax_kvxfer_lane_copy"
 LANE_COPY_WITHIN_TARGET = "jax_kvxfer_lane_copy_within"
 JOIN_LANES_TARGET = "jax_kvxfer_join_lanes"
+# A step's wait for the onboarded layers it reads next: (array)
+WAIT_LAYERS_TARGET = "jax_kvxfer_wait_layers"
 
 TARGETS: tuple[str, ...] = (
     BLOCK_COPY_TARGET, BLOCK_COPY_WITHIN_TARGET, BLOCK_COPY_NOGRAPH_TARGET,
     BLOCK_COPY_WITHIN_NOGRAPH_TARGET, LAYER_COPY_TARGET, LAYER_LANE_COPY_TARGET,
-    LANE_COPY_TARGET, LANE_COPY_WITHIN_TARGET, JOIN_LANES_TARGET)
+    LANE_COPY_TARGET, LANE_COPY_WITHIN_TARGET, JOIN_LANES_TARGET, WAIT_LAYERS_TARGET)
 """Every target above: both builds (CPU and CUDA) register exactly these."""
 
 # The attributes each target's handler decodes (ffi/block_copy.h: the option structs and their
 # XLA_FFI_REGISTER_STRUCT_ATTR_DECODING lists). tests/native/test_targets.py checks this table
 # against those lists and against the attributes the emitters pass in a lowered program.
 _COPY = frozenset({"hazard_free", "unique_dst", "max_ctas", "dma", "whole_blocks"})
-_LANE = frozenset({"lane", "wait_lane", "stream_wait_lane", "whole_blocks"})
+_LANE = frozenset({"lane", "wait_lane", "stream_wait_lane", "whole_blocks", "layer_groups"})
 _LAYERED = frozenset({"offload", "views"})
 TARGET_ATTRIBUTES: dict[str, frozenset[str]] = {
     BLOCK_COPY_TARGET: _COPY, BLOCK_COPY_WITHIN_TARGET: _COPY,
@@ -54,7 +56,7 @@ TARGET_ATTRIBUTES: dict[str, frozenset[str]] = {
     LAYER_COPY_TARGET: _LAYERED | _COPY - {"hazard_free"},
     LAYER_LANE_COPY_TARGET: _LAYERED | _LANE,
     LANE_COPY_TARGET: _LANE, LANE_COPY_WITHIN_TARGET: _LANE,
-    JOIN_LANES_TARGET: frozenset({"lanes"}),
+    JOIN_LANES_TARGET: frozenset({"lanes"}), WAIT_LAYERS_TARGET: frozenset({"layers"}),
 }
 
 HAS_CUDA_HANDLERS: bool = _kvxfer_cuda is not None

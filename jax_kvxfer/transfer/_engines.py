@@ -61,18 +61,19 @@ def _copy_within_impl(pools, plan, token, facts, mesh, storages, whole=False):
 
 
 def _lane_across_impl(dsts, srcs, plan, token, lane, wait_lane, stream_wait_lane, whole,
-                      storages):
+                      storages, layer_groups):
     lanes = {"lane": lane, "wait_lane": wait_lane, "stream_wait_lane": stream_wait_lane,
-             "whole_blocks": whole}
+             "whole_blocks": whole, "layer_groups": layer_groups}
     # within one pool when d is s: one traced value
     return tuple(st.lane_copy(d, s, plan, **lanes)
                  for d, s, st in zip(dsts, srcs, storages)), token
 
 
-def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole, storages):
+def _lane_within_impl(pools, plan, token, lane, wait_lane, stream_wait_lane, whole, storages,
+                      layer_groups):
     # each pool is its own source: one traced value, which the lane copy copies within
     return _lane_across_impl(pools, pools, plan, token, lane, wait_lane, stream_wait_lane, whole,
-                             storages)
+                             storages, layer_groups)
 
 
 def _join_impl(arrays, token, lanes):
@@ -100,7 +101,7 @@ def _donated_and_not(impl, pools_argnums: tuple[int, ...], token_argnum: int, st
 
 
 _STATIC = ("facts", "mesh", "storages", "whole")
-_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole", "storages")
+_LANE_STATIC = ("lane", "wait_lane", "stream_wait_lane", "whole", "storages", "layer_groups")
 COPY_ACROSS = _donated_and_not(_copy_across_impl, (0,), 3, _STATIC)
 COPY_WITHIN = _donated_and_not(_copy_within_impl, (0,), 2, _STATIC)
 LANE_ACROSS = _donated_and_not(_lane_across_impl, (0,), 3, _LANE_STATIC)
@@ -264,6 +265,9 @@ class InLineEngine(Engine):
     def join(self, everything: bool) -> None:
         """Nothing to join: every copy is on XLA's stream already."""
 
+    def hand_to_step(self) -> None:
+        """Nothing to hand over: every copy is on XLA's stream already."""
+
 
 class LaneEngine(Engine):
     """The copies on the transfer lanes, beside compute (_lanes.py), ordered by LaneHazards.
@@ -272,8 +276,10 @@ class LaneEngine(Engine):
     done when its call is, and nothing needs joining.
     """
 
-    def __init__(self, pools: Sequence[Any], plans: PlanRing, lock: Any) -> None:
+    def __init__(self, pools: Sequence[Any], plans: PlanRing, lock: Any,
+                 layer_groups: int = 1) -> None:
         super().__init__(pools, plans)
+        self.layer_groups = layer_groups  # an onboard's copies, in groups of layers
         first = self.pools[0]
         self.hazards = LaneHazards(first.num_primary_blocks, first.num_secondary_blocks)
         self.asynchronous = first.device.platform == "gpu"
@@ -292,7 +298,7 @@ class LaneEngine(Engine):
         plan, slot = self.plan_arrays(run)
         static = {"lane": order.lane, "wait_lane": order.wait_lane,
                   "stream_wait_lane": order.stream_wait_lane, "whole": run.whole,
-                  "storages": self.storages}
+                  "storages": self.storages, "layer_groups": self.layer_groups}
         if src_primary == dst_primary:
             args, fns = (self.current(True), plan), LANE_WITHIN
         else:
@@ -332,10 +338,20 @@ class LaneEngine(Engine):
             for memory, array in zip(through, new):
                 if array is not None:
                     pool.take_copy_result(memory, array)
+        self._settled(everything)
+
+    def hand_to_step(self) -> None:
+        """The step dispatched next joins lane 1 itself, layer by layer (`wait_for_layers`,
+        every layer before it reads it): no join here, and later copies count lane 1's
+        pending copies as joined, as after `join`."""
+        self._settled(False)
+
+    def _settled(self, everything: bool) -> None:
+        """Once XLA's stream is ordered after lane 1 (and with `everything`, lane 0)."""
         self._onboards_done()
         # Idle lanes alone would not do: an offload whose dispatch XLA has not run yet is not
         # on its lane yet.
-        if everything or not hazards.offloads_pending or self.fence().done():
+        if everything or not self.hazards.offloads_pending or self.fence().done():
             self._offloads_done()
 
     def user_join(self, name: str) -> None:

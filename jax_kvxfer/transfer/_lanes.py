@@ -27,6 +27,8 @@ On the CPU a lane copy is done when its call is, and a join hands its array on.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -36,11 +38,13 @@ from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE
 
 def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
                    wait_lane: int = NO_LANE, stream_wait_lane: int = NO_LANE,
-                   whole_blocks: bool = False):
+                   whole_blocks: bool = False, layer_groups: int = 1):
     """The copy of `copy_blocks` (same pair semantics, `src_pool is dst_pool` within one pool)
     enqueued on `lane`. The indices must be pinned_host arrays whose values are written before
     the dispatch (the manager's plan ring). wait_lane: the lane first waits for that lane's
-    pending copies; stream_wait_lane: XLA's stream waits for that lane first (NO_LANE: none)."""
+    pending copies; stream_wait_lane: XLA's stream waits for that lane first (NO_LANE: none);
+    layer_groups: an onboard's copies in that many groups of layers (`layer_group_bounds`),
+    each marked for `wait_for_layers` as it lands (1: not split)."""
     within = src_pool is dst_pool
     target = _native.LANE_COPY_WITHIN_TARGET if within else _native.LANE_COPY_TARGET
     call = jax.ffi.ffi_call(target, jax.typeof(dst_pool), input_output_aliases={0: 0},
@@ -48,7 +52,42 @@ def lane_copy_call(dst_pool, src_pool, src_idx, dst_idx, tokens, *, lane: int,
     pools = (dst_pool,) if within else (dst_pool, src_pool)
     return call(*pools, src_idx, dst_idx, tokens, lane=np.int64(lane),
                 wait_lane=np.int64(wait_lane), stream_wait_lane=np.int64(stream_wait_lane),
-                whole_blocks=np.bool_(whole_blocks))
+                whole_blocks=np.bool_(whole_blocks), layer_groups=np.int64(layer_groups))
+
+
+def layer_group_bounds(group: int, groups: int, num_layers: int) -> tuple[int, int]:
+    """The layers `[lo, hi)` of group `group` of `groups` over `num_layers` layers, as an
+    onboard with layer groups splits them (the native side, ffi/dma_plan.h, spells the same
+    rule): as near equal as whole layers allow."""
+    return group * num_layers // groups, (group + 1) * num_layers // groups
+
+
+def wait_for_layers(array: Any, layers: int) -> Any:
+    """`array`, handed on once the first `layers` layers of every onboard issued so far have
+    landed: for a model step, inside `jax.jit`, before its layers below `layers` read the
+    pool, after `KVCacheTransferManager.sync_transfers(block=False, layer_wise=True)`.
+
+    On a GPU, XLA's stream waits there for the onboards' copies of those layers alone (a
+    manager with `layer_groups` copies an onboard group of layers by group, see
+    `layer_group_bounds`); the step's earlier layers run meanwhile. On the CPU the copies are
+    done already, and the array is handed on.
+
+    Args:
+      array: a jax.Array (or a traced one) on the pool's device, which the wait orders: pass
+        the pool array the next layers read, and read it from the result.
+      layers: how many of the pool's first layers (`pool.num_layers`; for a pool over an
+        engine's arrays, its arrays in order) must have landed, at least 1.
+
+    Raises:
+      TypeError, ValueError: `layers` not a positive integer.
+    """
+    if isinstance(layers, (bool, np.bool_)) or not isinstance(layers, (int, np.integer)):
+        raise TypeError(f"layers must be an integer, got {layers!r}")
+    if layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
+    call = jax.ffi.ffi_call(_native.WAIT_LAYERS_TARGET, jax.typeof(array),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(array, layers=np.int64(layers))
 
 
 def join_call(array, lanes: tuple[int, ...] = (OFFLOAD_LANE, ONBOARD_LANE)):

@@ -199,13 +199,14 @@ def layer_copy_call(host: Any, layers: Sequence[Any], src_idx: Any, dst_idx: Any
 
 def layer_lane_copy_call(host, layers, src_idx, dst_idx, tokens, *, offload: bool,
                          views: LayerViews, lane: int, wait_lane: int = NO_LANE,
-                         stream_wait_lane: int = NO_LANE, whole_blocks: bool = False):
+                         stream_wait_lane: int = NO_LANE, whole_blocks: bool = False,
+                         layer_groups: int = 1):
     """The layered copy enqueued on transfer lane `lane`, as `_lanes.lane_copy_call`. Returns
     the new host array (offload) or the new list of arrays (onboard)."""
     return layer_call(_native.LAYER_LANE_COPY_TARGET, host, layers, src_idx, dst_idx, tokens,
                       offload=offload, views=views, workspace=False, lane=np.int64(lane),
                       wait_lane=np.int64(wait_lane), stream_wait_lane=np.int64(stream_wait_lane),
-                      whole_blocks=np.bool_(whole_blocks))
+                      whole_blocks=np.bool_(whole_blocks), layer_groups=np.int64(layer_groups))
 
 
 def _on_devices(fn: Any, views: LayerViews, mesh: Any, in_specs: tuple, out_specs: Any) -> Any:

@@ -23,11 +23,12 @@ from ..observe.metrics import TransferManagerReport, check_metrics_choice
 from ..ops._checks import check_dma_choice
 from ._batch import PairBatch, check_batch, check_direction, check_index_batch, split_runs
 from ._engines import DonationWarning, Fence, InLineEngine, LaneEngine
-from ._lanes import take_exposed_seconds
+from ._lanes import layer_group_bounds, take_exposed_seconds, wait_for_layers
 from ._plan_ring import PlanRing
 from .pool import KVCacheBlock, KVCacheBlockPool
 
-__all__ = ["DonationWarning", "KVCacheTransferManager", "PendingTransfer", "TransferStats"]
+__all__ = ["DonationWarning", "KVCacheTransferManager", "PendingTransfer", "TransferStats",
+           "layer_group_bounds", "wait_for_layers"]
 
 Slot = tuple[int, bool]  # (memory_pool_block_index, is_primary)
 
@@ -77,7 +78,8 @@ class KVCacheTransferManager:
     """
 
     def __init__(self, pools: Sequence[KVCacheBlockPool], *, plan_ring: bool = True,
-                 dma: bool | str = "auto", metrics: bool | None = None) -> None:
+                 dma: bool | str = "auto", metrics: bool | None = None,
+                 layer_groups: int = 1) -> None:
         """Args:
           pools: one or more pools with equal block counts and tokens per block.
           plan_ring: pass block indices through a ring of `pinned_host` arrays that the copy
@@ -92,6 +94,13 @@ class KVCacheTransferManager:
             kernel on XLA's stream, in line with compute (no lanes).
           metrics: report the statistics to the process-wide Prometheus registry
             (jax_kvxfer.observe.metrics); None: when a metrics server has been started.
+          layer_groups: on the transfer lanes, each onboard lands in this many groups of
+            layers, one after another (`layer_group_bounds`), so that a step synced with
+            `sync_transfers(block=False, layer_wise=True)` computes its first layers while the
+            later ones still arrive (`wait_for_layers`). 1 (default): one piece. More groups
+            mean smaller copies (a block's bytes over the groups): keep a group's share of a
+            block at 256 KiB or more, where the copy engines keep their pace. At most the
+            pools' fewest layers.
         """
         check_dma_choice(dma)
         report = check_metrics_choice(metrics)
@@ -106,6 +115,11 @@ class KVCacheTransferManager:
         if len({id(p) for p in self._pools}) != len(self._pools):
             raise ValueError("pools holds the same KVCacheBlockPool twice; pass each pool once")
         first = self._pools[0]
+        fewest = min(p.num_layers for p in self._pools)
+        layer_groups = _as_int("layer_groups", layer_groups)
+        if not 1 <= layer_groups <= fewest:
+            raise ValueError(f"layer_groups must be between 1 and the pools' fewest layers "
+                             f"({fewest}), got {layer_groups}")
         for i, p in enumerate(self._pools[1:], start=1):
             for field in ("num_primary_blocks", "num_secondary_blocks", "tokens_per_block",
                           "device", "mesh", "kv_head_axis"):
@@ -134,7 +148,7 @@ class KVCacheTransferManager:
         # The transfer lanes where they can run (pools on one device, indices in the plan
         # ring's pinned_host arrays), the copy kernel on XLA's stream otherwise (_engines.py).
         self._engine: InLineEngine | LaneEngine = (
-            LaneEngine(self._pools, plans, self._lock)
+            LaneEngine(self._pools, plans, self._lock, layer_groups)
             if dma is not False and plans is not None and first.mesh is None
             else InLineEngine(self._pools, plans))
         self._report = (TransferManagerReport(lambda: self._stats, self._lock)
@@ -250,7 +264,7 @@ class KVCacheTransferManager:
                 if len(batch):
                     self._issue(op, batch)
 
-    def sync_transfers(self, block: bool = True) -> None:
+    def sync_transfers(self, block: bool = True, layer_wise: bool = False) -> None:
         """The step boundary: compute dispatched after it sees every transfer issued so far.
 
         TensorRT-LLM: `syncTransfers`. Clears `pending_transfers`.
@@ -262,11 +276,25 @@ class KVCacheTransferManager:
             and offloads go on in the background: compute never reads what they write, and a
             later onboard from their slots waits for them on the GPU. (Read the secondary
             pool with `to_numpy`, which waits for them, or after a blocking sync.)
+          layer_wise: with block=False, the wait for the onboards is left to the step
+            dispatched next, which must pass the primary array through `wait_for_layers`
+            before its layers read it, for every layer up to the last (as vLLM's connector
+            calls `wait_for_layer_load` in each layer): its first layers then compute while
+            the later ones still arrive (with `layer_groups`). Nothing else may read the
+            primary array in between.
+
+        Raises:
+          ValueError: layer_wise with block=True.
         """
+        if layer_wise and block:
+            raise ValueError("layer_wise=True needs block=False: a blocking sync waits for "
+                             "every layer already")
         with self._lock:
             self._issued.clear()
             if block:
                 self._engine.sync()
+            elif layer_wise:
+                self._engine.hand_to_step()
             else:
                 self._engine.join(everything=False)
 

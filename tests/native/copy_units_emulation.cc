@@ -265,6 +265,28 @@ std::string RunStaged(const Case& c, const Batch& b) {
   return staging.GuardsIntact() ? "" : "a write outside the staging buffer";
 }
 
+// An onboard split by layers (SplitLayerGroups), `b` seen as `layers` layers of its runs, in
+// `groups` groups: each group's copy engines' plan run with memcpy, the groups last to first
+// (they write bytes of their own). The split must cover the layers in order, group by group.
+std::string RunLayerGroups(const Batch& b, int64_t layers, int64_t groups) {
+  std::vector<std::vector<Batch>> split;
+  std::vector<int64_t> ends;
+  if (!kvxfer::SplitLayerGroups({{b, 0, layers}}, groups, &split, &ends)) {
+    return "the layer groups' refusal";
+  }
+  if (static_cast<int64_t>(split.size()) != groups || ends.back() != layers) {
+    return "the layer groups' count or last end";
+  }
+  for (int64_t g = groups - 1; g >= 0; --g) {
+    if (split[g].size() != 1 || ends[g] != kvxfer::LayerGroupBounds(g, groups, layers).second) {
+      return "layer group " + std::to_string(g) + "'s parts or end";
+    }
+    bool ordered = false;
+    RunDmaPlan(split[g][0], &ordered);
+  }
+  return "";
+}
+
 // Runs one case in both orders, and through the copy engines' plan where the handler would
 // take it (never the staging gather); returns an empty string or what went wrong.
 std::string Check(const Case& c, std::mt19937_64& rng) {
@@ -287,14 +309,22 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
   // kernel forward and reverse with the scan's answers, copy engines, and where no two pairs
   // write one block, kernel reverse with no scan (unique_dst_indices=True, or one pair).
   // mode 4: a staged onboard (PlanStagedSources with memcpy, then the kernel from the staging
-  // slots, in reverse), for whole blocks
-  for (int mode = 0; mode < 5; ++mode) {
+  // slots, in reverse), for whole blocks; mode 5: an onboard split by layers (the outer runs
+  // as a random number of layers that divides them), where rows are whole bytes
+  int64_t layers = 1;
+  for (int64_t l = 2; l <= c.g.outer; ++l) {
+    if (c.g.outer % l == 0 && (layers == 1 || rng() % 2 == 0)) layers = l;
+  }
+  const int64_t groups = 2 + static_cast<int64_t>(rng() % std::max<int64_t>(1, layers - 1));
+  for (int mode = 0; mode < 6; ++mode) {
     const bool reverse = mode != 0, dma = mode == 2, unique = mode == 3, staged = mode == 4;
-    if ((dma || unique || staged) && c.gather) continue;
+    const bool grouped = mode == 5;
+    if ((dma || unique || staged || grouped) && c.gather) continue;
+    if (grouped && (layers < 2 || c.g.row_bytes == 0)) continue;
     if (unique && HasDuplicateDestinations(c)) continue;
     if (staged && !all_whole) continue;
-    const char* name = staged ? "staged" : unique ? "reverse, no scan" : dma ? "copy engines"
-                       : reverse ? "reverse" : "forward";
+    const char* name = grouped ? "layer groups" : staged ? "staged" : unique ? "reverse, no scan"
+                       : dma ? "copy engines" : reverse ? "reverse" : "forward";
     Buffer dst(dst_slots * c.dst_stride);
     if (!dst0.empty()) std::memcpy(dst.data(), dst0.data(), dst0.size());
     Batch b{{reinterpret_cast<char*>(dst.data()), c.dst_stride, c.gather},
@@ -312,6 +342,9 @@ std::string Check(const Case& c, std::mt19937_64& rng) {
       bool ordered = false;
       RunDmaPlan(b, &ordered);
       if (ordered != HasDuplicateDestinations(c)) return "the copy engines' duplicates flag";
+    } else if (grouped) {
+      std::string failed = RunLayerGroups(b, layers, groups);
+      if (!failed.empty()) return failed;
     } else if (staged) {
       std::string failed = RunStaged(c, b);
       if (!failed.empty()) return failed;

@@ -54,8 +54,9 @@ def test_the_attribute_table_is_what_the_handlers_decode():
     assert set(decoded) == {"CopyOptions", "LaneOptions", "Layered<CopyOptions>",
                             "Layered<LaneOptions>"}, decoded
     assert set(TARGET_ATTRIBUTES) == set(TARGETS)
-    # the join of the lanes decodes one scalar attribute of its own ("lanes"), not a struct
-    structs = set(decoded.values()) | {frozenset({"lanes"})}
+    # the join of the lanes and the wait for layers each decode one scalar attribute of their
+    # own, not a struct
+    structs = set(decoded.values()) | {frozenset({"lanes"}), frozenset({"layers"})}
     for target, names in TARGET_ATTRIBUTES.items():
         assert names in structs, (target, sorted(names))
 
@@ -89,6 +90,7 @@ def test_the_emitters_pass_the_table_s_attributes():
     lower(lambda a, b, s: lane_copy_call(a, b, s, s, s, **lanes), pool, pool, i)
     lower(lambda a, s: lane_copy_call(a, a, s, s, s, **lanes), pool, i)
     lower(lambda a: join_call(a), pool)
+    lower(lambda a: kvx.wait_for_layers(a, 1), pool)
     layers = [jnp.zeros((4, 4, 2, 8), jnp.float32) for _ in range(2)]
     views = kvx.KVCacheBlockPool.from_layers(layers, token_axis=1,
                                              num_secondary_blocks=0).storage.views
