@@ -405,7 +405,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
 
     # -- step boundary and introspection ----------------------------------------------------
 
-    def sync_transfers(self, block: bool = True) -> None:
+    def sync_transfers(self, block: bool = True, layer_wise: bool = False) -> None:
         """Issues the queued transfers and joins them (the step boundary).
 
         TensorRT-LLM: `syncTransfers` after allocation, before the forward pass.
@@ -413,11 +413,13 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         Args:
           block: wait on the host until they are done; False: return at once, the GPU makes
             the next step wait for the onboards it reads (KVCacheTransferManager.sync_transfers).
+          layer_wise: with block=False, the next step waits for them itself, layer by layer
+            (`wait_for_layers`; KVCacheTransferManager.sync_transfers).
         """
         t0 = time.perf_counter()
         self._store_answers.clear()
         self._issue()
-        self.transfer_manager.sync_transfers(block=block)
+        self.transfer_manager.sync_transfers(block=block, layer_wise=layer_wise)
         self._stats.transfer_seconds += time.perf_counter() - t0
         if self._worker is not None:
             self._collect_finished()

@@ -54,7 +54,7 @@ class OffloadingWorker:
 
     def __init__(self, kv_caches: Any, *, num_host_blocks: int, token_axis: int,
                  block_axis: int = 0, stores: Store | Sequence[Store] = (),
-                 dma: bool | str = "auto") -> None:
+                 dma: bool | str = "auto", layer_groups: int = 1) -> None:
         """Args:
           kv_caches: the engine's arrays, one per layer (or per layer and K/V), as
             `KVCacheBlockPool.from_layers` takes them (one device, or split by heads); their
@@ -63,7 +63,8 @@ class OffloadingWorker:
           token_axis, block_axis: where the arrays keep a page's tokens and their pages.
           stores: the tiers below the host pool, bound here to the host rows' layout; give
             the manager the same (`stores=worker.stores`).
-          dma: as for `KVCacheTransferManager`.
+          dma, layer_groups: as for `KVCacheTransferManager` (a load lands in groups of
+            arrays, for a step that waits for them layer by layer: `kv_caches_by_layer`).
 
         Raises:
           TypeError, ValueError: arrays or arguments that do not fit, named.
@@ -72,7 +73,8 @@ class OffloadingWorker:
         pool = KVCacheBlockPool.from_layers(kv_caches, token_axis=token_axis,
                                             block_axis=block_axis,
                                             num_secondary_blocks=num_host_blocks)
-        self._setup([pool], KVCacheTransferManager([pool], dma=dma), stores)
+        self._setup([pool], KVCacheTransferManager([pool], dma=dma, layer_groups=layer_groups),
+                    stores)
 
     @classmethod
     def over_pools(cls, pools: Sequence[KVCacheBlockPool], *,
@@ -120,6 +122,18 @@ class OffloadingWorker:
     @kv_caches.setter
     def kv_caches(self, arrays: Any) -> None:
         self.pools[0].primary = arrays
+
+    def kv_caches_by_layer(self) -> list:
+        """The engine's arrays for a step that waits for the loads layer by layer, as vLLM's
+        connector calls `wait_for_layer_load` in each layer: inside its jitted step, the
+        engine passes array i through `jax_kvxfer.wait_for_layers(array, i + 1)` before
+        reading it, so that its first layers compute while the later ones still land (with
+        `layer_groups`). Not waiting for an array reads pages still being written: the step
+        must wait for every array it reads, and be the next thing that reads them. Ordered
+        after the loads issued, as `kv_caches`; assign the step's new arrays back."""
+        self._issue_ready()
+        self.transfer_manager.sync_transfers(block=False, layer_wise=True)
+        return self.pools[0].primary
 
     # -- jobs ----------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..transfer.manager import layer_group_bounds, wait_for_layers
 from ..transfer.pool import KVCacheBlockPool
 
 # float32 models multiply at full precision (no TF32 on GPUs: the exactness check compares
@@ -218,7 +219,8 @@ _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w
 
 def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Rows, ...], *,
             config: ModelConfig, fused_attention: bool = False, attention_tile: int | None = None,
-            full_width: bool = False) -> tuple[tuple[jax.Array, ...], jax.Array]:
+            full_width: bool = False, layer_groups: int = 0
+            ) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """One step over several segments: writes their tokens' K/V into `kv_pool`; returns one
     logits row per sequence of each segment.
 
@@ -240,6 +242,10 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         None: `default_attention_tile()`. Runs that must agree bit for bit use the same.
       full_width: attend by gathering the table's full width for every row instead (the model
         before tiling; a baseline for `scripts/model_bench.py`).
+      layer_groups: 0, or the layers in this many groups, each waiting only for its own layers'
+        onboards before it computes (`wait_for_layers`: the step after a
+        `sync_transfers(block=False, layer_wise=True)`), so that the first groups compute while
+        the later ones still arrive. The arithmetic is the same either way.
 
     Returns:
       `(one logits array [R, vocab_size] float32 per segment, new kv_pool)`.
@@ -255,9 +261,9 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     placed = [_where_written(seg, kv_pool.shape[0], t) for seg in segments]
     group = c.num_heads // c.num_kv_heads
 
-    def layer(carry, inputs):
+    def layer(carry, index):
         pool, xs = carry
-        index, weights = inputs
+        weights = {name: params[name][index] for name in _LAYER_PARAMS}
         # Each segment gets the weights through a barrier of its own: XLA's dot merger would
         # otherwise join the segments' products with one weight into one matrix product whose
         # shape, and so whose rounding, depends on what else is in the step.
@@ -284,11 +290,16 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
             out.append(x + dot(jax.nn.silu(dot(h, p["w1"])) * dot(h, p["w3"]), p["w2"]))
         return (pool, tuple(out)), None
 
-    # The layers as one scan: one layer to compile (seconds, where 32 unrolled layers take
-    # a minute on a GPU), at the cost of slicing each layer's weights out of the stack.
-    xs = tuple(params["embed"][seg.tokens] for seg in segments)
-    layers = {name: params[name] for name in _LAYER_PARAMS}
-    (kv_pool, xs), _ = jax.lax.scan(layer, (kv_pool, xs), (jnp.arange(c.num_layers), layers))
+    # The layers as a scan per group (one without groups): one layer to compile per group
+    # (seconds, where 32 unrolled layers take a minute on a GPU), each layer's weights sliced
+    # out of the whole stack (a group's part of it, sliced first, would be copied).
+    carry = (kv_pool, tuple(params["embed"][seg.tokens] for seg in segments))
+    for g in range(max(layer_groups, 1)):
+        lo, hi = layer_group_bounds(g, max(layer_groups, 1), c.num_layers)
+        if layer_groups:  # after the previous group's layers, which wrote the pool
+            carry = (wait_for_layers(carry[0], hi), carry[1])
+        carry, _ = jax.lax.scan(layer, carry, jnp.arange(lo, hi))
+    kv_pool, xs = carry
     logits = []
     for x, seg in zip(xs, segments):
         x = jnp.take_along_axis(x, seg.logit_index[:, None, None], axis=1)  # [R, 1, d_model]
@@ -433,14 +444,14 @@ def _attend(q: jax.Array, blocks: jax.Array, mask: jax.Array, precision) -> jax.
 
 def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
               fused_attention: bool | None = None, attention_tile: int | None = None,
-              full_width: bool = False, greedy: bool = False) -> Any:
+              full_width: bool = False, greedy: bool = False, layer_groups: int = 0) -> Any:
     """`forward` jitted, pool donated: `step(params, pool.primary, segments)`.
 
     Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
     `fused_attention`: None picks it for bfloat16 and float16 models on a GPU whose head
     dimension cuDNN takes (a multiple of 8, at most 256);
-    `attention_tile`, `full_width`: `forward`'s. `greedy`: the step returns `(records,
+    `attention_tile`, `full_width`, `layer_groups`: `forward`'s. `greedy`: the step returns `(records,
     new_pool)`, every row's `TokenRecord` (`token_record`: its argmax token, its `RECORD_KEPT`
     largest logits and a fingerprint of all of them), computed on the device and packed in one
     small array (`pack_records`, the segments' rows in order; `unpack_records` on the host), so
@@ -454,7 +465,8 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
                            and jax.default_backend() == "gpu")
     return _jitted_step(config, None if pool is None or pool.mesh is None
                         else pool.sharding("device"), fused_attention,
-                        attention_tile or default_attention_tile(), full_width, greedy)
+                        attention_tile or default_attention_tile(), full_width, greedy,
+                        layer_groups)
 
 
 RECORD_TOP_K = 32  # the largest logits of a token's row that serving.compare checks
@@ -579,10 +591,10 @@ def _greedy(params: dict, kv_pool: jax.Array, segments: tuple[Rows, ...], *,
 @functools.cache
 def _jitted_step(config: ModelConfig, pool_sharding: jax.sharding.NamedSharding | None,
                  fused_attention: bool, attention_tile: int, full_width: bool = False,
-                 greedy: bool = False) -> Any:
+                 greedy: bool = False, layer_groups: int = 0) -> Any:
     fn = functools.partial(_greedy if greedy else forward, config=config,
                            fused_attention=fused_attention, attention_tile=attention_tile,
-                           full_width=full_width)
+                           full_width=full_width, layer_groups=layer_groups)
     if pool_sharding is None:
         return jax.jit(fn, donate_argnums=1)
     replicated = jax.sharding.NamedSharding(pool_sharding.mesh, jax.sharding.PartitionSpec())

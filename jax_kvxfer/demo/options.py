@@ -206,9 +206,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g["model"].add_argument("--devices", type=_int_at_least(1), default=1,
                    help="tensor-parallel devices: the KV pools are split by KV heads over them")
     g["pools"].add_argument("--dma", choices=("auto", "true", "false"), default="auto",
-                   help="how the transfer manager moves blocks: on the GPU's transfer lanes "
-                        "with the copy engines, beside the model step (auto, true), or with the "
-                        "copy kernel in line with it (false)")
+                   help="the transfer manager's copies: the copy engines beside the model "
+                        "step (auto, true), or the copy kernel in line with it (false)")
+    g["pools"].add_argument("--layer-groups", type=_int_at_least(0), default=0, metavar="N",
+                   help="onboards land in N groups of layers, a layer waiting for its own")
     g["model"].add_argument("--seed", type=_int_at_least(0), default=0,
                    help="weights and workload seed")
     g["output"].add_argument("--repeat", type=_int_at_least(1, 100), default=1, metavar="N",
@@ -425,6 +426,11 @@ def check_run(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: di
     if args.dma == "true" and args.devices > 1:
         parser.error("--dma true takes one device (the copy engines' path does not take pools "
                      "split over devices); use --dma auto or false with --devices")
+    if args.layer_groups > model.num_layers:
+        parser.error(f"--layer-groups {args.layer_groups} is more than the model's "
+                     f"{model.num_layers} layers")
+    if args.layer_groups and args.devices > 1:
+        parser.error("--layer-groups takes one device (the transfer lanes' path)")
     if model.num_kv_heads % args.devices:
         parser.error(f"--devices {args.devices} must divide the {model.num_kv_heads} KV heads")
     _check_disk(parser, args, cfg, model)

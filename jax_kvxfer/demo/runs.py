@@ -142,7 +142,7 @@ def _start(args: argparse.Namespace, cfg: dict, model: ModelConfig,
               "stop_token": None if real is None else real[1].eos_id,
               "fixed_step_s": None if args.fixed_step_ms is None else args.fixed_step_ms / 1e3,
               "dma": {"auto": "auto", "true": True, "false": False}[args.dma],
-              "admission": args.admission}
+              "admission": args.admission, "layer_groups": args.layer_groups}
     pools = run_pools(cfg, convs)
     try:  # --kv-events, --metrics-port: every block manager from now on reports
         observe.start(args)
@@ -243,7 +243,7 @@ def _replica_run(name: str, args: argparse.Namespace, cfg: dict, model: ModelCon
               "prefill_budget": cfg["prefill_budget"],
               "tokens_per_block": cfg["tokens_per_block"], "primary_blocks": primary,
               "secondary_blocks": secondary, "dma": common["dma"],
-              "stop_token": common["stop_token"]}
+              "stop_token": common["stop_token"], "layer_groups": common["layer_groups"]}
     on_gpu = jax.devices()[0].platform == "gpu"
     # a local mooncake master's pool: every block of the chats, and a quarter more
     capacity = int(1.25 * serving.blocks_to_never_evict(convs, cfg["batch"],

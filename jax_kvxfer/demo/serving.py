@@ -285,7 +285,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
         mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
         stop_token: int | None = None, fixed_step_s: float | None = None,
         stores: Sequence[Store] = (), admission: str | None = None,
-        name: str | None = None) -> RunResult:
+        name: str | None = None, layer_groups: int = 0) -> RunResult:
     """Serves the conversations once on fresh pools; `dma`: the transfer manager's. Up to
     `batch` requests run at once; a step decodes those whose prompt is computed and prefills
     the others: up to `prefill_budget` prompt tokens packed across them in rows of `chunk`
@@ -299,6 +299,8 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
     caller's to close); the block manager is closed at the end, so their writes are durable.
     `admission`: the block manager's admission policy for offloads (None: always).
     `name`: the block manager's, its label in the metrics (the demo's: the run's name).
+    `layer_groups`: 0, or each step's layers wait for their onboards in this many groups
+    (`Server`).
 
     Raises:
       PoolExhaustedError: the primary pool cannot hold one request.
@@ -308,7 +310,7 @@ def run(model: ModelConfig, params: dict, conversations: Sequence[Conversation],
                     primary_blocks=primary_blocks, secondary_blocks=secondary_blocks,
                     prefill_rows=prefill_rows, prefill_budget=prefill_budget, mesh=mesh,
                     dma=dma, stop_token=stop_token,
-                    stores=stores, admission=admission, name=name)
+                    stores=stores, admission=admission, name=name, layer_groups=layer_groups)
     priorities = list(priorities) if priorities is not None else [35] * len(conversations)
     print(f"host memory, {name or 'run'} ready: {_host_memory()}", file=sys.stderr)
     try:
@@ -362,17 +364,28 @@ class Server:
                  mesh: jax.sharding.Mesh | None = None, dma: bool | str = "auto",
                  stop_token: int | None = None, stores: Sequence[Store] = (),
                  store_on_release: bool = False, admission: str | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, layer_groups: int = 0) -> None:
         """`max_blocks`: the most primary blocks one request needs (block tables' width);
         `prefill_budget`: prompt tokens a step computes, packed across requests in one segment
         `[prefill_budget / chunk, chunk]` (a multiple of `chunk`; 0: a segment `[1, chunk]`
         for each of up to `prefill_rows` requests); `store_on_release`: the block manager
         writes a finished turn's blocks to the stores at once (replicas sharing a store), not
-        only once they are evicted to the host; `name`: the block manager's (`run`'s)."""
+        only once they are evicted to the host; `name`: the block manager's (`run`'s);
+        `layer_groups`: 0 (the step boundary joins the onboards), or the onboards land in this
+        many groups of layers and each step's layers wait only for their own group
+        (`model.forward`), so that a step computes its first layers while the later ones
+        arrive; on one device."""
         if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or \
                 prefill_budget < 0 or prefill_budget % chunk:
             raise ValueError(f"prefill_budget must be 0 or a positive multiple of chunk "
                              f"({chunk}), got {prefill_budget!r}")
+        if isinstance(layer_groups, bool) or not isinstance(layer_groups, int) or \
+                not 0 <= layer_groups <= model.num_layers:
+            raise ValueError(f"layer_groups must be 0 or at most the model's "
+                             f"{model.num_layers} layers, got {layer_groups!r}")
+        if layer_groups and mesh is not None:
+            raise ValueError("layer_groups takes a pool on one device; this one is split over "
+                             f"{mesh.size} devices")
         if max_blocks > primary_blocks:
             raise PoolExhaustedError(f"a request may need {max_blocks} primary blocks, but the "
                                      f"pool has {primary_blocks}")
@@ -382,7 +395,8 @@ class Server:
         if mesh is not None:  # tensor parallel: weights on every device, the pool split by heads
             params = jax.device_put(params, jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec()))
-        transfers = KVCacheTransferManager([pool], dma=dma)
+        transfers = KVCacheTransferManager([pool], dma=dma, layer_groups=max(layer_groups, 1))
+        self.layer_groups = layer_groups
         self._pool = pool
         self._block_nbytes = pool.block_nbytes  # what a store read moves a block
         self.model, self.batch, self.chunk = model, batch, chunk
@@ -394,7 +408,7 @@ class Server:
         self.bm: BlockManager | None = None  # made once the transfers are compiled
         self.step_seconds = dict.fromkeys(STEP_PHASES + STEP_DETAIL, 0.0)  # host time, summed
         self.max_blocks, self._params = max_blocks, params
-        self._model_step = make_step(model, pool, greedy=True)
+        self._model_step = make_step(model, pool, greedy=True, layer_groups=layer_groups)
         t0 = time.perf_counter()
         # compiles every kind of step (no writes): with a budget, with and without the packed
         # segment; without, with 0 to prefill_rows segments
@@ -634,7 +648,9 @@ class Server:
         decodes = [((r.conv, r.turn), r.out[-1:], bm.num_tokens((r.conv, r.turn)) - 1)
                    for r in decoding]
         t1 = time.perf_counter()
-        bm.sync_transfers(block=False)  # the step boundary: after allocation, before the step
+        # the step boundary: after allocation, before the step (which, with layer groups,
+        # waits for the onboards itself, group by group)
+        bm.sync_transfers(block=False, layer_wise=self.layer_groups > 0)
         t2 = time.perf_counter()
         segments = min(len(prefills), 1) if self.budget_rows else len(prefills)
         waited = self.step_seconds["model wait"]

@@ -70,7 +70,7 @@ class FakeTransferManager:
             data = self.mem[src.is_primary][src.memory_pool_block_index][:n]
             self.mem[dst.is_primary][dst.memory_pool_block_index][:n] = data
 
-    def sync_transfers(self, block=True):
+    def sync_transfers(self, block=True, layer_wise=False):
         self.syncs += 1
 
     def ops(self, op):

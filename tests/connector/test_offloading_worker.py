@@ -8,6 +8,7 @@ import glob
 import os
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -281,3 +282,34 @@ def test_a_prefetch_holds_up_no_later_job_and_the_stores_answer_beyond_the_rows(
     assert manager.lookup([1, 4]) == 2
     worker.close()
     store_.close()
+
+
+@pytest.mark.parametrize("layer_groups", [2, 2 * LAYERS])
+def test_a_step_waiting_layer_by_layer_reads_the_loaded_pages(tmp_path, layer_groups):
+    """A worker whose loads land in groups of arrays, and an engine step that waits for each
+    array before reading it (`kv_caches_by_layer`, `wait_for_layers`): the step reads every
+    loaded page (whole, and a partial one's first tokens) as it was stored, and the pages no
+    load wrote as the engine left them."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    worker = OffloadingWorker(engine_arrays(rng), num_host_blocks=6, token_axis=1,
+                              layer_groups=layer_groups)
+    manager = OffloadingManager(6, block_size=PAGE)
+    want = pages_of(worker.kv_caches, [2, 4, 9])
+    store(worker, manager, "s", [11, 22, 33], [2, 4, 9])
+    worker.kv_caches = [jnp.asarray(rng.standard_normal(a.shape), a.dtype)
+                        for a in worker.kv_caches]
+    left = [kvx.to_numpy(a) for a in worker.kv_caches]
+    spec = manager.prepare_load([11, 22, 33])
+    worker.submit_load("l", spec, [5, 0, 6], [0, 0, 3])
+
+    @jax.jit
+    def step(arrays):
+        return [kvx.wait_for_layers(a, i + 1) * 1 for i, a in enumerate(arrays)]
+
+    read = [np.asarray(a) for a in step(worker.kv_caches_by_layer())]
+    for layer, (got, stored, before) in enumerate(zip(read, want, left)):
+        np.testing.assert_array_equal(got[[5, 0]], stored[:2], err_msg=str(layer))
+        np.testing.assert_array_equal(got[6, :3], stored[2, :3], err_msg=str(layer))
+        np.testing.assert_array_equal(got[6, 3:], before[6, 3:], err_msg=str(layer))
+        rest = [p for p in range(PAGES) if p not in (0, 5, 6)]
+        np.testing.assert_array_equal(got[rest], before[rest], err_msg=str(layer))
