@@ -36,7 +36,9 @@
 #   real-workloads: the demo's real workloads on the h200 preset, each printing its closing line
 #   (offload vs drop and never_evict, exact): real-chats (the chats, about 4 minutes),
 #   real-docqa (long documents asked questions, about 5), real-lowreuse (the low-reuse
-#   workload twice, for the run-to-run spread, about 6), real-sweep (a 4-rate load sweep of 14
+#   workload twice, for the run-to-run spread, about 6), real-docqa-layers (real-docqa with each
+#   step's layers waiting for their own onboards, --layer-groups GPU_CHECK_LAYER_GROUPS, 4 by
+#   default), real-sweep (a 4-rate load sweep of 14
 #   chats x 3 turns with pools sized from the workload, its plot in $OUT/sweep.png, about 5).
 #   Together they take longer than one 10-minute command: run them as separate steps.
 #   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them.
@@ -274,6 +276,8 @@ real() {  # real NAME DEMO-OPTIONS...: one demo run, its closing line into the s
 }
 has real-chats && real real-chats
 has real-docqa && real real-docqa --workload docqa
+has real-docqa-layers && real real-docqa-layers --workload docqa \
+  --layer-groups "${GPU_CHECK_LAYER_GROUPS:-4}"
 if has real-lowreuse; then
   real real-lowreuse-1 --workload lowreuse
   real real-lowreuse-2 --workload lowreuse
