@@ -71,7 +71,7 @@ struct DeviceStreams {
 // (handlers may run late). Callers make that device current and hold `mu` while enqueueing.
 ffi::Error StreamsFor(cudaStream_t stream, DeviceStreams** streams);
 
-// Onboards of whole host rows smaller than this (bytes) go through a staging buffer in device
+// Onboards of whole host rows smaller than this (bytes; 64 KiB) go through a staging buffer in device
 // memory where their rows come in runs: one copy per run over the link, then the copy kernel
 // scatters the blocks (lanes_cuda.cu, StageOnboard). 0: never. Set from the Python side (the
 // bench compares both ways).

@@ -242,10 +242,8 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         None: `default_attention_tile()`. Runs that must agree bit for bit use the same.
       full_width: attend by gathering the table's full width for every row instead (the model
         before tiling; a baseline for `scripts/model_bench.py`).
-      layer_groups: 0, or the layers in this many groups, each waiting only for its own layers'
-        onboards before it computes (`wait_for_layers`: the step after a
-        `sync_transfers(block=False, layer_wise=True)`), so that the first groups compute while
-        the later ones still arrive. The arithmetic is the same either way.
+      layer_groups: 0, or the layers in this many groups, each waiting for its own layers'
+        onboards (`_over_layers`). The arithmetic is the same either way.
 
     Returns:
       `(one logits array [R, vocab_size] float32 per segment, new kv_pool)`.
@@ -290,16 +288,8 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
             out.append(x + dot(jax.nn.silu(dot(h, p["w1"])) * dot(h, p["w3"]), p["w2"]))
         return (pool, tuple(out)), None
 
-    # The layers as a scan per group (one without groups): one layer to compile per group
-    # (seconds, where 32 unrolled layers take a minute on a GPU), each layer's weights sliced
-    # out of the whole stack (a group's part of it, sliced first, would be copied).
-    carry = (kv_pool, tuple(params["embed"][seg.tokens] for seg in segments))
-    for g in range(max(layer_groups, 1)):
-        lo, hi = layer_group_bounds(g, max(layer_groups, 1), c.num_layers)
-        if layer_groups:  # after the previous group's layers, which wrote the pool
-            carry = (wait_for_layers(carry[0], hi), carry[1])
-        carry, _ = jax.lax.scan(layer, carry, jnp.arange(lo, hi))
-    kv_pool, xs = carry
+    xs = tuple(params["embed"][seg.tokens] for seg in segments)
+    kv_pool, xs = _over_layers(layer, (kv_pool, xs), c.num_layers, layer_groups)
     logits = []
     for x, seg in zip(xs, segments):
         x = jnp.take_along_axis(x, seg.logit_index[:, None, None], axis=1)  # [R, 1, d_model]
@@ -307,6 +297,27 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         y = dot(_rms_norm(x, head["norm"], c.norm_eps), head["unembed"])[:, 0]
         logits.append(y.astype(jnp.float32))
     return tuple(logits), kv_pool
+
+
+def _over_layers(layer: Any, carry: tuple, num_layers: int, layer_groups: int) -> tuple:
+    """`layer(carry, index)` over the layers as a scan, one layer to compile (seconds, where
+    32 unrolled layers take a minute on a GPU), each layer's weights sliced out of the whole
+    stack inside it (a group's part of the stack, sliced first, would be copied). With
+    `layer_groups`, a scan per group, each after a wait for its layers' onboards
+    (`wait_for_layers`: the step after a `sync_transfers(block=False, layer_wise=True)`), so
+    that the first groups compute while the later ones still arrive. A group holds 2 layers or
+    more: XLA flattens a loop of one layer and then copies the whole pool at its wait (seen
+    on the CPU)."""
+    groups = max(layer_groups, 1)
+    if layer_groups and num_layers < 2 * layer_groups:
+        raise ValueError(f"layer_groups must be at most half the {num_layers} layers, got "
+                         f"{layer_groups}")
+    for g in range(groups):
+        lo, hi = layer_group_bounds(g, groups, num_layers)
+        if layer_groups:  # after the previous group's layers, which wrote the pool
+            carry = (wait_for_layers(carry[0], hi), carry[1])
+        carry, _ = jax.lax.scan(layer, carry, jnp.arange(lo, hi))
+    return carry
 
 
 def _attention(how: str, q: jax.Array, pool: jax.Array, layer: jax.Array,

@@ -426,9 +426,9 @@ def check_run(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: di
     if args.dma == "true" and args.devices > 1:
         parser.error("--dma true takes one device (the copy engines' path does not take pools "
                      "split over devices); use --dma auto or false with --devices")
-    if args.layer_groups > model.num_layers:
-        parser.error(f"--layer-groups {args.layer_groups} is more than the model's "
-                     f"{model.num_layers} layers")
+    if args.layer_groups > model.num_layers // 2:
+        parser.error(f"--layer-groups {args.layer_groups}: a group holds 2 of the model's "
+                     f"{model.num_layers} layers or more")
     if args.layer_groups and args.devices > 1:
         parser.error("--layer-groups takes one device (the transfer lanes' path)")
     if model.num_kv_heads % args.devices:

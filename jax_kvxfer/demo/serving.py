@@ -371,21 +371,12 @@ class Server:
         for each of up to `prefill_rows` requests); `store_on_release`: the block manager
         writes a finished turn's blocks to the stores at once (replicas sharing a store), not
         only once they are evicted to the host; `name`: the block manager's (`run`'s);
-        `layer_groups`: 0 (the step boundary joins the onboards), or the onboards land in this
-        many groups of layers and each step's layers wait only for their own group
-        (`model.forward`), so that a step computes its first layers while the later ones
-        arrive; on one device."""
+        `layer_groups`: see `_layer_groups`."""
         if isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or \
                 prefill_budget < 0 or prefill_budget % chunk:
             raise ValueError(f"prefill_budget must be 0 or a positive multiple of chunk "
                              f"({chunk}), got {prefill_budget!r}")
-        if isinstance(layer_groups, bool) or not isinstance(layer_groups, int) or \
-                not 0 <= layer_groups <= model.num_layers:
-            raise ValueError(f"layer_groups must be 0 or at most the model's "
-                             f"{model.num_layers} layers, got {layer_groups!r}")
-        if layer_groups and mesh is not None:
-            raise ValueError("layer_groups takes a pool on one device; this one is split over "
-                             f"{mesh.size} devices")
+        layer_groups = _layer_groups(layer_groups, model, mesh, secondary_blocks)
         if max_blocks > primary_blocks:
             raise PoolExhaustedError(f"a request may need {max_blocks} primary blocks, but the "
                                      f"pool has {primary_blocks}")
@@ -585,12 +576,15 @@ class Server:
             start = bm.add_sequence(req.key, prompt, priority=req.priority)
             # Beyond the GPU and host hits: blocks read from a store now, at most those that
             # match_prefix found there (fewer when some turn out missing or corrupt, or the
-            # host pool has too few rows to stage them in).
+            # host pool has too few rows to stage them in), and those it left to recompute
+            # where add_sequence reads them all the same (the block manager's probe read, now
+            # and then: prefix_match.READ_PROBE_EVERY).
             read = start - gpu - host
             from_store = match.store_blocks * t_block + (
                 partial if match.partial_from_store else 0)  # a reply's tail, say
-            assert 0 <= read <= from_store and (read % t_block == 0 or read == from_store), (
-                start, match)
+            probed = match.store_skipped_blocks * t_block
+            assert 0 <= read <= from_store + probed and (
+                probed or read % t_block == 0 or read == from_store), (start, match)
             self._reserved += need
             self.running.append(_Running(req.key[0], req.key[1], req.arrival_s, prompt, start,
                                          need, gpu, host - early, read + early,
@@ -767,6 +761,23 @@ class Server:
             store_stats=store_stats, store_close_seconds=self.close_seconds if self.stores
             else 0.0, offloads_declined=bm.admission.declined, admission=bm.admission.name,
             step_seconds={**self.step_seconds, "step": step_seconds})
+
+
+def _layer_groups(layer_groups: int, model: ModelConfig, mesh: jax.sharding.Mesh | None,
+                  secondary_blocks: int) -> int:
+    """A Server's groups of layers: 0 (the step boundary joins the onboards), or the onboards
+    land in this many groups of layers and each step's layers wait only for their own group
+    (`model.forward`), so that a step computes its first layers while the later ones arrive;
+    on one device, at least 2 layers a group. A run without a host pool onboards nothing,
+    and its steps wait for nothing (0): the oracle's steps stay as they were."""
+    if isinstance(layer_groups, bool) or not isinstance(layer_groups, int) or \
+            not 0 <= layer_groups <= model.num_layers // 2:
+        raise ValueError(f"layer_groups must be 0 or at most half the model's "
+                         f"{model.num_layers} layers, got {layer_groups!r}")
+    if layer_groups and mesh is not None:
+        raise ValueError("layer_groups takes a pool on one device; this one is split over "
+                         f"{mesh.size} devices")
+    return layer_groups if secondary_blocks else 0
 
 
 def _aligned_rows(start: int, n: int, row_tokens: int) -> int:

@@ -314,7 +314,7 @@ def test_layer_groups_wait_per_group_and_compute_the_same(groups):
     """A step whose layers wait per group for their onboards (`layer_groups`) has one wait per
     group, each after the previous group's layers, and computes bit for bit what the step
     without waits does, on random weights, pool contents and rows."""
-    config = dataclasses.replace(CONFIG, num_layers=3)
+    config = dataclasses.replace(CONFIG, num_layers=6)
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     params = init_params(config, seed=int(rng.integers(1 << 20)))
     pool = create_pool(config, tokens_per_block=T, num_primary_blocks=8, num_secondary_blocks=0)
@@ -326,7 +326,8 @@ def test_layer_groups_wait_per_group_and_compute_the_same(groups):
                   np.array([[6], [-1]], np.int32), tables[[1, 0]], np.zeros(2, np.int32))
     outs = []
     for layer_groups in (0, groups):
-        step = jax.jit(functools.partial(forward, config=config, layer_groups=layer_groups))
+        step = jax.jit(functools.partial(forward, config=config, layer_groups=layer_groups),
+                       donate_argnums=1)
         text = step.lower(params, contents, (prefill, decode)).as_text()
         # a wait, then its group's loop over layers, group after group (each wait takes the
         # pool the previous loop wrote; a layer's attention has loops of its own)
@@ -334,9 +335,16 @@ def test_layer_groups_wait_per_group_and_compute_the_same(groups):
         order = [op for k, op in enumerate(found) if k == 0 or op != found[k - 1]]
         assert order == (["jax_kvxfer_wait_layers", "stablehlo.while"] * layer_groups
                          or ["stablehlo.while"]), order
+        # the pool is updated in place: no copy of it anywhere in the compiled step (XLA
+        # copies it at each wait where a group's loop is flattened: one layer a group)
+        compiled = step.lower(params, contents, (prefill, decode)).compile().as_text()
+        pool_type = "f32[" + ",".join(map(str, contents.shape)) + "]"
+        assert not re.findall(re.escape(pool_type) + r"\S* copy\(", compiled)
         logits, new = step(params, jax.device_put(contents, pool.primary.sharding),
                            (prefill, decode))
         outs.append([np.asarray(x) for x in logits] + [np.asarray(new)])
     for without, with_waits in zip(*outs):
         np.testing.assert_array_equal(with_waits, without)
     assert not np.array_equal(outs[0][-1], contents)  # the step wrote its tokens' K/V
+    with pytest.raises(ValueError, match="at most half the 6 layers, got 4"):
+        forward(params, contents, (prefill,), config=config, layer_groups=4)

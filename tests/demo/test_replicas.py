@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 
+import numpy as np
 import pytest
 from conftest import demo_error_line  # tests/, on the path under pytest
 
@@ -324,3 +325,50 @@ def test_a_turn_waits_for_a_stored_prefix_no_longer_than_recomputing_it_would_ta
     finally:
         server.close()
         store.close()
+
+
+def test_a_probe_read_of_a_prefix_the_cost_rule_skips_is_served(tmp_path):
+    """Where reading a store loses to recomputing, match_prefix leaves the prefix to recompute,
+    but now and then add_sequence reads it all the same (a probe keeps the read rate's
+    estimate current): the Server admits such a turn, counts the probe's tokens as store hits,
+    and its reply is the one recomputing gives."""
+    from jax_kvxfer.cache import prefix_match
+    from jax_kvxfer.connector.tiers import read_rate
+    from jax_kvxfer.demo import serving
+    from jax_kvxfer.demo.model import ModelConfig, init_params
+    from jax_kvxfer.stores import FileStore
+
+    model = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
+                        head_dim=16, d_ff=64)
+    params = init_params(model, 0)
+    prompt = np.random.default_rng().integers(0, 64, 27).tolist()
+    replies = {}
+    for probe in (False, True):  # a server that wrote the prefix to the store, then a new one
+        (tmp_path / str(probe)).mkdir()
+        store = FileStore(tmp_path / str(probe), namespace="probe")
+        for writer in (True, False):
+            server = serving.Server(model, params, max_blocks=8, batch=2, chunk=4,
+                                    tokens_per_block=4, primary_blocks=16, secondary_blocks=8,
+                                    stores=(store,), store_on_release=True)
+            try:
+                bm = server.bm
+                if not writer:  # reads lose: 1 ms a block against 1 ns a token
+                    for blocks in (1, 2, 3):
+                        read_rate(store).add(blocks * server._block_nbytes, 1e-3 * blocks)
+                    bm.set_recompute_cost(1e-9)
+                    # the next read the rule would skip is a probe (or, without, not)
+                    bm._reads_skipped = prefix_match.READ_PROBE_EVERY - 1 if probe else 0
+                server.submit(serving.Request((0, 0), 0.0, prompt, 3))
+                clock, results = 0.0, []
+                while not results:
+                    assert server.step(clock)
+                    clock += 0.01
+                    results = server.collect(clock)
+                (turn,) = results
+                if not writer:
+                    assert turn.store_hit_tokens == (24 if probe else 0)
+                    replies[probe] = turn.tokens
+            finally:
+                server.close()
+        store.close()
+    assert replies[True] == replies[False]

@@ -21,8 +21,8 @@ from jax_kvxfer import testing
 from jax_kvxfer.bench.peers import rows_in_runs
 
 ON_GPU = jax.default_backend() == "gpu"
-# 64 KiB blocks of float32: small rows, where staging pays
-GEOMETRY = {"num_layers": 2, "num_kv_heads": 8, "size_per_head": 128, "tokens_per_block": 4}
+# 16 KiB blocks of float32: small rows, where staging pays
+GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "size_per_head": 128, "tokens_per_block": 4}
 NB = 256
 
 
@@ -119,7 +119,7 @@ def test_a_staged_onboard_reads_what_a_pending_offload_wrote(pool, rng):
 def test_per_layer_arrays_are_staged_whole_rows(rng):
     """An engine's per-layer arrays (K/V first): a host row holds every layer's part of a block;
     the staged copy moves whole rows and the kernel scatters each layer's part."""
-    layers, shape = 4, (2, NB, 4, 8, 64)  # [K/V, blocks, tokens, heads, head_dim] of float32
+    layers, shape = 4, (2, NB, 4, 2, 64)  # [K/V, blocks, tokens, heads, head_dim] of float32
     host = [rng.standard_normal(shape, np.float32) for _ in range(layers)]
     pool = kvx.KVCacheBlockPool.from_layers([jnp.asarray(a) for a in host], token_axis=2,
                                             block_axis=1, num_secondary_blocks=NB)
