@@ -414,6 +414,40 @@ def staged_onboards(rng):
 
 
 @case
+def layer_group_onboards(rng):
+    # Onboards landing in groups of layers (ffi/lanes_cuda.cu, EnqueueLayerGroups): each
+    # group's part of every block, whole and partial, a block written twice, then a step that
+    # waits for its layers group by group (WaitLayers) and reads every layer.
+    nb, layers = 12, 6
+    pool = kvx.KVCacheBlockPool.create(num_layers=layers, num_kv_heads=2, size_per_head=32,
+                                       tokens_per_block=8, dtype=jnp.bfloat16,
+                                       num_primary_blocks=nb, num_secondary_blocks=nb)
+    prim = random_pool(rng, pool.primary.shape, pool.dtype)
+    sec = random_pool(rng, pool.secondary.shape, pool.dtype)
+    pool.primary, pool.secondary = put(prim, "device"), put(sec, "pinned_host")
+    m = kvx.KVCacheTransferManager(pool, layer_groups=3)
+    pairs, tokens = [(4, 1), (7, 9), (2, 1), (0, 5)], [0, 3, 5, 0]
+    m.onboard_indices([a for a, _ in pairs], [b for _, b in pairs], tokens)
+    for (a, b), n in zip(pairs, tokens):
+        n = 8 if n <= 0 else n
+        prim[b, ..., :n, :] = sec[a, ..., :n, :]
+    m.sync_transfers(block=False, layer_wise=True)
+
+    def step(x):
+        parts = []
+        for g in range(3):
+            lo, hi = kvx.layer_group_bounds(g, 3, layers)
+            x = kvx.wait_for_layers(x, hi)
+            # as bits: the random bytes hold NaNs, which bfloat16 arithmetic may rewrite
+            parts.append(jax.lax.bitcast_convert_type(x[:, lo:hi], jnp.uint16))
+        return jnp.concatenate(parts, axis=1), x
+
+    read, pool.primary = jax.jit(step, donate_argnums=0)(pool.primary)
+    check(read, prim.view(np.uint16), "layer-group onboards, read layer by layer")
+    m.sync_transfers()
+
+
+@case
 def layer_pool_transfers(rng):
     # A pool over K/V-first per-layer arrays (from_layers): the layered copies, one part per layer
     # and slab in one kernel launch, whole and partial, both ways, on the lanes and in line; then
