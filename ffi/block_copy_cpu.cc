@@ -118,7 +118,8 @@ bool CopyLayerGroups(const std::vector<LayeredPart>& parts, int64_t groups) {
 ffi::Error LaneCopyCpu(ffi::AnyBuffer dst, ffi::AnyBuffer src, ffi::Buffer<ffi::S32> src_idx,
                        ffi::Buffer<ffi::S32> dst_idx, ffi::Buffer<ffi::S32> num_tokens,
                        ffi::Result<ffi::AnyBuffer> out, LaneOptions options) {
-  if (options.layer_groups > 1 && options.lane == kOnboardLane && src.untyped_data() != dst.untyped_data()) {
+  const bool onboard = options.lane == kOnboardLane && src.untyped_data() != dst.untyped_data();
+  if (options.layer_groups > 1 && onboard) {
     Batch b;
     KVXFER_RETURN_IF_ERROR(
         PoolBatch(dst, src, *out, src_idx, dst_idx, num_tokens, options.whole_blocks, &b));

@@ -71,8 +71,8 @@ struct DeviceStreams {
 // (handlers may run late). Callers make that device current and hold `mu` while enqueueing.
 ffi::Error StreamsFor(cudaStream_t stream, DeviceStreams** streams);
 
-// Onboards of whole host rows smaller than this (bytes; 64 KiB) go through a staging buffer in device
-// memory where their rows come in runs: one copy per run over the link, then the copy kernel
+// Onboards of whole host rows smaller than this (bytes; 64 KiB) go through a staging buffer in
+// device memory where their rows come in runs: one copy per run over the link, then the copy kernel
 // scatters the blocks (lanes_cuda.cu, StageOnboard). 0: never. Set from the Python side (the
 // bench compares both ways).
 extern std::atomic<int64_t> staged_onboard_below;

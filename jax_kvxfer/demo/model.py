@@ -461,13 +461,13 @@ def make_step(config: ModelConfig, pool: KVCacheBlockPool | None = None, *,
     Assign the returned pool back (`pool.primary = new`): the old array is consumed. For a pool
     split over a mesh, XLA partitions the step by KV heads and the new pool keeps that split.
     `fused_attention`: None picks it for bfloat16 and float16 models on a GPU whose head
-    dimension cuDNN takes (a multiple of 8, at most 256);
-    `attention_tile`, `full_width`, `layer_groups`: `forward`'s. `greedy`: the step returns `(records,
-    new_pool)`, every row's `TokenRecord` (`token_record`: its argmax token, its `RECORD_KEPT`
-    largest logits and a fingerprint of all of them), computed on the device and packed in one
-    small array (`pack_records`, the segments' rows in order; `unpack_records` on the host), so
-    that nothing of the vocabulary's size crosses to the host (16 rows of 128k bfloat16 logits
-    are 4 MB a step) and one copy does. Pools of one model and one split share one jitted
+    dimension cuDNN takes (a multiple of 8, at most 256); `attention_tile`, `full_width`,
+    `layer_groups`: `forward`'s. `greedy`: the step returns `(records, new_pool)`, every
+    row's `TokenRecord` (`token_record`: its argmax token, its `RECORD_KEPT` largest logits
+    and a fingerprint of all of them), computed on the device and packed in one small array
+    (`pack_records`, the segments' rows in order; `unpack_records` on the host), so that
+    nothing of the vocabulary's size crosses to the host (16 rows of 128k bfloat16 logits are
+    4 MB a step) and one copy does. Pools of one model and one split share one jitted
     function, and so its compiled steps.
     """
     if fused_attention is None:
