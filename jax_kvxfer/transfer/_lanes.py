@@ -20,7 +20,8 @@ Who keeps what safe (the manager, manager.py, uses these):
 - until a join, compute must not read or write the blocks that onboards and copies within the
   GPU pool write (nor the sources of the latter): the pool keeps this, by joining lane 1 when
   user code reads its primary array (pool.py, `hold_for_lanes`), as TensorRT-LLM's
-  `syncTransfers` does at the step boundary.
+  `syncTransfers` does at the step boundary; or, after a layer-wise sync, the step joins it
+  itself, each layer waiting for its group's copies (`wait_for_layers`).
 
 On the CPU a lane copy is done when its call is, and a join hands its array on.
 """
