@@ -3,7 +3,7 @@
 # run the benchmark and the demo, and print a short summary last. Logs go to $OUT.
 #   scripts/gpu-check.sh [tests] [bench] [step] [layers] [demo] [demo-dma] [sharded] [demo-tp]
 #                        [sanitize] [stress] [stress-dma] [disk] [events] [replicas] [model]
-#                        [connector] [peers] [scale-out] [router] [rss]
+#                        [connector] [peers] [scale-out] [router] [rss] [layer-waits]
 #   (default: tests bench demo). step: the bench's manager section (its verbs at real block
 #   geometries) and its section of the manager beside a model step only; layers: its section of
 #   pools over per-layer arrays only. sharded: the bench's sharded-pool section over all GPUs;
@@ -42,6 +42,8 @@
 #   chats x 3 turns with pools sized from the workload, its plot in $OUT/sweep.png, about 5).
 #   Together they take longer than one 10-minute command: run them as separate steps.
 #   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them.
+#   layer-waits: scripts/layer_wait_probe.py at the h200 preset: the decode step with 0, 4 and
+#   8 layer groups over GPU pools of 8 and 48 GiB, no transfers (about 2 minutes).
 #   rss: scripts/rss_probe.py with an 8 GiB host pool, once per engine (lanes, inline, noring)
 #   and once on the lanes with XLA's pinned-host limit at 12 GiB (capped), each in a fresh
 #   process: RSS and the host pool's buffer address after each step (about a minute).
@@ -288,6 +290,13 @@ if has sanitize && [ -x scripts/sanitize.sh ]; then
   t=$(date +%s)
   bash scripts/sanitize.sh > "$OUT/sanitize.log" 2>&1
   summary+=("sanitize: exit $? ($(( $(date +%s) - t )) s): $(grep -h 'ERROR SUMMARY' "$OUT/sanitize.log" | sort | uniq -c | tr '\n' ' ')")
+fi
+if has layer-waits; then  # what a step's layer waits cost with no transfer (docqa's pool sizes)
+  t=$(date +%s)
+  JAX_COMPILATION_CACHE_DIR=$demo_cache python3 scripts/layer_wait_probe.py --preset h200 \
+    --blocks 4096,24576 --groups 0,4,8 --width 1024 > "$OUT/layer-waits.txt" 2>&1
+  summary+=("layer-waits: exit $? ($(( $(date +%s) - t )) s)")
+  cat "$OUT/layer-waits.txt"
 fi
 if has rss; then  # where a pinned host pool's resident memory goes, per engine (fresh processes)
   # capped: the lanes under a pinned-host limit of the pool + 4 GiB, as the demo sets it
