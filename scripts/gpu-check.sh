@@ -41,7 +41,8 @@
 #   default), real-sweep (a 4-rate load sweep of 14
 #   chats x 3 turns with pools sized from the workload, its plot in $OUT/sweep.png, about 5).
 #   Together they take longer than one 10-minute command: run them as separate steps.
-#   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them.
+#   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them,
+#   GPU_CHECK_REAL_ARGS any other demo options (e.g. "--layer-groups 4").
 #   layer-waits: scripts/layer_wait_probe.py at the h200 preset: the decode step with 0, 4 and
 #   8 layer groups over GPU pools of 8 and 48 GiB, no transfers (about 2 minutes).
 #   rss: scripts/rss_probe.py with an 8 GiB host pool, once per engine (lanes, inline, noring)
@@ -270,7 +271,8 @@ real() {  # real NAME DEMO-OPTIONS...: one demo run, its closing line into the s
   local name=$1; shift
   local t; t=$(date +%s)
   JAX_COMPILATION_CACHE_DIR=$demo_cache python3 -m jax_kvxfer demo --preset h200 --no-progress \
-    ${GPU_CHECK_ADMISSION:+--admission $GPU_CHECK_ADMISSION} "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
+    ${GPU_CHECK_ADMISSION:+--admission $GPU_CHECK_ADMISSION} ${GPU_CHECK_REAL_ARGS:-} "$@" \
+    > "$OUT/$name.txt" 2> "$OUT/$name.log"
   local rc=$?
   tail -30 "$OUT/$name.txt"
   # the closing lines (and their wrapped continuations, indented)
