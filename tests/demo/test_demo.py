@@ -127,6 +127,29 @@ def test_demo_with_each_transfer_path_is_exact(tiny_json, dma, capsys, monkeypat
 
 
 @pytest.mark.slow
+def test_layer_groups_serve_the_same_schedule_exactly(tiny_json, capsys, monkeypatch):
+    """--layer-groups 2: the offload run's onboards land in 2 groups of layers and its steps wait
+    per group; the runs without a host pool get no waits. The fixed clock gives the same
+    schedule as without, so the same blocks move, and offload is exact against never_evict."""
+    made = []
+
+    def manager(*args, **kwargs):
+        made.append(kwargs.get("layer_groups"))
+        return KVCacheTransferManager(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "KVCacheTransferManager", manager)
+    runs = []
+    for extra in ([], ["--layer-groups", "2"]):
+        assert cli.main(["demo", *tiny_json, "--layers", "4", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["exact"] is True
+        runs.append(out["runs"])
+    assert made == [1, 1, 1, 2, 1, 1], made  # offload, drop, never_evict, twice
+    for key in ("onboarded_bytes", "offloaded_bytes", "host_hit_tokens", "output_tokens"):
+        assert runs[0]["offload"][key] == runs[1]["offload"][key] > 0, key
+
+
+@pytest.mark.slow
 def test_table_output(capsys):
     assert demo.main(TINY) == 0
     out = capsys.readouterr().out
@@ -215,6 +238,8 @@ def test_a_recomputation_that_differs_is_reported_not_failed(monkeypatch, capsys
     (["--bogus"], "unrecognized arguments"),
     (["--dma", "fast"], "invalid choice"),
     (["--dma", "true", "--devices", "2"], "--dma true takes one device"),
+    (["--layers", "4", "--layer-groups", "3"],
+     "--layer-groups 3: a group holds 2 of the model's 4 layers or more"),
 ])
 def test_bad_options_one_line_exit_2(argv, message, capsys):
     err = demo_error_line(argv, capsys)
