@@ -242,38 +242,40 @@ ffi::Error LayerLaneCopy(cudaStream_t stream, ffi::Buffer<ffi::S32> src_idx,
                        plan.row_bytes, false, part_layers);
 }
 
-// XLA's stream waits for everything enqueued so far on the lanes of its device that `lanes`
-// names (bit i: lane i).
-ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
-                     int64_t lane_mask) {
+// XLA's stream waits as `await_lanes(lanes)` enqueues it (timed as what the lanes cost it), then
+// `array` is handed on as `out`: the lanes' join and a step's wait for layers. `what` names the
+// wait in an error.
+template <typename AwaitLanes>
+ffi::Error WaitThenHandOn(cudaStream_t stream, ffi::AnyBuffer array,
+                          ffi::Result<ffi::AnyBuffer> out, const char* what,
+                          AwaitLanes await_lanes) {
   DeviceStreams* lanes = nullptr;
   KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &lanes));
   ScopedDevice on_device(lanes->device);
   std::lock_guard<std::mutex> lock(lanes->mu);
   const auto timing = lanes->BeginExposed(stream);
-  cudaError_t err = lanes->Await(stream, lane_mask);
+  cudaError_t err = await_lanes(lanes);
   lanes->EndExposed(timing, stream);
   if (err == cudaSuccess) {
     err = CopyUnaliased(stream, out->untyped_data(), array.untyped_data(), array.size_bytes());
   }
-  return CudaStatus(err, "join the transfer lanes");
+  return CudaStatus(err, what);
+}
+
+// XLA's stream waits for everything enqueued so far on the lanes of its device that `lanes`
+// names (bit i: lane i).
+ffi::Error JoinLanes(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t lane_mask) {
+  return WaitThenHandOn(stream, array, out, "join the transfer lanes",
+                        [&](DeviceStreams* lanes) { return lanes->Await(stream, lane_mask); });
 }
 
 // XLA's stream waits until the first `layers` layers of everything enqueued on the onboard lane
 // so far have landed (DeviceStreams::AwaitLayers): a model step's wait before those layers.
 ffi::Error WaitLayers(cudaStream_t stream, ffi::AnyBuffer array, ffi::Result<ffi::AnyBuffer> out,
                       int64_t layers) {
-  DeviceStreams* lanes = nullptr;
-  KVXFER_RETURN_IF_ERROR(StreamsFor(stream, &lanes));
-  ScopedDevice on_device(lanes->device);
-  std::lock_guard<std::mutex> lock(lanes->mu);
-  const auto timing = lanes->BeginExposed(stream);
-  cudaError_t err = lanes->AwaitLayers(stream, layers);
-  lanes->EndExposed(timing, stream);
-  if (err == cudaSuccess) {
-    err = CopyUnaliased(stream, out->untyped_data(), array.untyped_data(), array.size_bytes());
-  }
-  return CudaStatus(err, "wait for the onboarded layers");
+  return WaitThenHandOn(stream, array, out, "wait for the onboarded layers",
+                        [&](DeviceStreams* lanes) { return lanes->AwaitLayers(stream, layers); });
 }
 
 }  // namespace
