@@ -23,6 +23,16 @@ constexpr double kStagedCopiesPerPair = 0.5;
 // model step (a device-to-device scatter needs few to keep ahead of PCIe).
 constexpr int64_t kStagingCtas = 16;
 
+// `first` (a part of a batch over whole blocks) seen as the batch of whole host rows of
+// `row_bytes` it belongs to, between `dst` and `src`: one run of a row per pair.
+Batch WholeRows(Batch first, Side dst, Side src, int64_t row_bytes) {
+  first.dst = dst;
+  first.src = src;
+  first.g.outer = 1;
+  first.g.block_bytes = row_bytes;
+  return first;
+}
+
 // Plans an onboard of whole host rows through a staging buffer in device memory, where its rows
 // come in runs and are smaller than staged_onboard_below: `runs` get the copies from the host
 // rows into the staging rows (one per pair), and `parts` (rows of `row_bytes`, part k at
@@ -37,10 +47,8 @@ ffi::Error StageOnboard(cudaStream_t stream, DeviceStreams* lanes, std::vector<B
   if (!first.whole_blocks || row_bytes >= staged_onboard_below.load(std::memory_order_relaxed)) {
     return ffi::Error::Success();
   }
-  Batch rows = first;  // whole host rows
-  rows.src = {first.src.data - offsets[0], row_bytes, false};
-  rows.g.outer = 1;
-  rows.g.block_bytes = row_bytes;
+  const Batch rows = WholeRows(first, first.dst, {first.src.data - offsets[0], row_bytes, false},
+                               row_bytes);
   std::vector<StagedRun> planned;
   if (!PlanStagedSources(rows, kStagedCopiesPerPair, &planned)) return ffi::Error::Success();
   const int64_t n = first.num_pairs;
@@ -166,12 +174,8 @@ ffi::Error EnqueueOnLane(cudaStream_t stream, const LaneOptions& options,
       return launched;
     }
     if (first.whole_blocks) {  // the snapshot holds whole rows
-      Batch whole = first;
-      whole.dst = {first.dst.data - offsets[0], row_bytes, false};
-      whole.src = {rows, row_bytes, true};
-      whole.g.outer = 1;
-      whole.g.block_bytes = row_bytes;
-      parts.assign(1, whole);
+      parts.assign(1, WholeRows(first, {first.dst.data - offsets[0], row_bytes, false},
+                                {rows, row_bytes, true}, row_bytes));
     } else {
       for (size_t k = 0; k < parts.size(); ++k) parts[k].src = {rows + offsets[k], row_bytes, true};
     }
