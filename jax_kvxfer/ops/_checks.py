@@ -40,6 +40,14 @@ def dtype_bits(dtype: Any) -> int:
     return 8 * dtype.itemsize
 
 
+def check_int(name: str, value: Any) -> int:
+    """`value` as an int; a TypeError naming `name` for anything but a Python or NumPy integer
+    (bools included)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from ..ops import _native
+from ..ops._checks import check_int
 from ._hazards import NO_LANE, OFFLOAD_LANE, ONBOARD_LANE
 
 
@@ -82,9 +83,7 @@ def wait_for_layers(array: Any, layers: int) -> Any:
     Raises:
       TypeError, ValueError: `layers` not a positive integer.
     """
-    if isinstance(layers, (bool, np.bool_)) or not isinstance(layers, (int, np.integer)):
-        raise TypeError(f"layers must be an integer, got {layers!r}")
-    if layers < 1:
+    if check_int("layers", layers) < 1:
         raise ValueError(f"layers must be at least 1, got {layers}")
     call = jax.ffi.ffi_call(_native.WAIT_LAYERS_TARGET, jax.typeof(array),
                             input_output_aliases={0: 0}, vmap_method="sequential")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..observe.metrics import TransferManagerReport, check_metrics_choice
-from ..ops._checks import check_dma_choice
+from ..ops._checks import check_dma_choice, check_int
 from ._batch import PairBatch, check_batch, check_direction, check_index_batch, split_runs
 from ._engines import DonationWarning, Fence, InLineEngine, LaneEngine
 from ._lanes import layer_group_bounds, take_exposed_seconds, wait_for_layers
@@ -59,12 +59,6 @@ class PendingTransfer:
     reads: int  # copies that read the slot
     writes: int  # copies that write it
     ops: tuple[str, ...]  # 'offload' / 'onboard' of each of those copies, in call order
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    return int(value)
 
 
 class KVCacheTransferManager:
@@ -116,7 +110,7 @@ class KVCacheTransferManager:
             raise ValueError("pools holds the same KVCacheBlockPool twice; pass each pool once")
         first = self._pools[0]
         fewest = min(p.num_layers for p in self._pools)
-        layer_groups = _as_int("layer_groups", layer_groups)
+        layer_groups = check_int("layer_groups", layer_groups)
         if not 1 <= layer_groups <= fewest:
             raise ValueError(f"layer_groups must be between 1 and the pools' fewest layers "
                              f"({fewest}), got {layer_groups}")
@@ -189,7 +183,7 @@ class KVCacheTransferManager:
         Raises:
           TypeError, ValueError, IndexError: bad blocks or num_tokens; nothing is copied.
         """
-        self._transfer("offload", [(block, offload_block)], [_as_int("num_tokens", num_tokens)])
+        self._transfer("offload", [(block, offload_block)], [check_int("num_tokens", num_tokens)])
 
     def onboard(self, offload_block: KVCacheBlock, block: KVCacheBlock,
                 num_tokens: int = 0) -> None:
@@ -198,7 +192,7 @@ class KVCacheTransferManager:
         TensorRT-LLM: `KVCacheTransferManager::onboard` (an onboard from a primary block is
         the intra-device copy of partial reuse). Arguments and errors as for `offload`.
         """
-        self._transfer("onboard", [(offload_block, block)], [_as_int("num_tokens", num_tokens)])
+        self._transfer("onboard", [(offload_block, block)], [check_int("num_tokens", num_tokens)])
 
     def offload_blocks(self, pairs: Sequence[tuple[KVCacheBlock, KVCacheBlock]],
                        num_tokens: None | int | Sequence[int] = None) -> None:
