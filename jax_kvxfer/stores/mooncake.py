@@ -317,6 +317,7 @@ class MooncakeStore(SharedStore):
             self._setup_done.clear()
 
         def run() -> None:
+            since = time.perf_counter()
             client = None
             error: BaseException | None = None
             try:
@@ -347,7 +348,7 @@ class MooncakeStore(SharedStore):
             if error is not None:
                 self._failed(error)
             elif not closed:
-                self._succeeded()
+                self._succeeded(since)
             self._setup_done.set()
 
         threading.Thread(target=run, name="kvx-mooncake-setup", daemon=True).start()
@@ -412,6 +413,7 @@ class MooncakeStore(SharedStore):
             client = self._client
             if client is None:
                 return False
+        since = time.perf_counter()
         try:
             codes = self._call(lambda: client.batch_is_exist([f"{self.key_prefix_base}:ping"]))
         except _Abandoned:
@@ -422,7 +424,7 @@ class MooncakeStore(SharedStore):
         if any(c in _MASTER_FAULTS for c in codes) or not codes:
             self._failed(f"error {codes[0] if codes else 'none'}")
             return False
-        self._succeeded()
+        self._succeeded(since)
         return True
 
     # --- the contract -----------------------------------------------------------------------
@@ -434,7 +436,7 @@ class MooncakeStore(SharedStore):
         client = self._usable() if keys else None
         if client is None:
             return 0
-        n = 0
+        n, since = 0, time.perf_counter()
         try:
             for code in self._exist_codes(client, keys):
                 if code in _MASTER_FAULTS:
@@ -448,7 +450,7 @@ class MooncakeStore(SharedStore):
         except Exception as e:  # noqa: BLE001 - a lookup that failed: what was confirmed
             self._warn_once("a lookup failed", f"{type(e).__name__}: {e}")
             return n
-        self._succeeded()
+        self._succeeded(since)
         return n
 
     def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
@@ -458,6 +460,7 @@ class MooncakeStore(SharedStore):
         client = self._usable() if keys else None
         if client is None:
             return [False] * len(keys)
+        since = time.perf_counter()
         try:
             codes = list(self._exist_codes(client, keys))
         except _Abandoned:
@@ -469,7 +472,7 @@ class MooncakeStore(SharedStore):
         if fault is not None:
             self._failed(f"error {fault}")
             return [False] * len(keys)
-        self._succeeded()
+        self._succeeded(since)
         return [code == 1 for code in codes]
 
     def _exist_codes(self, client, keys: list[bytes]):
@@ -547,7 +550,7 @@ class MooncakeStore(SharedStore):
             if faults and not written:
                 self._failed(f"error {faults[0]}")
             else:
-                self._succeeded()
+                self._succeeded(t0)
         except BaseException as e:  # noqa: BLE001 - a failed write is dropped, never raised
             written = 0
             self._warn_once("a write failed", f"{type(e).__name__}: {e}")
@@ -619,7 +622,7 @@ class MooncakeStore(SharedStore):
             if faults and not hits:
                 self._failed(f"error {RPC_FAIL}")
             else:
-                self._succeeded()
+                self._succeeded(t0)
         except BaseException as e:  # noqa: BLE001 - a failed read is a miss, never raised
             self._warn_once("a read failed", f"{type(e).__name__}: {e}")
         finally:

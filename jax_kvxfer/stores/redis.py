@@ -342,6 +342,7 @@ class RedisStore(SharedStore):
         """Asks the server now (a PING, bounded by `timeout_s`, whether or not `retry_s` has
         passed; in a cluster, every primary); whether it answered. Never raises for
         faults."""
+        since = time.perf_counter()
         try:
             ok = bool(self._conn().ping())
         except self._errors as e:
@@ -350,7 +351,7 @@ class RedisStore(SharedStore):
         except self._redis.RedisError as e:  # e.g. NOAUTH: up, but not usable
             self._failed(e)
             return False
-        self._succeeded()
+        self._succeeded(since)
         return ok
 
     def _usable(self) -> bool:
@@ -375,7 +376,7 @@ class RedisStore(SharedStore):
         keys = self._counted_lookup(keys)
         if not keys or not self._usable():
             return 0
-        n = 0
+        n, since = 0, time.perf_counter()
         try:
             for held in self._exists(keys):
                 if not held:
@@ -387,7 +388,7 @@ class RedisStore(SharedStore):
         except self._redis.RedisError as e:  # a reply not understood: a miss, never raised
             self._warn_once("a lookup failed", e)
             return n
-        self._succeeded()
+        self._succeeded(since)
         return n
 
     def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
@@ -396,6 +397,7 @@ class RedisStore(SharedStore):
         keys = self._counted_lookup(keys)
         if not keys or not self._usable():
             return [False] * len(keys)
+        since = time.perf_counter()
         try:
             found = list(self._exists(keys))
         except self._errors as e:
@@ -404,7 +406,7 @@ class RedisStore(SharedStore):
         except self._redis.RedisError as e:  # a reply not understood: misses, never raised
             self._warn_once("a lookup failed", e)
             return [False] * len(keys)
-        self._succeeded()
+        self._succeeded(since)
         return found
 
     def _exists(self, keys: list[bytes]):
@@ -486,7 +488,7 @@ class RedisStore(SharedStore):
                 pack = True if per == 1 else self._acknowledged(next(replies))
                 for _ in range(min(per, len(keys) - start)):
                     written += self._acknowledged(next(replies)) and pack
-            self._succeeded()
+            self._succeeded(t0)
         except self._errors as e:
             written = 0
             self._failed(e)
@@ -547,7 +549,7 @@ class RedisStore(SharedStore):
                     pipe.get(name)
                 for i, reply in enumerate(self._replies(pipe)):
                     take(i, self._take(keys[i], views[i], reply))
-            self._succeeded()
+            self._succeeded(t0)
             if refused:
                 pipe = self._conn().pipeline(transaction=False)
                 for name in refused:

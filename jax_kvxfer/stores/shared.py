@@ -93,6 +93,7 @@ class SharedStore(Store):
         self._closed = False
         self._available: bool | None = None
         self._down_until = 0.0
+        self._failed_at = -math.inf  # time.perf_counter() of the last fault
         self._warned: set[str] = set()
 
     # --- availability -----------------------------------------------------------------------
@@ -121,16 +122,22 @@ class SharedStore(Store):
         with self._lock:
             was = self._available
             self._available = False
+            self._failed_at = time.perf_counter()
             self._down_until = time.monotonic() + self.retry_s
         if was is not False:
             self._log.warning("%s at %s: %s unavailable (%s); lookups and gets miss and puts are "
                         "dropped, retried every %.1f s", type(self).__name__, self.where,
                         self.server, self._fault_text(e), self.retry_s)
 
-    def _succeeded(self) -> None:
+    def _succeeded(self, since: float) -> None:
+        """The server answered a call that started at `since` (`time.perf_counter()`): it is
+        available, unless a fault was seen since then (another thread's call, which reached
+        the server later, as a batch's readers do; a late success must not hide it)."""
         if self._available is True:
             return
         with self._lock:
+            if self._available is False and self._failed_at >= since:
+                return
             was, self._available = self._available, True
         if was is False:
             self._log.warning("%s at %s: %s available again", type(self).__name__, self.where,

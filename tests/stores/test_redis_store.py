@@ -330,6 +330,24 @@ def test_store_down_at_construction_starts_and_recovers(new_valkey, rng):
 
 
 @pytest.mark.slow
+def test_a_late_success_does_not_hide_a_later_fault(new_valkey):
+    """A call that began before another thread's call met a fault and answers after it (one
+    of a batch's readers, say) leaves the store unavailable: the fault is the newer news. A
+    call begun after the fault makes it available again."""
+    server = new_valkey()
+    store = make(server.url, 1000, namespace="late-success", retry_s=30)
+    assert store.ping() is True
+    began = time.perf_counter()
+    server.kill()
+    assert store.ping() is False and store.available is False
+    store._succeeded(began)  # the earlier call's answer, reported only now
+    assert store.available is False
+    server.start()
+    assert store.ping() is True and store.available is True
+    store.close()
+
+
+@pytest.mark.slow
 def test_full_server_drops_writes_and_eviction_is_a_miss(new_valkey, rng):
     """maxmemory with noeviction: the server refuses writes past its limit with an OOM error:
     dropped and counted, never raised; what was written reads back. Then allkeys-lru: the
