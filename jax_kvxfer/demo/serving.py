@@ -929,7 +929,10 @@ class Comparison(NamedTuple):
     # among one run's RECORD_TOP_K largest is not among the other's kept ones, "top-K differ")
     max_diff: float
     first_bad: tuple[int, int] | None  # the first (conversation, turn) not within tolerance
-    rows_bits_differ: int  # reply tokens (of turns with the same tokens) whose bits differ
+    rows_bits_differ: int  # reply tokens (of compared turns with the same tokens) whose bits differ
+    # turns that computed part of a prompt `ref` reused, or follow such a turn in their chat:
+    # not judged (a recompute's bits; see `compare`)
+    recomputed_turns: int = 0
 
 
 def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
@@ -947,11 +950,23 @@ def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
     infinite, "top-K differ". So runs whose logits are bit-identical (the GPU's bfloat16 runs)
     pass on their fingerprints alone; runs that round apart (float32 on a CPU, ~1e-6) are
     judged by their 32 largest logits, the rest of those rows unchecked beyond
-    `rows_bits_differ` counting them. Exact: every turn of `ref` in `run` with the same
-    tokens, every token within tolerance, and no other turns."""
-    max_diff, first_bad, bits_differ = 0.0, None, 0
+    `rows_bits_differ` counting them.
+
+    A turn that computed more of its prompt than `ref`'s did (a block evicted from every tier,
+    or left to recompute by the read-or-recompute rule), and every later turn of its chat,
+    which reads that K/V, is counted in `recomputed_turns` and not judged: a GPU's prefill of
+    those tokens rounds apart from the decode steps or the other chunks that computed them in
+    `ref` (on the CPU it does not, and they pass anyway). Exact: every turn of `ref` in `run`,
+    every judged turn with the same tokens, each token within tolerance."""
+    max_diff, first_bad, bits_differ, skipped = 0.0, None, 0, 0
+    recomputed: set[int] = set()  # chats with a turn that computed what ref reused
     for key in sorted(ref.turns):
         a, b = run.turns.get(key), ref.turns[key]
+        if a is not None and (key[0] in recomputed
+                              or a.computed_prompt_tokens > b.computed_prompt_tokens):
+            recomputed.add(key[0])
+            skipped += 1
+            continue
         ok = a is not None and a.tokens == b.tokens
         if ok:
             same_bits = np.all(a.logits_fingerprints == b.logits_fingerprints, axis=1)
@@ -963,7 +978,7 @@ def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
         if not ok and first_bad is None:
             first_bad = key
     exact = first_bad is None and set(run.turns) == set(ref.turns)
-    return Comparison(exact, max_diff, first_bad, bits_differ)
+    return Comparison(exact, max_diff, first_bad, bits_differ, skipped)
 
 
 def _top_differences(run: TurnResult, ref: TurnResult, *, atol: float, rtol: float

@@ -183,16 +183,17 @@ def test_packed_records_unpack_to_the_records(dtype):
         np.testing.assert_array_equal(values, want, err_msg=f"{field} seed {seed}")
 
 
-def _run(turns: dict) -> serving.RunResult:
+def _run(turns: dict, reused: dict | None = None) -> serving.RunResult:
     """A run of these turns, key -> (reply tokens, logits rows [n, vocab]), their records
-    made by token_record in the rows' dtype."""
+    made by token_record in the rows' dtype; `reused`: key -> prompt tokens (of 4) found on
+    the GPU, none by default."""
     from jax_kvxfer.cache import BlockManagerStats
     from jax_kvxfer.transfer.manager import TransferStats
 
     out = {}
     for key, (tokens, rows) in turns.items():
         record = token_record(jnp.asarray(rows), rows.dtype)
-        out[key] = serving.TurnResult(0.0, 0.1, 0.2, 4, 0, 0, 0, tokens,
+        out[key] = serving.TurnResult(0.0, 0.1, 0.2, 4, (reused or {}).get(key, 0), 0, 0, tokens,
                                       *(np.asarray(x) for x in record[1:]), key=key)
     return serving.RunResult(out, BlockManagerStats(), TransferStats(), 1, 1.0, 0.0, 1, 0)
 
@@ -212,7 +213,7 @@ def test_compare_passes_identical_runs(logits):
     turns, _, _ = logits
     ref = _run({k: (_tokens(x), x) for k, x in turns.items()})
     again = _run({k: (_tokens(x), x.copy()) for k, x in turns.items()})
-    assert serving.compare(again, ref) == (True, 0.0, None, 0)
+    assert serving.compare(again, ref) == (True, 0.0, None, 0, 0)
 
 
 def test_compare_finds_a_single_changed_logit_anywhere_by_its_fingerprint(logits):
@@ -260,9 +261,9 @@ def test_compare_matches_the_largest_by_token_id(logits):
         got = serving.compare(_run({k: (_tokens(x), x) for k, x in changed.items()}), ref)
         assert got.rows_bits_differ == 1, (seed, places)
         if exact:
-            assert got == (True, moved, None, 1), (seed, places, moved)
+            assert got == (True, moved, None, 1, 0), (seed, places, moved)
         else:
-            assert got == (False, np.inf, (0, 1), 1), (seed, places)
+            assert got == (False, np.inf, (0, 1), 1, 0), (seed, places)
 
 
 def test_compare_accepts_float32_rows_within_tolerance(logits):
@@ -287,7 +288,25 @@ def test_compare_fails_other_tokens_and_missing_turns(logits):
     other = {k: (_tokens(x), x) for k, x in turns.items()}
     tokens, rows = other[(1, 1)]
     other[(1, 1)] = ([tokens[0], tokens[1] + 1, tokens[2]], rows)
-    assert serving.compare(_run(other), ref) == (False, 0.0, (1, 1), 0)
+    assert serving.compare(_run(other), ref) == (False, 0.0, (1, 1), 0, 0)
     del other[(1, 1)]
     assert not serving.compare(_run(other), ref).exact
     assert not serving.compare(ref, _run(other)).exact  # a turn more than the reference
+
+
+def test_compare_leaves_unjudged_the_turns_that_recomputed_what_the_reference_reused(logits):
+    """A turn that computed more of its prompt than the reference did carries a recompute's
+    bits (a GPU rounds them apart), and so does every later turn of its chat: counted, not
+    judged. A turn that differs with as much reused as the reference is judged: not exact."""
+    turns, rng, seed = logits
+    ref = _run({k: (_tokens(x), x) for k, x in turns.items()}, {(1, 0): 2, (1, 1): 3, (0, 1): 2})
+    other = {k: rng.standard_normal(x.shape).astype(np.float32) for k, x in turns.items()}
+    changed = {k: (_tokens(other[k]), other[k]) if k[0] == 1 else (_tokens(x), x)
+               for k, x in turns.items()}
+    got = serving.compare(_run(changed, {(1, 0): 1, (1, 1): 3, (0, 1): 2}), ref)
+    assert got == (True, 0.0, None, 0, 2), seed  # chat 1 recomputed in its first turn
+    got = serving.compare(_run(changed, {(1, 0): 2, (1, 1): 0, (0, 1): 2}), ref)
+    assert not got.exact and got.first_bad == (1, 0) and got.recomputed_turns == 1, seed
+    # reusing more than the reference is no excuse: judged, and (1, 0) differs
+    got = serving.compare(_run(changed, {(1, 0): 4, (1, 1): 4, (0, 1): 2}), ref)
+    assert got.exact is False and got.first_bad == (1, 0) and got.recomputed_turns == 0, seed
