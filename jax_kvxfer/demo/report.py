@@ -219,7 +219,7 @@ def _compared(model: ModelConfig, run, ref) -> dict:
     tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
     c = serving.compare(run, ref, atol=tol, rtol=tol)
     return {"exact": c.exact, "max_abs_logit_diff": c.max_diff, "first_bad_turn": c.first_bad,
-            "rows_bits_differ": c.rows_bits_differ, "recomputed_turns": c.recomputed_turns}
+            "rows_bits_differ": c.rows_bits_differ, "recomputed_turns_differ": c.recomputed_turns_differ}
 
 
 def repeat_figures(cfg: dict, model: ModelConfig, results: dict) -> tuple[dict, dict]:
@@ -240,7 +240,8 @@ def _merged(compared: dict, later: list[tuple[dict, dict]]) -> dict:
         merged[name] = {"exact": not bad, "first_bad_turn": bad[0] if bad else None,
                         "max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in each),
                         "rows_bits_differ": max(c.get("rows_bits_differ", 0) for c in each),
-                        "recomputed_turns": max(c.get("recomputed_turns", 0) for c in each)}
+                        "recomputed_turns_differ": max(c.get("recomputed_turns_differ", 0)
+                                                       for c in each)}
     return merged
 
 
@@ -457,14 +458,14 @@ def _table_prose(runs: dict, verdict: dict) -> list[str]:
                      f"fingerprint, and where the bits differ the {RECORD_TOP_K} largest logits "
                      f"(by token id) within {tol:g} + {tol:g} × |ref|")
     for name, v in verdict.get("runs", {}).items():
-        differ, unjudged = v.get("rows_bits_differ", 0), v.get("recomputed_turns", 0)
-        compared = (f"{verdict['turns']} turns, {verdict['tokens']} tokens" if not unjudged else
-                    f"{verdict['turns'] - unjudged} of {verdict['turns']} turns judged ("
-                    f"{unjudged} not: they or an earlier turn of their chat computed what "
-                    "never_evict reused, a recompute's bits), their tokens")
+        differ, excused = v.get("rows_bits_differ", 0), v.get("recomputed_turns_differ", 0)
         prose.append(
             f"exactness {name} vs never_evict: {'PASS' if v['exact'] else 'FAIL'} - "
-            f"{compared} {'identical' if v['exact'] else 'compared'}; "
+            f"{verdict['turns']} turns, {verdict['tokens']} tokens "
+            f"{'identical' if v['exact'] and not excused else 'compared'}; "
+            + (f"{excused} turns differ where they or an earlier turn of their chat recomputed "
+               "what never_evict reused (a recompute's bits, not judged); the others: "
+               if excused else "")
             + ("every logit's bits identical" if not differ else
                f"logits' bits differ in {differ} of them, "
                + (f"top-K differ (another token among the {RECORD_TOP_K} largest)"

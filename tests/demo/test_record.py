@@ -294,10 +294,11 @@ def test_compare_fails_other_tokens_and_missing_turns(logits):
     assert not serving.compare(ref, _run(other)).exact  # a turn more than the reference
 
 
-def test_compare_leaves_unjudged_the_turns_that_recomputed_what_the_reference_reused(logits):
+def test_compare_excuses_differences_where_a_turn_recomputed_what_the_reference_reused(logits):
     """A turn that computed more of its prompt than the reference did carries a recompute's
-    bits (a GPU rounds them apart), and so does every later turn of its chat: counted, not
-    judged. A turn that differs with as much reused as the reference is judged: not exact."""
+    bits (a GPU rounds them apart), and so does every later turn of its chat: where they
+    differ, counted, not failed; where they agree, judged as any. A turn that differs with as
+    much reused as the reference fails."""
     turns, rng, seed = logits
     ref = _run({k: (_tokens(x), x) for k, x in turns.items()}, {(1, 0): 2, (1, 1): 3, (0, 1): 2})
     other = {k: rng.standard_normal(x.shape).astype(np.float32) for k, x in turns.items()}
@@ -306,7 +307,10 @@ def test_compare_leaves_unjudged_the_turns_that_recomputed_what_the_reference_re
     got = serving.compare(_run(changed, {(1, 0): 1, (1, 1): 3, (0, 1): 2}), ref)
     assert got == (True, 0.0, None, 0, 2), seed  # chat 1 recomputed in its first turn
     got = serving.compare(_run(changed, {(1, 0): 2, (1, 1): 0, (0, 1): 2}), ref)
-    assert not got.exact and got.first_bad == (1, 0) and got.recomputed_turns == 1, seed
+    assert (got.exact, got.first_bad, got.recomputed_turns_differ) == (False, (1, 0), 1), seed
     # reusing more than the reference is no excuse: judged, and (1, 0) differs
     got = serving.compare(_run(changed, {(1, 0): 4, (1, 1): 4, (0, 1): 2}), ref)
-    assert got.exact is False and got.first_bad == (1, 0) and got.recomputed_turns == 0, seed
+    assert (got.exact, got.first_bad, got.recomputed_turns_differ) == (False, (1, 0), 0), seed
+    # recomputed turns that agree are judged as any: nothing excused
+    same = {k: (_tokens(x), x.copy()) for k, x in turns.items()}
+    assert serving.compare(_run(same, {(1, 0): 0, (1, 1): 0}), ref) == (True, 0.0, None, 0, 0)
