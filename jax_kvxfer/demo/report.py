@@ -219,7 +219,8 @@ def _compared(model: ModelConfig, run, ref) -> dict:
     tol = TOLERANCE.get(model.dtype, TOLERANCE["float32"])
     c = serving.compare(run, ref, atol=tol, rtol=tol)
     return {"exact": c.exact, "max_abs_logit_diff": c.max_diff, "first_bad_turn": c.first_bad,
-            "rows_bits_differ": c.rows_bits_differ, "recomputed_turns_differ": c.recomputed_turns_differ}
+            "rows_bits_differ": c.rows_bits_differ,
+            "recomputed_turns_differ": c.recomputed_turns_differ}
 
 
 def repeat_figures(cfg: dict, model: ModelConfig, results: dict) -> tuple[dict, dict]:
@@ -464,8 +465,9 @@ def _table_prose(runs: dict, verdict: dict) -> list[str]:
             f"{verdict['turns']} turns, {verdict['tokens']} tokens "
             f"{'identical' if v['exact'] and not excused else 'compared'}; "
             + (f"{excused} turns differ where they or an earlier turn of their chat recomputed "
-               "what never_evict reused (a recompute's bits, not judged); the others: "
-               if excused else "")
+               "what never_evict reused, as a recompute rounding apart does (top logits within "
+               f"{serving.RECOMPUTE_TOLERANCE:g} + {serving.RECOMPUTE_TOLERANCE:g} × |ref|); "
+               "the others: " if excused else "")
             + ("every logit's bits identical" if not differ else
                f"logits' bits differ in {differ} of them, "
                + (f"top-K differ (another token among the {RECORD_TOP_K} largest)"

@@ -956,9 +956,12 @@ def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
     or left to recompute by the read-or-recompute rule), or follows such a turn in its chat
     (it reads that K/V), may differ without failing: a GPU's prefill of those tokens rounds
     apart from the decode steps or the other chunks that computed them in `ref` (a CPU's does
-    not). It is counted in `recomputed_turns_differ`, its differences left out of `max_diff`
-    and `rows_bits_differ`. Exact: every turn of `ref` in `run`, every other turn with the
-    same tokens, each token within tolerance."""
+    not), and a rounding may flip a greedy token. Such a turn must still agree as a recompute
+    does (`_agrees_as_recompute`: up to its first other token, the 32 largest logits within
+    RECOMPUTE_TOLERANCE), which wrong K/V, changing which tokens are largest, does not; it is
+    counted in `recomputed_turns_differ`, its differences left out of `max_diff` and
+    `rows_bits_differ`. Exact: every turn of `ref` in `run`, every turn within tolerance or,
+    where it recomputed, agreeing as a recompute."""
     max_diff, first_bad, bits_differ, excused = 0.0, None, 0, 0
     recomputed: set[int] = set()  # chats with a turn that computed what ref reused
     for key in sorted(ref.turns):
@@ -973,7 +976,7 @@ def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
         if a is not None and (key[0] in recomputed
                               or a.computed_prompt_tokens > b.computed_prompt_tokens):
             recomputed.add(key[0])
-            if not ok:
+            if not ok and _agrees_as_recompute(a, b):
                 excused += 1
                 continue
         bits_differ += differ
@@ -982,6 +985,28 @@ def compare(run: RunResult, ref: RunResult, *, atol: float = 1e-4,
             first_bad = key
     exact = first_bad is None and set(run.turns) == set(ref.turns)
     return Comparison(exact, max_diff, first_bad, bits_differ, excused)
+
+
+# How far a recomputed turn's 32 largest logits may be from the reference's (atol and rtol):
+# a bfloat16 prefill of tokens the reference computed in decode steps differed by up to 0.13
+# on the H200 (8B shapes); K/V read wrong changes which tokens are largest ("top-K differ").
+RECOMPUTE_TOLERANCE = 0.25
+
+
+def _agrees_as_recompute(run: TurnResult, ref: TurnResult) -> bool:
+    """Whether `run`, a turn that recomputed K/V `ref` reused, agrees with it as a recompute
+    rounding apart does: the same reply tokens up to the first that differs (a near-tie
+    flipped), and each token up to that one with its 32 largest logits within
+    RECOMPUTE_TOLERANCE of `ref`'s, by token id."""
+    n = min(len(run.tokens), len(ref.tokens))
+    if n == 0:
+        return len(run.tokens) == len(ref.tokens)
+    first = next((i for i in range(n) if run.tokens[i] != ref.tokens[i]), n - 1)
+    rows = {"top_logits": slice(None, first + 1), "top_logit_tokens": slice(None, first + 1)}
+    head = [dataclasses.replace(t, **{f: getattr(t, f)[s] for f, s in rows.items()})
+            for t in (run, ref)]
+    _, within = _top_differences(*head, atol=RECOMPUTE_TOLERANCE, rtol=RECOMPUTE_TOLERANCE)
+    return bool(np.all(within))
 
 
 def _top_differences(run: TurnResult, ref: TurnResult, *, atol: float, rtol: float

@@ -294,22 +294,34 @@ def test_compare_fails_other_tokens_and_missing_turns(logits):
     assert not serving.compare(ref, _run(other)).exact  # a turn more than the reference
 
 
-def test_compare_excuses_differences_where_a_turn_recomputed_what_the_reference_reused(logits):
+def test_compare_excuses_a_recompute_rounding_apart_where_a_turn_recomputed(logits):
     """A turn that computed more of its prompt than the reference did carries a recompute's
     bits (a GPU rounds them apart), and so does every later turn of its chat: where they
-    differ, counted, not failed; where they agree, judged as any. A turn that differs with as
-    much reused as the reference fails."""
+    differ as a recompute does (the largest logits near, a near-tie's token flipped and the
+    reply on from there its own), counted, not failed. Logits far apart (K/V read wrong) fail
+    all the same, and so does any difference of a turn that reused as much as the reference."""
     turns, rng, seed = logits
-    ref = _run({k: (_tokens(x), x) for k, x in turns.items()}, {(1, 0): 2, (1, 1): 3, (0, 1): 2})
-    other = {k: rng.standard_normal(x.shape).astype(np.float32) for k, x in turns.items()}
-    changed = {k: (_tokens(other[k]), other[k]) if k[0] == 1 else (_tokens(x), x)
-               for k, x in turns.items()}
-    got = serving.compare(_run(changed, {(1, 0): 1, (1, 1): 3, (0, 1): 2}), ref)
-    assert got == (True, 0.0, None, 0, 2), seed  # chat 1 recomputed in its first turn
-    got = serving.compare(_run(changed, {(1, 0): 2, (1, 1): 0, (0, 1): 2}), ref)
+    reused = {(1, 0): 2, (1, 1): 3, (0, 1): 2}
+    ref = _run({k: (_tokens(x), x) for k, x in turns.items()}, reused)
+    near = {k: (x + rng.uniform(-0.05, 0.05, x.shape)).astype(np.float32) if k[0] == 1 else x
+            for k, x in turns.items()}
+    flipped = near[(1, 1)]  # a near-tie in row 1 decided the other way, row 2 another reply's
+    first, second = np.argsort(-turns[(1, 1)][1])[:2]
+    flipped[1] = turns[(1, 1)][1]
+    flipped[1, second] = flipped[1, first] + np.float32(0.01)
+    flipped[2] = rng.standard_normal(flipped.shape[1]).astype(np.float32)
+    near = {k: (_tokens(x), x) for k, x in near.items()}
+    assert near[(1, 1)][0][1] != _tokens(turns[(1, 1)])[1]
+    far = {k: (_tokens(x), x) for k, x in turns.items()}
+    far[(1, 0)] = (far[(1, 0)][0], rng.standard_normal(turns[(1, 0)].shape).astype(np.float32))
+    recompute_first = {(1, 0): 1, (1, 1): 3, (0, 1): 2}  # chat 1 computed more in its first turn
+    assert serving.compare(_run(near, recompute_first), ref) == (True, 0.0, None, 0, 2), seed
+    got = serving.compare(_run(far, recompute_first), ref)
+    assert (got.exact, got.first_bad) == (False, (1, 0)), seed
+    got = serving.compare(_run(near, {(1, 0): 2, (1, 1): 0, (0, 1): 2}), ref)
     assert (got.exact, got.first_bad, got.recomputed_turns_differ) == (False, (1, 0), 1), seed
     # reusing more than the reference is no excuse: judged, and (1, 0) differs
-    got = serving.compare(_run(changed, {(1, 0): 4, (1, 1): 4, (0, 1): 2}), ref)
+    got = serving.compare(_run(near, {(1, 0): 4, (1, 1): 4, (0, 1): 2}), ref)
     assert (got.exact, got.first_bad, got.recomputed_turns_differ) == (False, (1, 0), 0), seed
     # recomputed turns that agree are judged as any: nothing excused
     same = {k: (_tokens(x), x.copy()) for k, x in turns.items()}
