@@ -670,6 +670,11 @@ def _scale_out_lines(runs: dict, v: dict) -> list[str]:
                      f"{store.get('written', 0):,} blocks written to the store "
                      f"({_mib(store.get('written_bytes', 0))}), TTFT p50 "
                      f"{_ms(a['ttft_s']['p50'])}")
+    computed = [runs.get(name, {}).get("moved_turns_computed_prefill_tokens")
+                for name in (JOINED, "never_evict")]
+    if None not in computed:  # the difference: what the cost rule recomputed rather than read
+        lines.append(f"  prompt tokens computed for B's requests: {computed[0]:,} by {JOINED}, "
+                     f"{computed[1]:,} by never_evict")
     lines.append(f"  the {JOINED} and {JOINED_ALONE} columns: B's requests alone; their "
                  "exactness lines: A's turns and B's")
     return lines

@@ -191,6 +191,10 @@ def test_the_lines_under_the_table_describe_the_split(scale_out_json):
     assert f"replica A (1 process) served every {unit}" in text, text
     assert "then replica B, a new process with empty pools" in text, text
     assert "B's requests alone" in text, text
+    computed = [out["runs"][name]["moved_turns_computed_prefill_tokens"]
+                for name in (JOINED, "never_evict")]
+    assert (f"prompt tokens computed for B's requests: {computed[0]:,} by {JOINED}, "
+            f"{computed[1]:,} by never_evict") in text, text
 
 
 @pytest.mark.parametrize("argv, message", [
