@@ -299,17 +299,22 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     return tuple(logits), kv_pool
 
 
+def max_layer_groups(num_layers: int) -> int:
+    """The most groups a step's `num_layers` layers may wait in (`forward`'s `layer_groups`):
+    a group holds 2 layers or more, since XLA flattens a loop of one layer and then copies the
+    whole pool at its wait (seen on the CPU)."""
+    return num_layers // 2
+
+
 def _over_layers(layer: Any, carry: tuple, num_layers: int, layer_groups: int) -> tuple:
     """`layer(carry, index)` over the layers as a scan, one layer to compile (seconds, where
     32 unrolled layers take a minute on a GPU), each layer's weights sliced out of the whole
     stack inside it (a group's part of the stack, sliced first, would be copied). With
-    `layer_groups`, a scan per group, each after a wait for its layers' onboards
-    (`wait_for_layers`: the step after a `sync_transfers(block=False, layer_wise=True)`), so
-    that the first groups compute while the later ones still arrive. A group holds 2 layers or
-    more: XLA flattens a loop of one layer and then copies the whole pool at its wait (seen
-    on the CPU)."""
+    `layer_groups` (at most `max_layer_groups`), a scan per group, each after a wait for its
+    layers' onboards (`wait_for_layers`: the step after a `sync_transfers(block=False,
+    layer_wise=True)`), so that the first groups compute while the later ones still arrive."""
     groups = max(layer_groups, 1)
-    if layer_groups and num_layers < 2 * layer_groups:
+    if layer_groups > max_layer_groups(num_layers):
         raise ValueError(f"layer_groups must be at most half the {num_layers} layers, got "
                          f"{layer_groups}")
     for g in range(groups):

@@ -15,7 +15,7 @@ import tempfile
 
 from ..cache import admission_policy
 from . import observe, serving, store_servers, workloads
-from .model import ModelConfig, kv_block_nbytes
+from .model import ModelConfig, kv_block_nbytes, max_layer_groups
 from .report import wrap
 from .sizes import (
     PRESETS,
@@ -426,7 +426,7 @@ def check_run(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: di
     if args.dma == "true" and args.devices > 1:
         parser.error("--dma true takes one device (the copy engines' path does not take pools "
                      "split over devices); use --dma auto or false with --devices")
-    if args.layer_groups > model.num_layers // 2:
+    if args.layer_groups > max_layer_groups(model.num_layers):
         parser.error(f"--layer-groups {args.layer_groups}: a group holds 2 of the model's "
                      f"{model.num_layers} layers or more")
     if args.layer_groups and args.devices > 1:

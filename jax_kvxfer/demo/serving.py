@@ -56,6 +56,7 @@ from .model import (
     budget_chunks,
     create_pool,
     make_step,
+    max_layer_groups,
     pack_prefill,
     unpack_records,
 )
@@ -771,7 +772,7 @@ def _layer_groups(layer_groups: int, model: ModelConfig, mesh: jax.sharding.Mesh
     on one device, at least 2 layers a group. A run without a host pool onboards nothing,
     and its steps wait for nothing (0): the oracle's steps stay as they were."""
     if isinstance(layer_groups, bool) or not isinstance(layer_groups, int) or \
-            not 0 <= layer_groups <= model.num_layers // 2:
+            not 0 <= layer_groups <= max_layer_groups(model.num_layers):
         raise ValueError(f"layer_groups must be 0 or at most half the model's "
                          f"{model.num_layers} layers, got {layer_groups!r}")
     if layer_groups and mesh is not None:
@@ -1002,27 +1003,25 @@ def _agrees_as_recompute(run: TurnResult, ref: TurnResult) -> bool:
     if n == 0:
         return len(run.tokens) == len(ref.tokens)
     first = next((i for i in range(n) if run.tokens[i] != ref.tokens[i]), n - 1)
-    rows = {"top_logits": slice(None, first + 1), "top_logit_tokens": slice(None, first + 1)}
-    head = [dataclasses.replace(t, **{f: getattr(t, f)[s] for f, s in rows.items()})
-            for t in (run, ref)]
-    _, within = _top_differences(*head, atol=RECOMPUTE_TOLERANCE, rtol=RECOMPUTE_TOLERANCE)
+    _, within = _top_differences(run, ref, atol=RECOMPUTE_TOLERANCE, rtol=RECOMPUTE_TOLERANCE,
+                                 rows=first + 1)
     return bool(np.all(within))
 
 
-def _top_differences(run: TurnResult, ref: TurnResult, *, atol: float, rtol: float
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Per reply token: the largest |run - ref| over the RECORD_TOP_K largest logits of
-    either row, each matched by token id among the other's kept ones (inf where one is not
-    there), and whether each is within `atol + rtol * |ref|`."""
+def _top_differences(run: TurnResult, ref: TurnResult, *, atol: float, rtol: float,
+                     rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per reply token (the first `rows`; all by default): the largest |run - ref| over the
+    RECORD_TOP_K largest logits of either row, each matched by token id among the other's
+    kept ones (inf where one is not there), and whether each is within `atol + rtol * |ref|`."""
     k = min(RECORD_TOP_K, run.top_logits.shape[1])
     got, want = [], []
     for mine, other, mine_is_run in ((run, ref, True), (ref, run, False)):
-        ids = mine.top_logit_tokens[:, :k]
-        match = ids[:, :, None] == other.top_logit_tokens[:, None, :]  # [n, k, kept]
-        there = np.take_along_axis(other.top_logits.astype(np.float32),
+        ids = mine.top_logit_tokens[:rows, :k]
+        match = ids[:, :, None] == other.top_logit_tokens[:rows, None, :]  # [n, k, kept]
+        there = np.take_along_axis(other.top_logits[:rows].astype(np.float32),
                                    match.argmax(axis=2), axis=1)
         there[~match.any(axis=2)] = np.nan  # not kept by the other: no value to compare
-        values = mine.top_logits[:, :k].astype(np.float32)
+        values = mine.top_logits[:rows, :k].astype(np.float32)
         got.append(values if mine_is_run else there)
         want.append(there if mine_is_run else values)
     got, want = np.concatenate(got, axis=1), np.concatenate(want, axis=1)
