@@ -44,9 +44,10 @@
 #   GPU_CHECK_ADMISSION (e.g. second-sighting) adds --admission to each of them,
 #   GPU_CHECK_REAL_ARGS any other demo options (e.g. "--layer-groups 4").
 #   layer-waits: scripts/layer_wait_probe.py at the h200 preset: the decode step without and
-#   with 4 layer groups (their waits on the pool, on the activations, or none) over GPU pools
-#   of 8 and 48 GiB, no transfers, the optimized programs in $OUT/layer-waits-hlo (about 2
-#   minutes).
+#   with 4 layer groups (their waits on the layer indices as the model's, on the pool itself,
+#   or none) over GPU pools of 8 and 48 GiB, no transfers, the optimized programs in
+#   $OUT/layer-waits-hlo (about 2 minutes). scripts/gpu-compile-check.sh compiles the same
+#   steps without a GPU.
 #   rss: scripts/rss_probe.py with an 8 GiB host pool, once per engine (lanes, inline, noring)
 #   and once on the lanes with XLA's pinned-host limit at 12 GiB (capped), each in a fresh
 #   process: RSS and the host pool's buffer address after each step (about a minute).
@@ -299,7 +300,7 @@ if has layer-waits; then  # what a step's layer waits cost with no transfer (doc
   t=$(date +%s)
   mkdir -p "$OUT/layer-waits-hlo"
   JAX_COMPILATION_CACHE_DIR=$demo_cache python3 scripts/layer_wait_probe.py --preset h200 \
-    --blocks 4096,24576 --groups 0,4 --width 1024 --wait-on pool,activations,nothing \
+    --blocks 4096,24576 --groups 0,4 --width 1024 --wait-on layers,pool,nothing \
     --hlo-dir "$OUT/layer-waits-hlo" > "$OUT/layer-waits.txt" 2>&1
   summary+=("layer-waits: exit $? ($(( $(date +%s) - t )) s)")
   cat "$OUT/layer-waits.txt"

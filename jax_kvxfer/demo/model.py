@@ -312,16 +312,27 @@ def _over_layers(layer: Any, carry: tuple, num_layers: int, layer_groups: int) -
     stack inside it (a group's part of the stack, sliced first, would be copied). With
     `layer_groups` (at most `max_layer_groups`), a scan per group, each after a wait for its
     layers' onboards (`wait_for_layers`: the step after a `sync_transfers(block=False,
-    layer_wise=True)`), so that the first groups compute while the later ones still arrive."""
+    layer_wise=True)`), so that the first groups compute while the later ones still arrive.
+
+    The wait is given the group's layer indices, not the pool: every read and write of the
+    pool in the group indexes it by a layer taken from the wait's result, so none can run
+    before it, and an optimization barrier with the previous group's activations keeps the
+    wait after that group's layers. Passed through the wait, the pool itself would be counted
+    three times by XLA's memory estimate (144 GiB for a 48 GiB pool on an H200, which then
+    compiled another, slower step; docs/performance.md)."""
     groups = max(layer_groups, 1)
     if layer_groups > max_layer_groups(num_layers):
         raise ValueError(f"layer_groups must be at most half the {num_layers} layers, got "
                          f"{layer_groups}")
     for g in range(groups):
         lo, hi = layer_group_bounds(g, groups, num_layers)
-        if layer_groups:  # after the previous group's layers, which wrote the pool
-            carry = (wait_for_layers(carry[0], hi), carry[1])
-        carry, _ = jax.lax.scan(layer, carry, jnp.arange(lo, hi))
+        layers = jnp.arange(lo, hi)
+        if layer_groups:
+            pool, xs = carry
+            layers, xs = jax.lax.optimization_barrier((layers, xs))
+            carry = (pool, xs)
+            layers = wait_for_layers(layers, hi)
+        carry, _ = jax.lax.scan(layer, carry, layers)
     return carry
 
 

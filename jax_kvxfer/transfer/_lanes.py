@@ -76,7 +76,12 @@ def wait_for_layers(array: Any, layers: int) -> Any:
 
     Args:
       array: a jax.Array (or a traced one) on the pool's device, which the wait orders: pass
-        the pool array the next layers read, and read it from the result.
+        the pool array the next layers read, and read it from the result. For a pool of much
+        of the device's memory, pass instead what every read of those layers indexes the
+        pool by (their layer indices), index by the result, and keep the wait after the
+        earlier layers (an optimization barrier with their activations), as the demo's model
+        does: XLA's memory estimate counts a pool passed through a wait more than once and,
+        past the device's memory, compiles the step otherwise.
       layers: how many of the pool's first layers (`pool.num_layers`; for a pool over an
         engine's arrays, its arrays in order) must have landed, at least 1.
 

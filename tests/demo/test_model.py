@@ -309,6 +309,29 @@ def test_fused_attention_is_picked_only_for_head_dims_cudnn_takes(head_dim, fuse
     assert picked == [fused, False]
 
 
+def _group_loops_after_their_waits(text: str) -> int:
+    """The waits of a lowered step (StableHLO text), checked to order its groups' loops over
+    layers: each group's loop iterates over the layers its wait returned (so every read of
+    the pool in it comes after the wait), and each wait after the previous group's loop (its
+    operand comes out of a barrier with that loop's activations). Returns the waits."""
+    main = text[text.index("func.func public @main"):]
+    text = main[:main.find("\n  func.func")]  # the step's own ops, not its loops' bodies
+    top = r"(?m)^    (%\d+)(?::\d+)? = "
+    waits = re.findall(top + r"stablehlo\.custom_call @jax_kvxfer_wait_layers\((%\d+)#0\)",
+                       text)
+    loops = re.findall(top + r"stablehlo\.while\(%iterArg = (%\d+),", text)
+    barriers = dict(re.findall(top + r"stablehlo\.optimization_barrier %\d+, (%\d+)#\d+[ ,]",
+                               text))
+    if not waits:
+        assert len(loops) == 1, loops  # one loop over every layer
+        return 0
+    loop_after = {first: loop for loop, first in loops}
+    assert [loop_after.get(wait) for wait, _ in waits] == [loop for loop, _ in loops], loops
+    for (_, barrier), (previous, _) in zip(waits[1:], loops):
+        assert barriers.get(barrier) == previous, (barrier, previous)
+    return len(waits)
+
+
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_layer_groups_wait_per_group_and_compute_the_same(groups):
     """A step whose layers wait per group for their onboards (`layer_groups`) has one wait per
@@ -329,12 +352,7 @@ def test_layer_groups_wait_per_group_and_compute_the_same(groups):
         step = jax.jit(functools.partial(forward, config=config, layer_groups=layer_groups),
                        donate_argnums=1)
         text = step.lower(params, contents, (prefill, decode)).as_text()
-        # a wait, then its group's loop over layers, group after group (each wait takes the
-        # pool the previous loop wrote; a layer's attention has loops of its own)
-        found = re.findall(r"jax_kvxfer_wait_layers|stablehlo\.while", text)
-        order = [op for k, op in enumerate(found) if k == 0 or op != found[k - 1]]
-        assert order == (["jax_kvxfer_wait_layers", "stablehlo.while"] * layer_groups
-                         or ["stablehlo.while"]), order
+        assert _group_loops_after_their_waits(text) == layer_groups
         # the pool is updated in place: no copy of it anywhere in the compiled step (XLA
         # copies it at each wait where a group's loop is flattened: one layer a group)
         compiled = step.lower(params, contents, (prefill, decode)).compile().as_text()
