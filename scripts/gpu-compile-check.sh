@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Compiles the demo model's decode step for an H200 on a machine without a GPU, as XLA's GPU
 # compiler would on one (the same passes, scheduling, buffer assignment and ptxas), and reports
-# what the optimized programs hold: scripts/layer_wait_probe.py --deviceless, at the h200
-# preset's pool sizes, with and without layer groups. Nothing runs, so no times: it answers
+# what the optimized programs hold: scripts/layer_wait_probe.py --deviceless, at pools of 8 and
+# 48 GiB of the h200 preset, decode steps and steps that also prefill, with and without layer
+# groups (or, given options, one run of the probe with them). Nothing runs, so no times: it answers
 # questions of a program's memory and order (XLA's memory estimate, copies of the pool, the
 # waits' order) while no GPU is at hand.
-#   scripts/gpu-compile-check.sh [probe options...]   (e.g. --blocks 24576 --hlo-dir /tmp/hlo)
+#   scripts/gpu-compile-check.sh [probe options...]   (e.g. --groups 4 --hlo-dir /tmp/hlo)
 #   KVXFER_GPU_COMPILE_ENV  where its virtualenv lives (default ~/.cache/jax_kvxfer/gpu-compile-venv)
 #   PYTHON  the Python that makes it (default python3)
 # The environment (about 260 MB downloaded, 1 GB on disk): jax and jaxlib with JAX's CUDA 13
@@ -48,5 +49,10 @@ fi
 # JAX_PLATFORMS=cpu: no CUDA client is made (there is no driver); the plugin's topology still
 # compiles for the GPU described.
 export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
-exec "$PY" scripts/layer_wait_probe.py --preset h200 --deviceless scripts/h200-target.txtpb \
-  --blocks 4096,24576 --groups 0,4,8 --wait-on layers,pool,nothing "$@"
+probe=("$PY" scripts/layer_wait_probe.py --preset h200 --deviceless scripts/h200-target.txtpb
+       --blocks 4096,24576)
+if [ $# -gt 0 ]; then exec "${probe[@]}" "$@"; fi
+echo "decode steps:"
+"${probe[@]}" --groups 0,4,8 --wait-on layers,pool,nothing
+echo "steps that also prefill 8 rows of 256 tokens (attending as decodes do: cuDNN needs a GPU):"
+"${probe[@]}" --groups 0,4 --prefill-rows 8

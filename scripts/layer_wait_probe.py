@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", default="256,2048", help="GPU pool sizes in blocks, comma-separated")
     p.add_argument("--groups", default="0,4,8", help="layer groups to compare, comma-separated")
     p.add_argument("--batch", type=int, default=8, help="decode rows")
+    p.add_argument("--prefill-rows", type=int, default=0,
+                   help="a packed prefill segment of this many rows of the preset's chunk beside "
+                        "the decodes, as in a step that admits prompts (default: none)")
     p.add_argument("--width", type=int, default=128, help="blocks each row holds")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--wait-on", default="layers",
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hlo-dir", help="write each optimized program there")
     p.add_argument("--deviceless", metavar="TARGET",
                    help="compile for the GPU this GpuTargetConfigProto file describes, without "
-                        "one (scripts/gpu-compile-check.sh), and run nothing")
+                        "one (scripts/gpu-compile-check.sh), and run nothing; prefill chunks "
+                        "attend with paged_attention, not cuDNN's (which needs the GPU)")
     args = p.parse_args(argv)
 
     cfg = dict(sizes.PRESETS[args.preset])
@@ -126,11 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         tables = rng.integers(0, blocks, (args.batch, args.width)).astype(np.int32)
         pos = np.full((args.batch, 1), args.width * t - 1, np.int32)
-        decode = Rows(np.ones((args.batch, 1), np.int32), pos, tables,
-                      np.zeros(args.batch, np.int32))
+        segments = (Rows(np.ones((args.batch, 1), np.int32), pos, tables,
+                         np.zeros(args.batch, np.int32)),)
+        if args.prefill_rows:  # prompts' chunks, each in the middle of its sequence
+            rows, chunk = args.prefill_rows, cfg["chunk"]
+            positions = np.full((rows, 1), args.width // 2 * t, np.int32) + np.arange(chunk)
+            segments = (Rows(np.ones((rows, chunk), np.int32), positions.astype(np.int32),
+                             tables[np.arange(rows) % args.batch],
+                             np.full(rows, chunk - 1, np.int32)), *segments)
         if gpu:
             pool = None
-            decode = Rows(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=gpu) for x in decode))
+            segments = tuple(Rows(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=gpu)
+                                    for x in seg)) for seg in segments)
             primary = jax.ShapeDtypeStruct((blocks, model.num_layers, 2, model.num_kv_heads, t,
                                             model.head_dim), model.dtype, sharding=gpu)
         else:
@@ -145,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                                 for w in (args.wait_on.split(",") if g else ["layers"])]:
             demo_model._over_layers = _loop_waiting_on(wait_on)
             demo_model._jitted_step.cache_clear()
-            # a GPU's defaults, which make_step picks by the backend it runs on
-            step = (make_step(model, greedy=True, layer_groups=groups, fused_attention=True,
+            # a GPU's defaults, which make_step picks by the backend it runs on, but for
+            # cuDNN's fused attention of prefill chunks, which needs a GPU to compile
+            step = (make_step(model, greedy=True, layer_groups=groups, fused_attention=False,
                               attention_tile=1024) if gpu
                     else make_step(model, pool, greedy=True, layer_groups=groups))
             compiled, text, over = _compiled(
-                step, (params, primary, (decode,)),
+                step, (params, primary, segments),
                 args.hlo_dir and f"{args.hlo_dir}/step-{blocks}-{groups}-{wait_on}.txt")
             # a copy: an instruction, or on a GPU a fusion wrapping one
             copies = len(re.findall(pool_type + r"\S* (?:copy\(|fusion\([^\n]*calls=%\S*copy)",
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                      "on a CPU, whose copies are done in line)") if waits else ""
             same = _same_program(first_programs.setdefault((groups, wait_on), (blocks, text)),
                                  blocks, text)
-            timing = "" if gpu else _timed(step, params, pool, decode, args.repeats) + "; "
+            timing = "" if gpu else _timed(step, params, pool, segments, args.repeats) + "; "
             print(f"pool {blocks} blocks ({gib:.1f} GiB), layer groups {groups}"
                   + (f", waits on {wait_on}" if groups else "") + f": {timing}XLA's temp "
                   f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB"
@@ -186,12 +198,12 @@ def _same_program(first: tuple[int, str], blocks: int, text: str) -> str:
             f"; another program than at {first_blocks} blocks ({differ} lines differ)")
 
 
-def _timed(step, params, pool, decode, repeats: int) -> str:
+def _timed(step, params, pool, segments: tuple, repeats: int) -> str:
     """The step's median and fastest time over `repeats` steps, after a warm one."""
     times = []
     for k in range(repeats + 2):
         t0 = time.perf_counter()
-        _, pool.primary = step(params, pool.primary, (decode,))
+        _, pool.primary = step(params, pool.primary, segments)
         pool.primary.block_until_ready()
         if k >= 2:  # after the compile and one warm step
             times.append(time.perf_counter() - t0)

@@ -266,7 +266,7 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         # otherwise join the segments' products with one weight into one matrix product whose
         # shape, and so whose rounding, depends on what else is in the step.
         per_segment = [_unshared(x, weights) for x in xs]
-        queries = []
+        queries, writes = [], []
         for (x, p), (dst, offset, _, pos) in zip(per_segment, placed):
             b, chunk = x.shape[:2]
             h = _rms_norm(x, p["attn_norm"], c.norm_eps)
@@ -275,8 +275,13 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
             v = dot(h, p["wv"]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
             q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
             kv = jnp.stack([k, v], axis=2).reshape(b * chunk, 2, c.num_kv_heads, c.head_dim)
-            pool = pool.at[dst, index, :, :, offset, :].set(kv.astype(pool.dtype), mode="drop")
+            writes.append((dst, offset, kv.astype(pool.dtype)))
             queries.append(q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim))
+        # One scatter of every segment's K/V (they write distinct slots): with one a segment,
+        # XLA's memory estimate counts the pool twice, which past the device's memory (a 48 GiB
+        # pool on an H200) makes it compile another step (scripts/gpu-compile-check.sh).
+        dst, offset, kv = (jnp.concatenate(parts) for parts in zip(*writes))
+        pool = pool.at[dst, index, :, :, offset, :].set(kv, mode="drop")
         out = []
         for (x, p), q, seg, (_, _, valid, pos) in zip(per_segment, queries, segments, placed):
             b, chunk = x.shape[:2]
