@@ -55,13 +55,18 @@ def _loop_waiting_on(what: str):
     return loop
 
 
-def _waits_in_order(text: str) -> bool:
+def _wait_order(text: str, on_cpu: bool) -> str:
     """Whether the optimized program (scheduled) runs each wait before its group's loop and
     after the previous group's: its top-level waits and loops alternate, a wait first."""
     entry = text[text.index("\nENTRY"):]
     ops = re.findall(r"(?m)jax_kvxfer_wait_layers|^  %\S+ = \([^\n]* while\(", entry)
     kinds = ["wait" if op.startswith("jax") else "loop" for op in ops]
-    return kinds == ["wait", "loop"] * (len(kinds) // 2)
+    if kinds.count("loop") < kinds.count("wait"):
+        return ", their groups' loops flattened"
+    if kinds == ["wait", "loop"] * (len(kinds) // 2):
+        return ", in order"
+    return ", out of order" + (" (no matter on a CPU, whose copies are done in line)"
+                               if on_cpu else "")
 
 
 def _compiled(step, args: tuple, hlo_path: str | None) -> tuple[Any, str, list[str]]:
@@ -168,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             copies = len(re.findall(pool_type + r"\S* (?:copy\(|fusion\([^\n]*calls=%\S*copy)",
                                     text))
             waits = text.count("jax_kvxfer_wait_layers")
-            order = (", in order" if _waits_in_order(text) else ", out of order (no matter "
-                     "on a CPU, whose copies are done in line)") if waits else ""
+            order = _wait_order(text, on_cpu=not gpu) if waits else ""
             same = _same_program(first_programs.setdefault((groups, wait_on), (blocks, text)),
                                  blocks, text)
             timing = "" if gpu else _timed(step, params, pool, segments, args.repeats) + "; "

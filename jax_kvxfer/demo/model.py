@@ -257,7 +257,11 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         return jnp.einsum("bcd,de->bce", x, w, precision=precision)
 
     placed = [_where_written(seg, kv_pool.shape[0], t) for seg in segments]
-    group = c.num_heads // c.num_kv_heads
+    # Every segment's K/V in one scatter a layer (they write distinct slots): with one a
+    # segment, XLA's memory estimate counts the pool twice, which past the device's memory (a
+    # 48 GiB pool on an H200) makes it compile another step (scripts/gpu-compile-check.sh).
+    dst = jnp.concatenate([block for block, *_ in placed])
+    offset = jnp.concatenate([offset for _, offset, *_ in placed])
 
     def layer(carry, index):
         pool, xs = carry
@@ -266,21 +270,9 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
         # otherwise join the segments' products with one weight into one matrix product whose
         # shape, and so whose rounding, depends on what else is in the step.
         per_segment = [_unshared(x, weights) for x in xs]
-        queries, writes = [], []
-        for (x, p), (dst, offset, _, pos) in zip(per_segment, placed):
-            b, chunk = x.shape[:2]
-            h = _rms_norm(x, p["attn_norm"], c.norm_eps)
-            q = dot(h, p["wq"]).reshape(b, chunk, c.num_heads, c.head_dim)
-            k = dot(h, p["wk"]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
-            v = dot(h, p["wv"]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
-            q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
-            kv = jnp.stack([k, v], axis=2).reshape(b * chunk, 2, c.num_kv_heads, c.head_dim)
-            writes.append((dst, offset, kv.astype(pool.dtype)))
-            queries.append(q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim))
-        # One scatter of every segment's K/V (they write distinct slots): with one a segment,
-        # XLA's memory estimate counts the pool twice, which past the device's memory (a 48 GiB
-        # pool on an H200) makes it compile another step (scripts/gpu-compile-check.sh).
-        dst, offset, kv = (jnp.concatenate(parts) for parts in zip(*writes))
+        queries, kvs = zip(*(_queries_and_kv(x, p, pos, c, dot)
+                             for (x, p), (*_, pos) in zip(per_segment, placed)))
+        kv = jnp.concatenate(kvs).astype(pool.dtype)
         pool = pool.at[dst, index, :, :, offset, :].set(kv, mode="drop")
         out = []
         for (x, p), q, seg, (_, _, valid, pos) in zip(per_segment, queries, segments, placed):
@@ -304,10 +296,26 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     return tuple(logits), kv_pool
 
 
+def _queries_and_kv(x: jax.Array, p: dict, positions: jax.Array, c: ModelConfig,
+                    dot: Any) -> tuple[jax.Array, jax.Array]:
+    """A segment's queries `[R, C, kv heads, heads a kv head serves, head_dim]` and its
+    tokens' K/V `[R * C, 2, kv heads, head_dim]`, both rotated to their positions."""
+    b, chunk = x.shape[:2]
+    h = _rms_norm(x, p["attn_norm"], c.norm_eps)
+    q = dot(h, p["wq"]).reshape(b, chunk, c.num_heads, c.head_dim)
+    k = dot(h, p["wk"]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
+    v = dot(h, p["wv"]).reshape(b, chunk, c.num_kv_heads, c.head_dim)
+    q, k = _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta)
+    kv = jnp.stack([k, v], axis=2).reshape(b * chunk, 2, c.num_kv_heads, c.head_dim)
+    group = c.num_heads // c.num_kv_heads
+    return q.reshape(b, chunk, c.num_kv_heads, group, c.head_dim), kv
+
+
 def max_layer_groups(num_layers: int) -> int:
     """The most groups a step's `num_layers` layers may wait in (`forward`'s `layer_groups`):
-    a group holds 2 layers or more, since XLA flattens a loop of one layer and then copies the
-    whole pool at its wait (seen on the CPU)."""
+    a group holds 2 layers or more. XLA flattens a loop of one layer, and its memory estimate
+    then counts the pool three times: 144 GiB for a 48 GiB pool on an H200, where it compiles
+    another program for the step (scripts/gpu-compile-check.sh)."""
     return num_layers // 2
 
 
@@ -323,8 +331,8 @@ def _over_layers(layer: Any, carry: tuple, num_layers: int, layer_groups: int) -
     pool in the group indexes it by a layer taken from the wait's result, so none can run
     before it, and an optimization barrier with the previous group's activations keeps the
     wait after that group's layers. Passed through the wait, the pool itself would be counted
-    three times by XLA's memory estimate (144 GiB for a 48 GiB pool on an H200, which then
-    compiled another, slower step; docs/performance.md)."""
+    three times by XLA's memory estimate (144 GiB for a 48 GiB pool on an H200, where it
+    compiles another program for the step; docs/performance.md)."""
     groups = max(layer_groups, 1)
     if layer_groups > max_layer_groups(num_layers):
         raise ValueError(f"layer_groups must be at most half the {num_layers} layers, got "

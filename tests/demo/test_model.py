@@ -358,7 +358,8 @@ def test_layer_groups_wait_per_group_and_compute_the_same(groups):
         # scatter a segment made XLA's memory estimate count the pool twice
         assert text.count('"stablehlo.scatter"') == 1
         # the pool is updated in place: no copy of it anywhere in the compiled step (XLA
-        # copies it at each wait where a group's loop is flattened: one layer a group)
+        # copied it at each wait where the waits took the pool and a group's loop was
+        # flattened: one layer a group)
         compiled = step.lower(params, contents, (prefill, decode)).compile().as_text()
         pool_type = "f32[" + ",".join(map(str, contents.shape)) + "]"
         assert not re.findall(re.escape(pool_type) + r"\S* copy\(", compiled)
