@@ -301,13 +301,15 @@ def test_compare_excuses_a_recompute_rounding_apart_where_a_turn_recomputed(logi
     reply on from there its own), counted, not failed. Logits far apart (K/V read wrong) fail
     all the same, and so does any difference of a turn that reused as much as the reference."""
     turns, rng, seed = logits
+    tie = turns[(1, 1)][1]  # row 1 of chat 1's second turn: its two largest a near-tie
+    first, second = np.argsort(-tie)[:2]
+    tie[second] = tie[first] - np.float32(0.01)
     reused = {(1, 0): 2, (1, 1): 3, (0, 1): 2}
     ref = _run({k: (_tokens(x), x) for k, x in turns.items()}, reused)
     near = {k: (x + rng.uniform(-0.05, 0.05, x.shape)).astype(np.float32) if k[0] == 1 else x
             for k, x in turns.items()}
-    flipped = near[(1, 1)]  # a near-tie in row 1 decided the other way, row 2 another reply's
-    first, second = np.argsort(-turns[(1, 1)][1])[:2]
-    flipped[1] = turns[(1, 1)][1]
+    flipped = near[(1, 1)]  # the near-tie decided the other way, row 2 another reply's
+    flipped[1] = tie
     flipped[1, second] = flipped[1, first] + np.float32(0.01)
     flipped[2] = rng.standard_normal(flipped.shape[1]).astype(np.float32)
     near = {k: (_tokens(x), x) for k, x in near.items()}
