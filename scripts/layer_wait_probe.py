@@ -11,7 +11,10 @@ groups, and `offload` (8 GiB) about nothing (docs/performance.md, "Long document
 oracle"), while the model's waits took the pool itself. Per pool size and groups: the median
 step over `--repeats` steps of `--batch` rows each holding `--width` blocks, XLA's temporary
 memory, the copies of a pool-shaped array in its optimized program, and its waits: whether
-they run in order (each after the previous group's loop, before its own).
+they run in order (each after the previous group's loop, before its own). With `--deviceless`
+(scripts/gpu-compile-check.sh) it compiles for a GPU on a machine without one and reports the
+programs alone: XLA's memory estimate where it passes the device's, and whether a program is
+the one compiled for the first pool size.
 """
 
 from __future__ import annotations

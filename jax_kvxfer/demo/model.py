@@ -260,8 +260,8 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     # Every segment's K/V in one scatter a layer (they write distinct slots): with one a
     # segment, XLA's memory estimate counts the pool twice, which past the device's memory (a
     # 48 GiB pool on an H200) makes it compile another step (scripts/gpu-compile-check.sh).
-    dst = jnp.concatenate([block for block, *_ in placed])
-    offset = jnp.concatenate([offset for _, offset, *_ in placed])
+    dst = jnp.concatenate([blocks for blocks, _, _, _ in placed])
+    offset = jnp.concatenate([offsets for _, offsets, _, _ in placed])
 
     def layer(carry, index):
         pool, xs = carry

@@ -81,7 +81,7 @@ def wait_for_layers(array: Any, layers: int) -> Any:
         pool by (their layer indices), index by the result, and keep the wait after the
         earlier layers (an optimization barrier with their activations), as the demo's model
         does: XLA's memory estimate counts a pool passed through a wait more than once and,
-        past the device's memory, compiles the step otherwise.
+        past the device's memory, compiles another program for the step.
       layers: how many of the pool's first layers (`pool.num_layers`; for a pool over an
         engine's arrays, its arrays in order) must have landed, at least 1.
 
