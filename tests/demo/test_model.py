@@ -309,26 +309,30 @@ def test_fused_attention_is_picked_only_for_head_dims_cudnn_takes(head_dim, fuse
     assert picked == [fused, False]
 
 
-def _group_loops_after_their_waits(text: str) -> int:
-    """The waits of a lowered step (StableHLO text), checked to order its groups' loops over
-    layers: each group's loop iterates over the layers its wait returned (so every read of
-    the pool in it comes after the wait), and each wait after the previous group's loop (its
-    operand comes out of a barrier with that loop's activations). Returns the waits."""
-    main = text[text.index("func.func public @main"):]
-    text = main[:main.find("\n  func.func")]  # the step's own ops, not its loops' bodies
-    top = r"(?m)^    (%\d+)(?::\d+)? = "
-    waits = re.findall(top + r"stablehlo\.custom_call @jax_kvxfer_wait_layers\((%\d+)#0\)",
-                       text)
-    loops = re.findall(top + r"stablehlo\.while\(%iterArg = (%\d+),", text)
-    barriers = dict(re.findall(top + r"stablehlo\.optimization_barrier %\d+, (%\d+)#\d+[ ,]",
-                               text))
+def _group_loops_after_their_waits(jaxpr) -> int:
+    """The waits of a step (its jaxpr), checked to order its groups' loops over layers: each
+    group's loop iterates over the layers its wait returned (so every read of the pool in it
+    comes after the wait), and each wait after the previous group's loop (its operand comes
+    out of a barrier with that loop's activations). Each loop's layer writes one scatter.
+    Returns the waits."""
+    eqns = jaxpr.jaxpr.eqns
+    waits = [e for e in eqns if e.primitive.name == "ffi_call"
+             and e.params["target_name"] == "jax_kvxfer_wait_layers"]
+    loops = [e for e in eqns if e.primitive.name == "scan"]
+    barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]
+    for loop in loops:  # both segments' K/V: a scatter a segment made XLA count the pool twice
+        assert [e.primitive.name for e in loop.params["jaxpr"].jaxpr.eqns].count("scatter") == 1
     if not waits:
         assert len(loops) == 1, loops  # one loop over every layer
         return 0
-    loop_after = {first: loop for loop, first in loops}
-    assert [loop_after.get(wait) for wait, _ in waits] == [loop for loop, _ in loops], loops
-    for (_, barrier), (previous, _) in zip(waits[1:], loops):
-        assert barriers.get(barrier) == previous, (barrier, previous)
+    assert len(loops) == len(waits)
+    for k, (wait, loop) in enumerate(zip(waits, loops)):
+        layers = loop.invars[loop.params["num_consts"] + loop.params["num_carry"]:]
+        assert layers == wait.outvars, k
+        barrier = next((b for b in barriers if wait.invars[0] in b.outvars), None)
+        assert barrier is not None, k
+        if k:
+            assert set(loops[k - 1].outvars) & set(barrier.invars), k
     return len(waits)
 
 
@@ -352,11 +356,10 @@ def test_layer_groups_wait_per_group_and_compute_the_same(groups):
     for layer_groups in (0, groups):
         step = jax.jit(functools.partial(forward, config=config, layer_groups=layer_groups),
                        donate_argnums=1)
-        text = step.lower(params, contents, (prefill, decode)).as_text()
-        assert _group_loops_after_their_waits(text) == layer_groups
-        # both segments' K/V in one scatter a layer (the groups' loops share their body): a
-        # scatter a segment made XLA's memory estimate count the pool twice
-        assert text.count('"stablehlo.scatter"') == 1
+        jaxpr = jax.make_jaxpr(functools.partial(forward, config=config,
+                                                 layer_groups=layer_groups))(
+            params, contents, (prefill, decode))
+        assert _group_loops_after_their_waits(jaxpr) == layer_groups
         # the pool is updated in place: no copy of it anywhere in the compiled step (XLA
         # copied it at each wait where the waits took the pool and a group's loop was
         # flattened: one layer a group)
