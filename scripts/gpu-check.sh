@@ -327,6 +327,12 @@ if has stress-dma; then
   summary+=("stress --dma: exit $? ($(( $(date +%s) - t )) s): $(tail -1 "$OUT/stress-dma.log")")
 fi
 
+# XLA compiles another program for a step whose memory estimate passes the device's (it
+# counted a pool passed through a custom call more than once: docs/performance.md); say where
+over=$(grep -l "Can't reduce memory use below" "$OUT"/*.txt "$OUT"/*.log 2>/dev/null \
+  | xargs -r -n1 basename | tr '\n' ' ')
+summary+=("XLA's memory estimate over the device's in: ${over:-no run}")
+
 echo; cat "$OUT/gpu.txt"
 for line in "${summary[@]}"; do echo "SUMMARY $line"; done
 # GPU_CHECK_PACK=1: everything under $OUT in one archive (the device tool returns few files)
