@@ -20,6 +20,7 @@ the one compiled for the first pool size.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import sys
@@ -199,8 +200,8 @@ def _same_program(first: tuple[int, str], blocks: int, text: str) -> str:
     def lines(program):  # the block counts and the module's fingerprints taken out
         program = re.sub(r'fingerprint\w*="\w+"', "", program)
         return re.sub(rf"\b({first_blocks}|{blocks})\b", "N", program).splitlines()
-    a, b = lines(first_text), lines(text)
-    differ = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+    a, b = collections.Counter(lines(first_text)), collections.Counter(lines(text))
+    differ = sum((a - b).values()) + sum((b - a).values())  # lines only in one of them
     return (f"; the program as at {first_blocks} blocks" if not differ else
             f"; another program than at {first_blocks} blocks ({differ} lines differ)")
 
