@@ -30,7 +30,8 @@
 #   connector section (the host time of the scheduler side's calls for one h200 chats step).
 #   model: the demo model's compute rate (scripts/model_bench.py, h200 preset): full-prefill
 #   TFLOP/s against a bf16 matmul measured in the same run, decode step time against the tokens
-#   the rows hold; one summary line against the targets (issue 48).
+#   the rows hold; one summary line against the targets (issue 48). Then again with XLA's
+#   loops captured into CUDA graphs (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL).
 #   events: the demo's offload run with KV events and metrics off then on in one process
 #   (--events-overhead), and its step-time ratio (needs pyzmq, msgspec, prometheus-client).
 #   real-workloads: the demo's real workloads on the h200 preset, each printing its closing line
@@ -143,6 +144,14 @@ if has model; then  # the demo model's prefill rate and decode against length (i
     > "$OUT/model-bench.txt" 2> "$OUT/model-bench.log"
   summary+=("model: exit $? ($(( $(date +%s) - t )) s): $(tail -1 "$OUT/model-bench.txt")")
   cat "$OUT/model-bench.log" | grep -E "^(peak|prefill|decode)"
+  # the same with loops captured into CUDA graphs, their conditions evaluated on the GPU (not
+  # XLA's default): what the key-tile loop's host syncs cost, without changing the model
+  t=$(date +%s)
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+    python3 scripts/model_bench.py --preset h200 --no-baseline \
+    --json "$OUT/model-bench-graphs.json" > "$OUT/model-bench-graphs.txt" \
+    2> "$OUT/model-bench-graphs.log"
+  summary+=("model, loops in CUDA graphs: exit $? ($(( $(date +%s) - t )) s): $(tail -1 "$OUT/model-bench-graphs.txt")")
 fi
 # The demos share JAX's compilation cache (outside $OUT: it is large), so that only the first
 # pays the model step's compilation. The h200 preset's demo takes about 4 minutes.
