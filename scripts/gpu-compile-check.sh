@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles the demo model's decode step for an H200 on a machine without a GPU, as XLA's GPU
+# Compiles the demo model's steps for an H200 on a machine without a GPU, as XLA's GPU
 # compiler would on one (the same passes, scheduling, buffer assignment and ptxas), and reports
 # what the optimized programs hold: scripts/layer_wait_probe.py --deviceless, at pools of 8 and
 # 48 GiB of the h200 preset, decode steps and steps that also prefill, with and without layer

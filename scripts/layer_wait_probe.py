@@ -134,60 +134,64 @@ def main(argv: list[str] | None = None) -> int:
     params = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=gpu),
                            jax.eval_shape(lambda: init_params(model)))
               if gpu else init_params(model))
-    first_programs: dict[tuple[int, str], tuple[int, list[str]]] = {}
-    for blocks in (int(b) for b in args.blocks.split(",")):
-        rng = np.random.default_rng(0)
-        tables = rng.integers(0, blocks, (args.batch, args.width)).astype(np.int32)
-        pos = np.full((args.batch, 1), args.width * t - 1, np.int32)
-        segments = (Rows(np.ones((args.batch, 1), np.int32), pos, tables,
-                         np.zeros(args.batch, np.int32)),)
-        if args.prefill_rows:  # prompts' chunks, each in the middle of its sequence
-            rows, chunk = args.prefill_rows, cfg["chunk"]
-            positions = np.full((rows, 1), args.width // 2 * t, np.int32) + np.arange(chunk)
-            segments = (Rows(np.ones((rows, chunk), np.int32), positions.astype(np.int32),
-                             tables[np.arange(rows) % args.batch],
-                             np.full(rows, chunk - 1, np.int32)), *segments)
-        if gpu:
-            pool = None
-            segments = tuple(Rows(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=gpu)
-                                    for x in seg)) for seg in segments)
-            primary = jax.ShapeDtypeStruct((blocks, model.num_layers, 2, model.num_kv_heads, t,
-                                            model.head_dim), model.dtype, sharding=gpu)
-        else:
-            pool = create_pool(model, tokens_per_block=t, num_primary_blocks=blocks,
-                               num_secondary_blocks=0)
-            primary = pool.primary
-        pool_type = re.escape(str(np.dtype(primary.dtype)).replace("bfloat16", "bf16")
-                              .replace("float32", "f32") + "["
-                              + ",".join(map(str, primary.shape)) + "]")
-        gib = np.prod(primary.shape) * np.dtype(primary.dtype).itemsize / 2**30
-        for groups, wait_on in [(g, w) for g in (int(g) for g in args.groups.split(","))
-                                for w in (args.wait_on.split(",") if g else ["layers"])]:
-            demo_model._over_layers = _loop_waiting_on(wait_on)
-            demo_model._jitted_step.cache_clear()
-            # a GPU's defaults, which make_step picks by the backend it runs on, but for
-            # cuDNN's fused attention of prefill chunks, which needs a GPU to compile
-            step = (make_step(model, greedy=True, layer_groups=groups, fused_attention=False,
-                              attention_tile=1024) if gpu
-                    else make_step(model, pool, greedy=True, layer_groups=groups))
-            compiled, text, over = _compiled(
-                step, (params, primary, segments),
-                args.hlo_dir and f"{args.hlo_dir}/step-{blocks}-{groups}-{wait_on}.txt")
-            # a copy: an instruction, or on a GPU a fusion wrapping one
-            copies = len(re.findall(pool_type + r"\S* (?:copy\(|fusion\([^\n]*calls=%\S*copy)",
-                                    text))
-            waits = text.count("jax_kvxfer_wait_layers")
-            order = _wait_order(text, on_cpu=not gpu) if waits else ""
-            same = _same_program(first_programs.setdefault((groups, wait_on), (blocks, text)),
-                                 blocks, text)
-            timing = "" if gpu else _timed(step, params, pool, segments, args.repeats) + "; "
-            print(f"pool {blocks} blocks ({gib:.1f} GiB), layer groups {groups}"
-                  + (f", waits on {wait_on}" if groups else "") + f": {timing}XLA's temp "
-                  f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB"
-                  + (f", its memory estimate over the device's ({over[0]})" if over else "")
-                  + f", pool copies in the program {copies}, waits {waits}{order}{same}",
-                  flush=True)
-        del pool
+    first_programs: dict[tuple[int, str], tuple[int, str]] = {}
+    try:
+        for blocks in (int(b) for b in args.blocks.split(",")):
+            rng = np.random.default_rng(0)
+            tables = rng.integers(0, blocks, (args.batch, args.width)).astype(np.int32)
+            pos = np.full((args.batch, 1), args.width * t - 1, np.int32)
+            segments = (Rows(np.ones((args.batch, 1), np.int32), pos, tables,
+                             np.zeros(args.batch, np.int32)),)
+            if args.prefill_rows:  # prompts' chunks, each in the middle of its sequence
+                rows, chunk = args.prefill_rows, cfg["chunk"]
+                positions = np.full((rows, 1), args.width // 2 * t, np.int32) + np.arange(chunk)
+                segments = (Rows(np.ones((rows, chunk), np.int32), positions.astype(np.int32),
+                                 tables[np.arange(rows) % args.batch],
+                                 np.full(rows, chunk - 1, np.int32)), *segments)
+            if gpu:
+                pool = None
+                segments = tuple(Rows(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=gpu)
+                                        for x in seg)) for seg in segments)
+                primary = jax.ShapeDtypeStruct((blocks, model.num_layers, 2, model.num_kv_heads, t,
+                                                model.head_dim), model.dtype, sharding=gpu)
+            else:
+                pool = create_pool(model, tokens_per_block=t, num_primary_blocks=blocks,
+                                   num_secondary_blocks=0)
+                primary = pool.primary
+            pool_type = re.escape(str(np.dtype(primary.dtype)).replace("bfloat16", "bf16")
+                                  .replace("float32", "f32") + "["
+                                  + ",".join(map(str, primary.shape)) + "]")
+            gib = np.prod(primary.shape) * np.dtype(primary.dtype).itemsize / 2**30
+            for groups, wait_on in [(g, w) for g in (int(g) for g in args.groups.split(","))
+                                    for w in (args.wait_on.split(",") if g else ["layers"])]:
+                demo_model._over_layers = _loop_waiting_on(wait_on)
+                demo_model._jitted_step.cache_clear()
+                # a GPU's defaults, which make_step picks by the backend it runs on, but for
+                # cuDNN's fused attention of prefill chunks, which needs a GPU to compile
+                step = (make_step(model, greedy=True, layer_groups=groups, fused_attention=False,
+                                  attention_tile=1024) if gpu
+                        else make_step(model, pool, greedy=True, layer_groups=groups))
+                compiled, text, over = _compiled(
+                    step, (params, primary, segments),
+                    args.hlo_dir and f"{args.hlo_dir}/step-{blocks}-{groups}-{wait_on}.txt")
+                # a copy: an instruction, or on a GPU a fusion wrapping one
+                copies = len(re.findall(pool_type + r"\S* (?:copy\(|fusion\([^\n]*calls=%\S*copy)",
+                                        text))
+                waits = text.count("jax_kvxfer_wait_layers")
+                order = _wait_order(text, on_cpu=not gpu) if waits else ""
+                same = _same_program(first_programs.setdefault((groups, wait_on), (blocks, text)),
+                                     blocks, text)
+                timing = "" if gpu else _timed(step, params, pool, segments, args.repeats) + "; "
+                print(f"pool {blocks} blocks ({gib:.1f} GiB), layer groups {groups}"
+                      + (f", waits on {wait_on}" if groups else "") + f": {timing}XLA's temp "
+                      f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB"
+                      + (f", its memory estimate over the device's ({over[0]})" if over else "")
+                      + f", pool copies in the program {copies}, waits {waits}{order}{same}",
+                      flush=True)
+            del pool
+    finally:  # the model's own loop back, and no step compiled with another kept
+        demo_model._over_layers = MODEL_LOOP
+        demo_model._jitted_step.cache_clear()
     return 0
 
 

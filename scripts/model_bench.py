@@ -37,8 +37,8 @@ import numpy as np
 from jax_kvxfer.demo import serving, sizes
 from jax_kvxfer.demo.model import (
     Rows,
+    attention_tile_blocks,
     create_pool,
-    default_attention_tile,
     forward,
     init_params,
     make_step,
@@ -64,8 +64,7 @@ def _static_trips_step(model, attention_tile: int | None, width: int, t: int):
     """The tiled step, its key-tile loop run for the table's `width` blocks whatever the rows
     hold: traced with `jax.lax.fori_loop` given that count for the model's data-dependent
     one (its only loop with a traced bound)."""
-    tile_blocks = max(1, -(-(attention_tile or default_attention_tile()) // t))
-    tiles = -(-width // tile_blocks)
+    tiles = -(-width // attention_tile_blocks(attention_tile, t))
     step = jax.jit(functools.partial(forward, config=model, attention_tile=attention_tile,
                                      fused_attention=False), donate_argnums=1)
     real = jax.lax.fori_loop

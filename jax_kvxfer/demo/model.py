@@ -251,7 +251,7 @@ def forward(params: dict[str, jax.Array], kv_pool: jax.Array, segments: tuple[Ro
     c = config
     precision = _HIGHEST if jnp.dtype(c.dtype) == jnp.float32 else None
     t = kv_pool.shape[4]
-    tile_blocks = max(1, -(-(attention_tile or default_attention_tile()) // t))
+    tile_blocks = attention_tile_blocks(attention_tile, t)
 
     def dot(x, w):
         return jnp.einsum("bcd,de->bce", x, w, precision=precision)
@@ -391,6 +391,12 @@ def _attend_fused(q: jax.Array, blocks: jax.Array, mask: jax.Array) -> jax.Array
     out = jax.nn.dot_product_attention(q.reshape(r, c, hkv * g, d), keys, values,
                                        mask=mask[:, None], implementation="cudnn")
     return out.reshape(r, c, hkv, g, d)
+
+
+def attention_tile_blocks(attention_tile: int | None, tokens_per_block: int) -> int:
+    """The whole blocks a key tile of `paged_attention` holds: at least `attention_tile`
+    tokens (None: `default_attention_tile()`), at least one block."""
+    return max(1, -(-(attention_tile or default_attention_tile()) // tokens_per_block))
 
 
 def default_attention_tile() -> int:

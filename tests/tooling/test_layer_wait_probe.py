@@ -58,6 +58,7 @@ def test_a_program_is_the_same_but_for_the_pool_size():
 def test_the_probe_runs_on_the_cpu(capsys):
     assert probe.main(["--blocks", "64,96", "--groups", "0,2", "--wait-on", "layers,pool",
                        "--repeats", "1", "--width", "4", "--prefill-rows", "2"]) == 0
+    assert probe.demo_model._over_layers is probe.MODEL_LOOP  # the model's loop given back
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 6, lines
     assert all("pool copies in the program 0" in line for line in lines), lines
