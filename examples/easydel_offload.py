@@ -41,8 +41,13 @@ from the host pool (54 pages, none of them a page eSurge still held) and compute
 tail, and the generated tokens are identical. ``--reference`` adds a run whose pool never
 evicts (64 pages), the most prefix caching can save: the same 528.
 
+``--disk --restart`` (with few ``--host-blocks``) serves the prompts once more on a new engine
+over the same disk folder, its page hashes seeded otherwise (another process's): its first
+visits find the first engine's pages on the disk, since the connector keys pages by their
+tokens, not by eSurge's hashes.
+
 Usage: scripts/easydel-check.sh [--num-pages N] [--max-tokens N] [--reference]
-       [--host-blocks N] [--disk]
+       [--host-blocks N] [--disk [--restart]]
 """
 
 from __future__ import annotations
@@ -223,6 +228,10 @@ def main(argv=None) -> int:
     ap.add_argument("--disk", action="store_true",
                     help="a disk tier below the host pool (a FileStore in a temporary folder): "
                          "with few --host-blocks, revisits read their pages back from it")
+    ap.add_argument("--restart", action="store_true",
+                    help="--disk, then serve the prompts again on a new engine whose page "
+                         "hashes differ (another process's), over the same folder: its first "
+                         "visits must find the pages the first engine wrote")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -243,19 +252,29 @@ def main(argv=None) -> int:
                  f"{ref['hits_total']}, tokens {'equal' if same else 'DIFFER'}")
 
     from jax_kvxfer.integrations.easydel import enable_offloading
+    from jax_kvxfer.stores import FileStore
 
-    stores, disk = (), None
-    if args.disk:
-        from jax_kvxfer.stores import FileStore
+    disk = tempfile.mkdtemp(prefix="kvxfer-easydel-disk-") if args.disk or args.restart else None
 
-        disk = tempfile.mkdtemp(prefix="kvxfer-easydel-disk-")
-        stores = (FileStore(disk, namespace="easydel-example"),)
+    def offload_run(label: str) -> dict:
+        """A fresh engine with the host pool, and a disk tier on `disk` (a new store on it:
+        what it holds is what earlier runs wrote)."""
+        stores = () if disk is None else (FileStore(disk, namespace="easydel-example"),)
+        try:
+            return run(args, prompts, label, args.num_pages, offload=lambda engine:
+                       enable_offloading(engine, num_host_blocks=args.host_blocks, stores=stores))
+        finally:
+            for store in stores:
+                store.close()
+
     try:
-        offl = run(args, prompts, "offload", args.num_pages, offload=lambda engine:
-                   enable_offloading(engine, num_host_blocks=args.host_blocks, stores=stores))
+        offl = offload_run("offload")
+        if args.restart:
+            # another process's page hashes: eSurge seeds its first page's hash from
+            # PYTHONHASHSEED when it builds its cache manager (at random without it)
+            os.environ["PYTHONHASHSEED"] = "1"
+            again = offload_run("restarted")
     finally:
-        for store in stores:
-            store.close()
         if disk is not None:
             shutil.rmtree(disk, ignore_errors=True)
     report = offl["report"]
@@ -263,13 +282,26 @@ def main(argv=None) -> int:
     ratio = offl["prefill_total"] / base["prefill_total"]
     # the default host pool holds every revisited prefix (0.38x expected); a small one with a
     # disk tier reads part of them back from the disk and must still save prefill
-    ok &= same and ratio <= (0.5 if not args.disk else 0.9) and report.loaded_pages_gpu_held == 0
+    ok &= same and ratio <= (0.5 if disk is None else 0.9) and report.loaded_pages_gpu_held == 0
     line = (f"easydel offloading: generated tokens {'identical' if same else 'DIFFER'} with and "
             f"without; prefill computed {offl['prefill_total']} with, {base['prefill_total']} "
             f"without ({ratio:.2f}x); pages loaded from the host {report.loaded_pages} (of "
-            f"them held by the GPU: {report.loaded_pages_gpu_held}), stored "
-            f"{report.stored_pages}; {args.num_pages} GPU pages, {args.host_blocks} host "
-            f"blocks{', a disk tier' if args.disk else ''}. " + line)
+            f"them held by the GPU: {report.loaded_pages_gpu_held}"
+            + (f"; read from the disk first: {report.loaded_from_stores}" if disk else "")
+            + f"), stored {report.stored_pages}; {args.num_pages} GPU pages, {args.host_blocks} "
+            f"host blocks{', a disk tier' if disk else ''}. " + line)
+    if args.restart:
+        # the restarted engine finds the first engine's pages on the disk from its first
+        # prompts on, though its page hashes differ: the connector keys pages by content
+        first = [name for name, _ in prompts[:3]]
+        found = sum(again["hits"][name] for name in first)
+        same = again["generated"] == base["generated"]
+        loaded = again["report"].loaded_from_stores
+        ok &= same and loaded > 0 and found > 0
+        line = (f"easydel restarted on the disk tier: generated tokens "
+                f"{'identical' if same else 'DIFFER'}; pages read from the disk "
+                f"{loaded}; first visits {'/'.join(first)} hit {found} pages; prefill computed "
+                f"{again['prefill_total']}. " + line)
 
     print(line)
     return 0 if ok else 1

@@ -2,8 +2,15 @@
 
 `enable_offloading(engine, num_host_blocks=...)` attaches the connector to an `eSurge` engine
 (easydel 0.3.0; docs/easydel-seams.md says where each seam is). eSurge keeps its page
-allocator and prefix cache; the connector adds the tier below them, keyed by eSurge's own page
-hashes (`PageHash.hash_value`, chained over the prefix):
+allocator and prefix cache; the connector adds the tier below them.
+
+- **Keys of its own.** The connector keys a page by `page_key`: a digest chained over the
+  prefix's token ids, the same in every process and run. eSurge's own page hashes start from
+  a random value in each process unless PYTHONHASHSEED is set, so a store keyed by them would
+  never be found by another replica, nor after a restart. The keys are computed where eSurge
+  hashes a request's pages (its prefix lookup, and when the request finishes, for the pages
+  its reply filled), and remembered by eSurge's hash value until the page leaves eSurge's
+  cache.
 
 - **Store at eviction.** When eSurge reuses a cached page for new content
   (`PagePool._maybe_evict_cached_page`, which forgets the page's hash), the page's hash and
@@ -24,13 +31,31 @@ the engine's scheduling thread, between steps. easydel is imported only when att
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import hashlib
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 from ..connector import OffloadingManager, OffloadingWorker
 from ..stores.base import Store
+
+ROOT_KEY = bytes(16)  # the parent key of a request's first page
+_HASH_VALUE = operator.attrgetter("hash_value")
+
+
+def page_key(parent: bytes, token_ids: Sequence[int], extra_keys: Any = None) -> bytes:
+    """The connector's 16-byte key of a page: a digest of its parent page's key (`ROOT_KEY` for
+    a request's first page), its token ids and eSurge's extra keys (a multimodal input's hash,
+    a LoRA name; by their `repr`, so an object whose repr names its address only misses). The
+    stores add the model's namespace and the rows' layout (their fingerprint)."""
+    digest = hashlib.blake2b(parent, digest_size=16, person=b"kvxfer-esurge")
+    digest.update(array.array("q", token_ids).tobytes())
+    if extra_keys is not None:
+        digest.update(b"extra" + repr(extra_keys).encode())
+    return digest.digest()
 
 
 @dataclasses.dataclass
@@ -38,9 +63,11 @@ class OffloadingReport:
     """What the connector did for the engine so far (in pages, i.e. blocks)."""
 
     stored_pages: int = 0  # evicted pages copied to the host pool
-    store_declined: int = 0  # evicted pages not stored (no room, or held already)
+    store_declined: int = 0  # evicted pages not stored (no room, held already, or no key:
+    # a page filled by a request that was preempted, before it finished)
     lookups: int = 0  # admissions whose pages past eSurge's hits were looked up
     loaded_pages: int = 0  # pages loaded from the host pool (and the stores)
+    loaded_from_stores: int = 0  # of those, pages a store read brought into the host pool
     failed_loads: int = 0  # pages whose load failed (recomputed by eSurge)
     loaded_pages_gpu_held: int = 0  # pages loaded that eSurge's prefix cache still held
 
@@ -69,7 +96,9 @@ class EsurgeOffloading:
         self.manager = OffloadingManager(num_host_blocks, block_size=self.page_size,
                                          stores=self.worker.stores, admission=admission)
         self.report = OffloadingReport()
-        self._noted: dict[int, int] = {}  # evicted page hash -> page id, not stored yet
+        self._noted: dict[int, int] = {}  # evicted page's hash value -> page id, not stored yet
+        self._keys: dict[int, bytes] = {}  # eSurge's hash value -> page_key, while cached
+        self._keys_limit = 2 * self._pool.num_pages + 1024  # then pruned to the cached
         self._storing: dict[Any, list[int]] = {}  # store job -> its hashes
         self._jobs = itertools.count()
         # eSurge's methods, wrapped on these objects (not their classes)
@@ -77,10 +106,12 @@ class EsurgeOffloading:
             (self._pool, "_maybe_evict_cached_page"): self._pool._maybe_evict_cached_page,
             (self._cache_manager, "get_computed_pages"): self._cache_manager.get_computed_pages,
             (self._scheduler, "schedule"): self._scheduler.schedule,
+            (self._cache_manager, "free_page_hashes"): self._cache_manager.free_page_hashes,
         }
         self._pool._maybe_evict_cached_page = self._evicting
         self._cache_manager.get_computed_pages = self._get_computed_pages
         self._scheduler.schedule = self._schedule
+        self._cache_manager.free_page_hashes = self._free_page_hashes
 
     def disable(self) -> None:
         """Detaches from the engine (its own methods back) and waits for the transfers."""
@@ -129,14 +160,15 @@ class EsurgeOffloading:
         if not self._noted:
             return
         noted, self._noted = self._noted, {}
-        out = self.manager.prepare_store(list(noted))
+        pages = {self._keys[h]: page for h, page in noted.items() if h in self._keys}
+        out = self.manager.prepare_store(list(pages))
         todo = out.block_hashes_to_store if out is not None else []
         self.report.store_declined += len(noted) - len(todo)
         if not todo:
             return
         job = ("store", next(self._jobs))
         self._take_engine_arrays()
-        self.worker.submit_store(job, out.store_spec, [noted[h] for h in todo])
+        self.worker.submit_store(job, out.store_spec, [pages[key] for key in todo])
         self._give_engine_arrays()
         self._storing[job] = todo
         self.report.stored_pages += len(todo)
@@ -145,6 +177,41 @@ class EsurgeOffloading:
         """Completes the store jobs the worker finished."""
         for job, success in self.worker.get_finished():
             self.manager.complete_store(self._storing.pop(job), success)
+
+    # -- the connector's keys -------------------------------------------------------------------
+
+    def _page_keys(self, page_hashes: Sequence[Any]) -> list[bytes]:
+        """The `page_key`s of a request's pages (eSurge's page hashes, from its first page),
+        remembered by eSurge's hash value so that an evicted page's key is known then."""
+        keys = list(map(self._keys.get, map(_HASH_VALUE, page_hashes)))
+        if None in keys:
+            parent = ROOT_KEY
+            for i, key in enumerate(keys):
+                if key is None:
+                    page_hash = page_hashes[i]
+                    key = keys[i] = self._keys[page_hash.hash_value] = page_key(
+                        parent, page_hash.token_ids, page_hash.extra_keys)
+                parent = key
+            if len(self._keys) > self._keys_limit:
+                self._prune_keys()
+        return keys
+
+    def _prune_keys(self) -> None:
+        """Forgets the keys of pages neither eSurge's prefix cache holds nor waiting to be
+        stored (a request's pages are keyed again from its hashes when next looked up)."""
+        keep = {k.get_hash_value() for k, pages in self._pool.cached_page_hash_to_page.items()
+                if pages}
+        keep.update(self._noted)
+        self._keys = {h: key for h, key in self._keys.items() if h in keep}
+        self._keys_limit = max(self._keys_limit, 2 * len(self._keys))
+
+    def _free_page_hashes(self, request: Any) -> None:
+        """Keys the pages of a finished request's reply before its hashes go (its pages are
+        freed into eSurge's cache, and may be evicted from the next step on)."""
+        page_hashes = self._cache_manager.req_to_page_hashes.get(request.request_id)
+        if page_hashes:
+            self._page_keys(page_hashes)
+        self._originals[(self._cache_manager, "free_page_hashes")](request)
 
     # -- loading before the prefix lookup --------------------------------------------------------
 
@@ -163,17 +230,17 @@ class EsurgeOffloading:
             return pages, hit_tokens
         self._collect()
         self.report.lookups += 1
-        hashes = [h.hash_value for h in wanted]
-        n = min(self.manager.lookup(hashes) or 0, self._pool.get_num_free_pages() - len(held))
+        keys = self._page_keys(page_hashes[:len(held) + len(wanted)])[len(held):]
+        n = min(self.manager.lookup(keys) or 0, self._pool.get_num_free_pages() - len(held))
         if n <= 0:
             return pages, hit_tokens
-        self._load(wanted[:n], held)
+        self._load(wanted[:n], keys[:n], held)
         return original(request, **kwargs)
 
-    def _load(self, wanted: list, held: list) -> None:
-        """Loads the pages of `wanted` (eSurge's page hashes) into free pages and caches them
-        in eSurge's prefix cache; `held`, eSurge's hits before them, are kept meanwhile."""
-        hashes = [h.hash_value for h in wanted]
+    def _load(self, wanted: list, hashes: list[bytes], held: list) -> None:
+        """Loads the pages of `wanted` (eSurge's page hashes; `hashes`, their keys) into free
+        pages and caches them in eSurge's prefix cache; `held`, eSurge's hits before them, are
+        kept meanwhile."""
         self._pool.touch((held,))  # out of the free queue: the allocation cannot evict them
         try:
             pages = self._pool.get_new_pages(len(wanted))
@@ -205,6 +272,7 @@ class EsurgeOffloading:
                     page.page_hash = key
                     self._pool.cached_page_hash_to_page[key][page.page_id] = page
                 self.report.loaded_pages += len(pages)
+                self.report.loaded_from_stores += sum(r.stop - r.start for r in spec.store_reads)
             else:
                 self.report.failed_loads += len(pages)
             # the last page first, so that a prefix is evicted after what extends it
