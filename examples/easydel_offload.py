@@ -207,6 +207,8 @@ def run(args, prompts, label: str, num_pages: int, offload=None) -> dict:
         if attached is not None:
             attached.disable()
             out["report"] = attached.report
+            out["recompute_s"] = attached.manager.recompute_s_per_token
+            out["store_skipped"] = attached.manager.get_and_reset_stats().store_skipped
         engine.terminate()  # eSurge 0.3.0 joins its loop holding the loop's lock: 5 s
         return out
     finally:
@@ -287,7 +289,9 @@ def main(argv=None) -> int:
             f"without; prefill computed {offl['prefill_total']} with, {base['prefill_total']} "
             f"without ({ratio:.2f}x); pages loaded from the host {report.loaded_pages} (of "
             f"them held by the GPU: {report.loaded_pages_gpu_held}"
-            + (f"; read from the disk first: {report.loaded_from_stores}" if disk else "")
+            + (f"; read from the disk first: {report.loaded_from_stores}, left to recompute "
+               f"{offl['store_skipped']} (a prompt token measured at "
+               f"{offl['recompute_s'] * 1e3:.3f} ms)" if disk else "")
             + f"), stored {report.stored_pages}; {args.num_pages} GPU pages, {args.host_blocks} "
             f"host blocks{', a disk tier' if disk else ''}. " + line)
     if args.restart:

@@ -31,6 +31,7 @@ from ..connector.lru import (
     EvictionQueue,
     check_priority,
 )
+from ..connector.tiers import check_recompute_cost
 from ..observe import events as kv_events
 from ..observe.metrics import check_metrics_choice, check_name
 from ..stores.base import Store, StoreStats
@@ -116,7 +117,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
     fitted to what its reads took, recent ones weighing most; `store_read_prior` until
     `connector.tiers.MIN_READS` are measured). Otherwise the match stops before it and the
     prompt recomputes it (`BlockManagerStats.store_skipped_blocks`); one such match in
-    `cache.prefix_match.READ_PROBE_EVERY` is read anyway, so that the estimate follows a
+    `connector.tiers.READ_PROBE_EVERY` is read anyway, so that the estimate follows a
     store that got faster. By the same estimate, `store_on_release` does not write a block
     that no store could read back faster than the model recomputes it
     (`BlockManagerStats.store_declined_blocks`; one in READ_PROBE_EVERY written anyway).
@@ -393,15 +394,7 @@ class BlockManager(PrefixMatching, GpuBlocks, HostTiers, TransferIssuing, Events
         Raises:
           TypeError, ValueError: not None nor a finite number > 0 (nothing changes).
         """
-        if s_per_token is not None:
-            if isinstance(s_per_token, bool) or not isinstance(s_per_token, (int, float)):
-                raise TypeError("recompute_s_per_token must be a number of seconds or None, "
-                                f"got {type(s_per_token).__name__}")
-            if not 0 < s_per_token < math.inf:
-                raise ValueError("recompute_s_per_token must be finite and > 0 seconds, got "
-                                 f"{s_per_token!r}")
-            s_per_token = float(s_per_token)
-        self.recompute_s_per_token = s_per_token
+        self.recompute_s_per_token = check_recompute_cost(s_per_token)
 
     # -- step boundary and introspection ----------------------------------------------------
 

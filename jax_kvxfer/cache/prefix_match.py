@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..connector.tiers import longest_stored, read_rate
+from ..connector.tiers import READ_PROBE_EVERY, longest_stored, read_rate
 from .block_cache import ROOT_KEY, CachedBlock, block_key
-
-# One match in this many that would skip a store's read is read in full instead: the read
-# estimate moves only with reads, and one measured slow (a cold first read, a busy moment)
-# would otherwise never be measured again. At most 1/32 of the skipped reads' loss.
-READ_PROBE_EVERY = 32
 
 
 @dataclasses.dataclass(eq=False)

@@ -40,7 +40,7 @@ from .specs import (
     event_key,
     store_key,
 )
-from .tiers import longest_stored
+from .tiers import READ_PROBE_EVERY, check_recompute_cost, longest_stored, read_rate
 
 
 @dataclasses.dataclass
@@ -52,6 +52,8 @@ class OffloadingStats:
     loaded: int = 0  # blocks prepared for loading from the host pool
     read_from_store: int = 0  # blocks prepared for loading through a store read
     failed_loads: int = 0  # blocks of loads completed with success=False
+    store_skipped: int = 0  # blocks only a store held that lookup left to recompute (the
+    # read was expected to take longer: set_recompute_cost)
     stored: int = 0  # blocks completed into the host pool
     declined: int = 0  # blocks prepare_store did not store (admission, priority)
     evicted: int = 0  # host blocks evicted to make room
@@ -70,7 +72,8 @@ class OffloadingManager:
     def __init__(self, num_host_blocks: int, *, block_size: int, stores: Sequence[Store] = (),
                  events: kv_events.KVEventPublisher | None = None,
                  admission: str | AdmissionPolicy | None = "always",
-                 offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY) -> None:
+                 offload_min_priority: int = DEFAULT_SECONDARY_OFFLOAD_MIN_PRIORITY,
+                 recompute_s_per_token: float | None = None) -> None:
         """Args:
           num_host_blocks: rows of the worker's host pool (the same number).
           block_size: tokens per block (for the events).
@@ -84,6 +87,9 @@ class OffloadingManager:
             "always", "reuse[:rate]", "second-sighting[:k]" or a policy; a sighting is a
             `touch`). Default "always", as vLLM's offloading connector.
           offload_min_priority: blocks of a lower priority are never stored.
+          recompute_s_per_token: seconds the engine's model takes to compute one prompt
+            token's K/V, or None (the default: a store is always read); see
+            `set_recompute_cost`.
 
         Raises:
           TypeError, ValueError: a bad argument, named.
@@ -111,6 +117,8 @@ class OffloadingManager:
         self._store_tiers = tuple(dict.fromkeys(store.tier for store in self.stores))
         self.admission = admission_policy(admission)
         self.offload_min_priority = check_priority(offload_min_priority)
+        self.recompute_s_per_token = check_recompute_cost(recompute_s_per_token)
+        self._reads_skipped = 0  # lookups that left a store's blocks to recompute
         self._publisher = events
         # Every held block's row and priority; its state: storing, reading, or ready (in no
         # set below but `_ready`). The sets and dicts are worked on with C-level operations
@@ -135,8 +143,9 @@ class OffloadingManager:
                priority: int = DEFAULT_PRIORITY) -> int | None:
         """How many blocks, from the first, can be loaded now: ready in the host pool, or in a
         store with a host row to read them into (a free row, or one of a block of no higher
-        priority than `priority` to evict). None when the first block that is not ready is
-        being stored or read (ask again after `complete_store` / `complete_load`)."""
+        priority than `priority` to evict), and, once `set_recompute_cost` was given, whose
+        read is expected to beat recomputing them. None when the first block that is not
+        ready is being stored or read (ask again after `complete_store` / `complete_load`)."""
         hashes = self._checked("block_hashes", block_hashes)
         priority = check_priority(priority)
         self._stats.looked_up += len(hashes)
@@ -146,9 +155,28 @@ class OffloadingManager:
         if self.stores and n < len(hashes):
             rows = self._room(priority) - self._evictable_among(hashes[:n], priority)
             rest = list(itertools.takewhile(lambda h: h not in self._slot, hashes[n:n + rows]))
-            n += longest_stored(self.stores, [store_key(h) for h in rest])[1]
+            which, stored = longest_stored(self.stores, [store_key(h) for h in rest])
+            if stored and not self._read_pays(which, stored):
+                self._stats.store_skipped += stored
+                stored = 0
+            n += stored
         self._stats.found += n
         return n
+
+    def set_recompute_cost(self, s_per_token: float | None) -> None:
+        """Seconds the engine's model takes to compute one prompt token's K/V (its measured
+        prefill rate, inverted), or None: always read. Once given, `lookup` counts the blocks
+        only a store holds only where their read is expected to finish before recomputing
+        their tokens would, by the store's measured reads (`tiers.read_rate`: until
+        `tiers.MIN_READS` are measured, the store is read, and so measured); otherwise it
+        stops before them and the engine recomputes them (`OffloadingStats.store_skipped`).
+        One such lookup in `tiers.READ_PROBE_EVERY` counts them all the same (a probe: the
+        read keeps the estimate current). Call it again as the measurement changes.
+
+        Raises:
+          TypeError, ValueError: not None nor a finite number > 0 (nothing changes).
+        """
+        self.recompute_s_per_token = check_recompute_cost(s_per_token)
 
     def prepare_load(self, block_hashes: Iterable[BlockHash], *, priority: int = DEFAULT_PRIORITY,
                      count_reuse: bool = True) -> LoadSpec:
@@ -424,6 +452,18 @@ class OffloadingManager:
                 reads.append(StoreRead(which, start, start + found))
                 start += found
         return reads
+
+    def _read_pays(self, which: int, blocks: int) -> bool:
+        """Whether reading `blocks` blocks from store `which` is expected to beat recomputing
+        their tokens (ties recompute), or is a probe; yes without a recompute cost or a
+        measured store. A read grows only by its bytes past its latency, so if reading fewer
+        of the blocks paid, reading them all pays more."""
+        c, store = self.recompute_s_per_token, self.stores[which]
+        seconds = None if c is None else read_rate(store).seconds(blocks * store.row_nbytes)
+        if seconds is None or seconds < blocks * self.block_size * c:
+            return True
+        self._reads_skipped += 1
+        return self._reads_skipped % READ_PROBE_EVERY == 0
 
     def _room(self, priority: int) -> int:
         """Rows a block of `priority` can have: free ones, and those of ready, unprotected

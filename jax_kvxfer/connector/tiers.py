@@ -14,7 +14,8 @@ Three ordering rules keep the rows exact:
   issued only once the read is done.
 
 Every read is timed, from the store's `get` to its last block (`read_rate(store)`): the block
-manager reads a store only where that is expected to beat recomputing the blocks.
+manager, and the connector's manager once told what a token costs to recompute, read a store
+only where that is expected to beat recomputing the blocks.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ def longest_stored(stores: Sequence[Store], keys: Sequence[bytes]) -> tuple[int,
 
 
 MIN_READS = 3  # reads of a store measured before its estimate is trusted
+# One lookup in this many that would skip a store's read reads it all the same: the read
+# estimate moves only with reads, and one measured slow (a cold first read, a busy moment)
+# would otherwise never be measured again. At most 1/32 of the skipped reads' loss.
+READ_PROBE_EVERY = 32
+
+
+def check_recompute_cost(s_per_token: object) -> float | None:
+    """`recompute_s_per_token`: None, or a finite number of seconds > 0 (as a float)."""
+    if s_per_token is None:
+        return None
+    if isinstance(s_per_token, bool) or not isinstance(s_per_token, (int, float)):
+        raise TypeError("recompute_s_per_token must be a number of seconds or None, got "
+                        f"{type(s_per_token).__name__}")
+    if not 0 < s_per_token < math.inf:
+        raise ValueError(f"recompute_s_per_token must be finite and > 0 seconds, got "
+                         f"{s_per_token!r}")
+    return float(s_per_token)
 
 
 class ReadRate:

@@ -579,7 +579,7 @@ class Server:
             # match_prefix found there (fewer when some turn out missing or corrupt, or the
             # host pool has too few rows to stage them in), and those it left to recompute
             # where add_sequence reads them all the same (the block manager's probe read, now
-            # and then: prefix_match.READ_PROBE_EVERY).
+            # and then: connector.tiers.READ_PROBE_EVERY).
             read = start - gpu - host
             from_store = match.store_blocks * t_block + (
                 partial if match.partial_from_store else 0)  # a reply's tail, say

@@ -17,6 +17,10 @@ allocator and prefix cache; the connector adds the tier below them.
   id are noted; before the step that overwrites it runs (at the end of `schedule()`, or before
   a load writes the page), the noted pages are copied to host rows (`prepare_store`,
   `submit_store`), made loadable once the copy has landed (`complete_store`).
+- **Read a store only where it pays.** The connector times each step that mostly prefills
+  (from `schedule()` to `update_from_output`) for the cost of a prompt token, and counts a
+  page only a store holds only where its read is expected to beat recomputing it
+  (`OffloadingManager.set_recompute_cost`); `recompute_s_per_token` fixes that cost instead.
 - **Load before the prefix lookup.** Where eSurge asks its prefix cache for a request's hits
   (`CacheManager.get_computed_pages`, once per admission), the pages past its hits that the
   host pool holds are loaded into free pages (`lookup`, `prepare_load`, `submit_load`, waited
@@ -36,13 +40,17 @@ import dataclasses
 import hashlib
 import itertools
 import operator
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..connector import OffloadingManager, OffloadingWorker
+from ..connector.tiers import check_recompute_cost
 from ..stores.base import Store
 
 ROOT_KEY = bytes(16)  # the parent key of a request's first page
+MEASURED = "measured"  # recompute_s_per_token: timed on the engine's steps
+PREFILL_SHARE = 0.9  # a step timed for the cost of a prompt token: this share of it prefill
 _HASH_VALUE = operator.attrgetter("hash_value")
 
 
@@ -76,8 +84,15 @@ class EsurgeOffloading:
     """The connector attached to one eSurge engine (made by `enable_offloading`)."""
 
     def __init__(self, engine: Any, *, num_host_blocks: int,
-                 stores: Store | Sequence[Store] = (), admission: Any = "always") -> None:
+                 stores: Store | Sequence[Store] = (), admission: Any = "always",
+                 recompute_s_per_token: float | str | None = MEASURED) -> None:
         from easydel.inference.esurge.core.utils import PageHashWithGroupId
+
+        measure = isinstance(recompute_s_per_token, str)
+        if measure and recompute_s_per_token != MEASURED:
+            raise ValueError(f'recompute_s_per_token must be "{MEASURED}", seconds > 0 or None, '
+                             f"got {recompute_s_per_token!r}")
+        fixed = None if measure else check_recompute_cost(recompute_s_per_token)
 
         self._key_type = PageHashWithGroupId
         self._scheduler = engine.scheduler
@@ -94,7 +109,12 @@ class EsurgeOffloading:
         self.worker = OffloadingWorker(self._engine_arrays(), num_host_blocks=num_host_blocks,
                                        token_axis=1, block_axis=0, stores=stores)
         self.manager = OffloadingManager(num_host_blocks, block_size=self.page_size,
-                                         stores=self.worker.stores, admission=admission)
+                                         stores=self.worker.stores, admission=admission,
+                                         recompute_s_per_token=fixed)
+        # the last step scheduled and when its schedule() returned, while measuring
+        self._timing: tuple[Any, float] | None = None
+        self._measure = measure
+        self._token_seconds: float | None = None
         self.report = OffloadingReport()
         self._noted: dict[int, int] = {}  # evicted page's hash value -> page id, not stored yet
         self._keys: dict[int, bytes] = {}  # eSurge's hash value -> page_key, while cached
@@ -107,11 +127,13 @@ class EsurgeOffloading:
             (self._cache_manager, "get_computed_pages"): self._cache_manager.get_computed_pages,
             (self._scheduler, "schedule"): self._scheduler.schedule,
             (self._cache_manager, "free_page_hashes"): self._cache_manager.free_page_hashes,
+            (self._scheduler, "update_from_output"): self._scheduler.update_from_output,
         }
         self._pool._maybe_evict_cached_page = self._evicting
         self._cache_manager.get_computed_pages = self._get_computed_pages
         self._scheduler.schedule = self._schedule
         self._cache_manager.free_page_hashes = self._free_page_hashes
+        self._scheduler.update_from_output = self._update_from_output
 
     def disable(self) -> None:
         """Detaches from the engine (its own methods back) and waits for the transfers."""
@@ -154,7 +176,27 @@ class EsurgeOffloading:
         output = self._originals[(self._scheduler, "schedule")](*args, **kwargs)
         self._collect()
         self._flush_stores()  # before the step that overwrites the evicted pages
+        if self._measure:
+            self._timing = (output, time.perf_counter())
         return output
+
+    def _update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._timing is not None and self._timing[0] is scheduler_output:
+            self._time_step(scheduler_output, time.perf_counter() - self._timing[1])
+        return self._originals[(self._scheduler, "update_from_output")](
+            scheduler_output, *args, **kwargs)
+
+    def _time_step(self, output: Any, seconds: float) -> None:
+        """A step that ran in `seconds`: if it mostly prefilled, what a token cost in it
+        (recent steps weigh more) is the manager's recompute cost."""
+        total = output.total_num_scheduled_tokens
+        prefill = sum(n for n in output.num_scheduled_tokens.values() if n > 1)
+        if total <= 0 or prefill < PREFILL_SHARE * total:
+            return  # decodes cost per token far more than a prompt's tokens do
+        per_token = seconds / total
+        self._token_seconds = per_token if self._token_seconds is None else (
+            0.8 * self._token_seconds + 0.2 * per_token)
+        self.manager.set_recompute_cost(self._token_seconds)
 
     def _flush_stores(self) -> None:
         if not self._noted:
@@ -286,7 +328,8 @@ class EsurgeOffloading:
 
 
 def enable_offloading(engine: Any, *, num_host_blocks: int, stores: Store | Sequence[Store] = (),
-                      admission: Any = "always") -> EsurgeOffloading:
+                      admission: Any = "always",
+                      recompute_s_per_token: float | str | None = MEASURED) -> EsurgeOffloading:
     """Attaches jax_kvxfer's host pool (and `stores` below it) to an eSurge engine's prefix
     cache; returns the attachment (`.report`, `.manager`, `.worker`, `.disable()`).
 
@@ -295,9 +338,13 @@ def enable_offloading(engine: Any, *, num_host_blocks: int, stores: Store | Sequ
       num_host_blocks: pages the pinned host pool holds.
       stores: tiers below the host pool (`jax_kvxfer.stores`).
       admission: which evicted pages are stored (`OffloadingManager`'s `admission`).
+      recompute_s_per_token: what computing a prompt token costs the engine, against which a
+        store read must win to be made: "measured" (the default: timed on the engine's steps
+        that mostly prefill), seconds, or None (a store is always read).
 
     Raises:
       ValueError: an engine without prefix caching, or with several KV-cache groups.
+      TypeError, ValueError: `recompute_s_per_token` not "measured", None or seconds > 0.
     """
     return EsurgeOffloading(engine, num_host_blocks=num_host_blocks, stores=stores,
-                            admission=admission)
+                            admission=admission, recompute_s_per_token=recompute_s_per_token)

@@ -332,7 +332,7 @@ def test_a_probe_read_of_a_prefix_the_cost_rule_skips_is_served(tmp_path):
     but now and then add_sequence reads it all the same (a probe keeps the read rate's
     estimate current): the Server admits such a turn, counts the probe's tokens as store hits,
     and its reply is the one recomputing gives."""
-    from jax_kvxfer.cache import prefix_match
+    from jax_kvxfer.connector import tiers
     from jax_kvxfer.connector.tiers import read_rate
     from jax_kvxfer.demo import serving
     from jax_kvxfer.demo.model import ModelConfig, init_params
@@ -357,7 +357,7 @@ def test_a_probe_read_of_a_prefix_the_cost_rule_skips_is_served(tmp_path):
                         read_rate(store).add(blocks * server._block_nbytes, 1e-3 * blocks)
                     bm.set_recompute_cost(1e-9)
                     # the next read the rule would skip is a probe (or, without, not)
-                    bm._reads_skipped = prefix_match.READ_PROBE_EVERY - 1 if probe else 0
+                    bm._reads_skipped = tiers.READ_PROBE_EVERY - 1 if probe else 0
                 server.submit(serving.Request((0, 0), 0.0, prompt, 3))
                 clock, results = 0.0, []
                 while not results:
