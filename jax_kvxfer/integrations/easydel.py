@@ -86,13 +86,12 @@ class EsurgeOffloading:
     def __init__(self, engine: Any, *, num_host_blocks: int,
                  stores: Store | Sequence[Store] = (), admission: Any = "always",
                  recompute_s_per_token: float | str | None = MEASURED) -> None:
-        from easydel.inference.esurge.core.utils import PageHashWithGroupId
-
         measure = isinstance(recompute_s_per_token, str)
         if measure and recompute_s_per_token != MEASURED:
             raise ValueError(f'recompute_s_per_token must be "{MEASURED}", seconds > 0 or None, '
                              f"got {recompute_s_per_token!r}")
         fixed = None if measure else check_recompute_cost(recompute_s_per_token)
+        from easydel.inference.esurge.core.utils import PageHashWithGroupId
 
         self._key_type = PageHashWithGroupId
         self._scheduler = engine.scheduler

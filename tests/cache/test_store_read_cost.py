@@ -22,8 +22,7 @@ from test_block_manager_stores import (  # tests/cache, on the path under pytest
 )
 
 from jax_kvxfer.cache import BlockManager
-from jax_kvxfer.connector.tiers import READ_PROBE_EVERY
-from jax_kvxfer.connector.tiers import MIN_READS, ReadRate, read_rate
+from jax_kvxfer.connector.tiers import MIN_READS, READ_PROBE_EVERY, ReadRate, read_rate
 from jax_kvxfer.observe import metrics
 from jax_kvxfer.stores import FileStore
 
