@@ -117,7 +117,7 @@ class EsurgeOffloading:
         self.report = OffloadingReport()
         self._noted: dict[int, int] = {}  # evicted page's hash value -> page id, not stored yet
         self._keys: dict[int, bytes] = {}  # eSurge's hash value -> page_key, while cached
-        self._keys_limit = 2 * self._pool.num_pages + 1024  # then pruned to the cached
+        self._keys_limit = 2 * self._pool.num_pages  # then pruned to the pages still cached
         self._storing: dict[Any, list[int]] = {}  # store job -> its hashes
         self._jobs = itertools.count()
         # eSurge's methods, wrapped on these objects (not their classes)
