@@ -129,7 +129,13 @@ def test_a_late_subscriber_catches_up_from_the_replay_or_counts_its_loss():
                 agrees(index, {"a": bm}, served)
                 assert index.lost_batches == 0
             else:  # lost: every batch before the first it received, at least those before
-                assert before <= index.lost_batches < pub.sent_batches  # it subscribed
+                # it subscribed. The publisher counts a batch once sent, so the index may
+                # receive one before it is counted: wait for the count.
+                deadline = time.monotonic() + 10
+                while pub.sent_batches <= index.lost_batches:
+                    assert time.monotonic() < deadline, (index.lost_batches, pub.sent_batches)
+                    time.sleep(0.01)
+                assert before <= index.lost_batches < pub.sent_batches
         bm.close()
         pub.close()
 
