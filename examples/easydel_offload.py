@@ -42,9 +42,10 @@ tail, and the generated tokens are identical. ``--reference`` adds a run whose p
 evicts (64 pages), the most prefix caching can save: the same 528.
 
 ``--disk --restart`` (with few ``--host-blocks``) serves the prompts once more on a new engine
-over the same disk folder, its page hashes seeded otherwise (another process's): its first
-visits find the first engine's pages on the disk, since the connector keys pages by their
-tokens, not by eSurge's hashes.
+over the same disk folder, its page hashes seeded otherwise (another process's), every prompt
+submitted at once: its first visits find the first engine's pages on the disk, since the
+connector keys pages by their tokens, not by eSurge's hashes, and the pages of the prompts
+waiting their turn are read ahead.
 
 Usage: scripts/easydel-check.sh [--num-pages N] [--max-tokens N] [--reference]
        [--host-blocks N] [--disk [--restart]]
@@ -154,42 +155,48 @@ class PrefillCounter:
 
         self.manager.get_computed_pages = get_computed_pages
 
-    def since(self, start: int) -> tuple[int, int]:
-        """(prefill tokens computed, pages hit) over the admissions from call index start: a
-        request's last call is its admission's (the connector asks once more after loading)."""
-        last = {rid: (n, hit) for rid, n, hit in self.calls[start:]}
-        return (sum(n - hit for n, hit in last.values()),
-                sum(hit for _, hit in last.values()) // PAGE_SIZE)
+    def of(self, request_id: str, start: int) -> tuple[int, int]:
+        """(prefill tokens computed, pages hit) of a request admitted after call index start:
+        its last call is its admission's (the connector asks once more after loading)."""
+        n, hit = [(n, hit) for rid, n, hit in self.calls[start:] if rid == request_id][-1]
+        return n - hit, hit // PAGE_SIZE
 
 
-def serve(engine, counter: PrefillCounter, prompts, max_tokens: int, label: str) -> dict:
-    """Each prompt in turn (one request at a time), greedy; what each computed and got."""
+def serve(engine, counter: PrefillCounter, prompts, max_tokens: int, label: str,
+          together: bool = False) -> dict:
+    """Each prompt in turn (one request at a time), or all of them submitted `together` (the
+    engine runs two at a time, the others wait); greedy; what each computed and got."""
     from easydel.inference.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             seed=SEED)
     out = {"generated": {}, "prefill": {}, "hits": {}}
     t0 = time.perf_counter()
-    for name, ids in prompts:
+    for batch in ([prompts] if together else [[p] for p in prompts]):
         mark = len(counter.calls)
-        text = " ".join(f"t{i}" for i in ids)
-        [res] = engine.generate(text, params, request_id=f"{label}-{name}", use_tqdm=False)
-        gen = list(res.outputs[0].token_ids)
-        assert list(res.prompt_token_ids[0]) == ids, "the tokenizer changed the prompt"
-        prefill, hits = counter.since(mark)
-        out["generated"][name] = gen
-        out["prefill"][name] = prefill
-        out["hits"][name] = hits
-        print(f"[{label}] {name}: prompt {len(ids)} tokens, prefill computed {prefill}, "
-              f"pages hit {hits}, generated {gen}")
+        texts = [" ".join(f"t{i}" for i in ids) for _, ids in batch]
+        ids_of = [f"{label}-{name}" for name, _ in batch]
+        results = {res.request_id: res for res in
+                   engine.generate(texts, params, request_id=ids_of, use_tqdm=False)}
+        for (name, ids), rid in zip(batch, ids_of):
+            res = results[rid]
+            gen = list(res.outputs[0].token_ids)
+            assert list(res.prompt_token_ids[0]) == ids, "the tokenizer changed the prompt"
+            prefill, hits = counter.of(rid, mark)
+            out["generated"][name] = gen
+            out["prefill"][name] = prefill
+            out["hits"][name] = hits
+            print(f"[{label}] {name}: prompt {len(ids)} tokens, prefill computed {prefill}, "
+                  f"pages hit {hits}, generated {gen}")
     out["seconds"] = time.perf_counter() - t0
     out["prefill_total"] = sum(out["prefill"].values())
     out["hits_total"] = sum(out["hits"].values())
     return out
 
 
-def run(args, prompts, label: str, num_pages: int, offload=None) -> dict:
-    """Builds an engine, optionally lets offload(engine) hook it, serves the prompts, stops it."""
+def run(args, prompts, label: str, num_pages: int, offload=None, together: bool = False) -> dict:
+    """Builds an engine, optionally lets offload(engine) hook it, serves the prompts (`serve`),
+    stops it."""
     import jax
 
     folder = tempfile.mkdtemp(prefix="kvxfer-easydel-tok-")
@@ -203,7 +210,7 @@ def run(args, prompts, label: str, num_pages: int, offload=None) -> dict:
         print(f"[{label}] eSurge on {jax.devices()[0].platform}: {num_pages} pages of "
               f"{PAGE_SIZE} tokens (page 0 is its null page), built in "
               f"{time.perf_counter() - t0:.1f} s")
-        out = serve(engine, counter, prompts, args.max_tokens, label)
+        out = serve(engine, counter, prompts, args.max_tokens, label, together)
         if attached is not None:
             attached.disable()
             out["report"] = attached.report
@@ -231,9 +238,9 @@ def main(argv=None) -> int:
                     help="a disk tier below the host pool (a FileStore in a temporary folder): "
                          "with few --host-blocks, revisits read their pages back from it")
     ap.add_argument("--restart", action="store_true",
-                    help="--disk, then serve the prompts again on a new engine whose page "
-                         "hashes differ (another process's), over the same folder: its first "
-                         "visits must find the pages the first engine wrote")
+                    help="--disk, then serve the prompts again, all at once, on a new engine "
+                         "whose page hashes differ (another process's), over the same folder: "
+                         "its first visits must find the pages the first engine wrote")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -258,13 +265,14 @@ def main(argv=None) -> int:
 
     disk = tempfile.mkdtemp(prefix="kvxfer-easydel-disk-") if args.disk or args.restart else None
 
-    def offload_run(label: str) -> dict:
+    def offload_run(label: str, together: bool = False) -> dict:
         """A fresh engine with the host pool, and a disk tier on `disk` (a new store on it:
         what it holds is what earlier runs wrote)."""
         stores = () if disk is None else (FileStore(disk, namespace="easydel-example"),)
         try:
             return run(args, prompts, label, args.num_pages, offload=lambda engine:
-                       enable_offloading(engine, num_host_blocks=args.host_blocks, stores=stores))
+                       enable_offloading(engine, num_host_blocks=args.host_blocks, stores=stores),
+                       together=together)
         finally:
             for store in stores:
                 store.close()
@@ -275,7 +283,7 @@ def main(argv=None) -> int:
             # another process's page hashes: eSurge seeds its first page's hash from
             # PYTHONHASHSEED when it builds its cache manager (at random without it)
             os.environ["PYTHONHASHSEED"] = "1"
-            again = offload_run("restarted")
+            again = offload_run("restarted", together=True)
     finally:
         if disk is not None:
             shutil.rmtree(disk, ignore_errors=True)
@@ -296,16 +304,18 @@ def main(argv=None) -> int:
             f"host blocks{', a disk tier' if disk else ''}. " + line)
     if args.restart:
         # the restarted engine finds the first engine's pages on the disk from its first
-        # prompts on, though its page hashes differ: the connector keys pages by content
+        # prompts on, though its page hashes differ: the connector keys pages by content;
+        # given every prompt at once, it reads ahead for those waiting their turn
         first = [name for name, _ in prompts[:3]]
         found = sum(again["hits"][name] for name in first)
         same = again["generated"] == base["generated"]
-        loaded = again["report"].loaded_from_stores
-        ok &= same and loaded > 0 and found > 0
-        line = (f"easydel restarted on the disk tier: generated tokens "
-                f"{'identical' if same else 'DIFFER'}; pages read from the disk "
-                f"{loaded}; first visits {'/'.join(first)} hit {found} pages; prefill computed "
-                f"{again['prefill_total']}. " + line)
+        report = again["report"]
+        ok &= same and found > 0 and report.prefetched_pages > 0
+        line = (f"easydel restarted on the disk tier, every prompt at once: generated tokens "
+                f"{'identical' if same else 'DIFFER'}; pages read from the disk ahead of their "
+                f"request's turn {report.prefetched_pages}, at its admission "
+                f"{report.loaded_from_stores}; first visits {'/'.join(first)} hit {found} "
+                f"pages; prefill computed {again['prefill_total']}. " + line)
 
     print(line)
     return 0 if ok else 1

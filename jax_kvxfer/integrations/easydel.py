@@ -21,6 +21,11 @@ allocator and prefix cache; the connector adds the tier below them.
   (from `schedule()` to `update_from_output`) for the cost of a prompt token, and counts a
   page only a store holds only where its read is expected to beat recomputing it
   (`OffloadingManager.set_recompute_cost`); `recompute_s_per_token` fixes that cost instead.
+- **Read ahead for waiting requests.** At the end of each `schedule()`, for the requests still
+  waiting (in queue order, up to a quarter of the host pool in flight), the pages only a store
+  holds start reading into host rows (a prefetch), so that the reads run beside the steps
+  before their admission, which then loads from the host pool (waiting for a read still in
+  flight).
 - **Load before the prefix lookup.** Where eSurge asks its prefix cache for a request's hits
   (`CacheManager.get_computed_pages`, once per admission), the pages past its hits that the
   host pool holds are loaded into free pages (`lookup`, `prepare_load`, `submit_load`, waited
@@ -51,6 +56,7 @@ from ..stores.base import Store
 ROOT_KEY = bytes(16)  # the parent key of a request's first page
 MEASURED = "measured"  # recompute_s_per_token: timed on the engine's steps
 PREFILL_SHARE = 0.9  # a step timed for the cost of a prompt token: this share of it prefill
+PREFETCH_SHARE = 0.25  # of the host pool, at most, being read ahead for waiting requests
 _HASH_VALUE = operator.attrgetter("hash_value")
 
 
@@ -76,6 +82,7 @@ class OffloadingReport:
     lookups: int = 0  # admissions whose pages past eSurge's hits were looked up
     loaded_pages: int = 0  # pages loaded from the host pool (and the stores)
     loaded_from_stores: int = 0  # of those, pages a store read brought into the host pool
+    prefetched_pages: int = 0  # store pages read ahead into host rows for waiting requests
     failed_loads: int = 0  # pages whose load failed (recomputed by eSurge)
     loaded_pages_gpu_held: int = 0  # pages loaded that eSurge's prefix cache still held
 
@@ -118,7 +125,9 @@ class EsurgeOffloading:
         self._noted: dict[int, int] = {}  # evicted page's hash value -> page id, not stored yet
         self._keys: dict[int, bytes] = {}  # eSurge's hash value -> page_key, while cached
         self._keys_limit = 2 * self._pool.num_pages  # then pruned to the pages still cached
-        self._storing: dict[Any, list[int]] = {}  # store job -> its hashes
+        self._storing: dict[Any, list[bytes]] = {}  # store job -> its keys
+        self._prefetches: dict[Any, list[bytes]] = {}  # prefetch job -> its keys
+        self._prefetched: set[str] = set()  # waiting requests read ahead (until they finish)
         self._jobs = itertools.count()
         # eSurge's methods, wrapped on these objects (not their classes)
         self._originals = {
@@ -175,6 +184,8 @@ class EsurgeOffloading:
         output = self._originals[(self._scheduler, "schedule")](*args, **kwargs)
         self._collect()
         self._flush_stores()  # before the step that overwrites the evicted pages
+        if self.worker.stores:
+            self._prefetch_waiting()
         if self._measure:
             self._timing = (output, time.perf_counter())
         return output
@@ -215,9 +226,60 @@ class EsurgeOffloading:
         self.report.stored_pages += len(todo)
 
     def _collect(self) -> None:
-        """Completes the store jobs the worker finished."""
+        """Completes the store and prefetch jobs the worker finished."""
         for job, success in self.worker.get_finished():
+            self._complete(job, success)
+
+    def _complete(self, job: Any, success: bool) -> None:
+        if job in self._storing:
             self.manager.complete_store(self._storing.pop(job), success)
+        else:
+            self.manager.complete_load(self._prefetches.pop(job), success)
+
+    # -- reading ahead for waiting requests ------------------------------------------------------
+
+    def _prefetch_waiting(self) -> None:
+        """Starts the store reads of the requests waiting after this schedule() (see the
+        module's docstring); a request is read ahead once."""
+        budget = int(PREFETCH_SHARE * self.manager.num_host_blocks) - sum(
+            map(len, self._prefetches.values()))
+        for request in self._scheduler.waiting:
+            if budget <= 0:
+                return
+            if request.request_id in self._prefetched or getattr(request, "has_vision", False):
+                continue  # a vision request's keys name its images: known once it is hashed
+            self._prefetched.add(request.request_id)
+            keys = self._token_keys(request.all_token_ids, request.num_tokens)
+            n = self.manager.lookup(keys) or 0
+            if not n:
+                continue
+            spec = self.manager.prepare_load(keys[:n], count_reuse=False)  # counted at its load
+            reads = sum(r.stop - r.start for r in spec.store_reads)
+            if not reads:  # all in the host pool already
+                self.manager.complete_load(keys[:n])
+                continue
+            job = ("prefetch", next(self._jobs))
+            self.worker.submit_load(job, spec, None)  # into host rows only
+            self._prefetches[job] = keys[:n]
+            self.report.prefetched_pages += reads
+            budget -= n
+
+    def _token_keys(self, token_ids: Sequence[int], num_tokens: int) -> list[bytes]:
+        """The `page_key`s of a text request's full pages that a prefix lookup may use (up to
+        its last token but one), from its tokens: the keys its page hashes will get."""
+        keys, parent, size = [], ROOT_KEY, self.page_size
+        for start in range(0, (num_tokens - 1) // size * size, size):
+            parent = page_key(parent, token_ids[start:start + size])
+            keys.append(parent)
+        return keys
+
+    def _wait_for_prefetches(self, keys: list[bytes]) -> None:
+        """Waits for the prefetches reading any of these keys, and completes them."""
+        wanted = set(keys)
+        jobs = [job for job, read in self._prefetches.items() if not wanted.isdisjoint(read)]
+        if jobs:
+            self.worker.wait(jobs)
+            self._collect()
 
     # -- the connector's keys -------------------------------------------------------------------
 
@@ -252,6 +314,7 @@ class EsurgeOffloading:
         page_hashes = self._cache_manager.req_to_page_hashes.get(request.request_id)
         if page_hashes:
             self._page_keys(page_hashes)
+        self._prefetched.discard(request.request_id)
         self._originals[(self._cache_manager, "free_page_hashes")](request)
 
     # -- loading before the prefix lookup --------------------------------------------------------
@@ -272,7 +335,11 @@ class EsurgeOffloading:
         self._collect()
         self.report.lookups += 1
         keys = self._page_keys(page_hashes[:len(held) + len(wanted)])[len(held):]
-        n = min(self.manager.lookup(keys) or 0, self._pool.get_num_free_pages() - len(held))
+        found = self.manager.lookup(keys)
+        if found is None:  # a page is still being read: by a prefetch, which it waits for
+            self._wait_for_prefetches(keys)
+            found = self.manager.lookup(keys)
+        n = min(found or 0, self._pool.get_num_free_pages() - len(held))
         if n <= 0:
             return pages, hit_tokens
         self._load(wanted[:n], keys[:n], held)
@@ -305,7 +372,7 @@ class EsurgeOffloading:
                 if done == job:
                     success = ok
                 else:
-                    self.manager.complete_store(self._storing.pop(done), ok)
+                    self._complete(done, ok)
             self.manager.complete_load(hashes, success)
             if success:
                 for page, page_hash in zip(pages, wanted):
