@@ -11,7 +11,6 @@ allocator and prefix cache; the connector adds the tier below them.
   hashes a request's pages (its prefix lookup, and when the request finishes, for the pages
   its reply filled), and remembered by eSurge's hash value until the page leaves eSurge's
   cache.
-
 - **Store at eviction.** When eSurge reuses a cached page for new content
   (`PagePool._maybe_evict_cached_page`, which forgets the page's hash), the page's hash and
   id are noted; before the step that overwrites it runs (at the end of `schedule()`, or before
@@ -35,7 +34,7 @@ allocator and prefix cache; the connector adds the tier below them.
 
 The engine's KV arrays are donated and rebound by every step; the connector takes the current
 ones before each transfer and rebinds the engine to the pool's after it. Everything runs on
-the engine's scheduling thread, between steps. easydel is imported only when attaching, and its page-hash key type once attached.
+the engine's scheduling thread, between steps. easydel is imported only when attaching.
 """
 
 from __future__ import annotations
