@@ -3,6 +3,8 @@
 # CPU) in a virtualenv of its own, built once and cached:
 #   scripts/easydel-check.sh [example options...]
 #   (e.g. --reference: also a run whose pool never evicts, the most prefix caching can save)
+#   scripts/easydel-check.sh --random [TRIALS] [--seed S]: scripts/easydel_random.py, random
+#   workloads with the connector against eSurge alone
 #   KVXFER_EASYDEL_ENV  where the virtualenv lives (default ~/.cache/jax_kvxfer/easydel-venv)
 #   PYTHON  the Python 3.11 that makes it (default python3.11)
 # The environment (found by trying, Python 3.11; 2.8 GB; here 2.5 minutes, then 1.5 for this
@@ -86,4 +88,7 @@ if [ "$(cat "$ENV/.kvxfer-stamp" 2>/dev/null || true)" != "$src" ]; then
 fi
 
 export EASYDEL_AUTO=0 PYTHONUNBUFFERED=1
+if [ "${1:-}" = --random ]; then  # random workloads against eSurge alone
+  exec "$PY" scripts/easydel_random.py "${@:2}"
+fi
 exec "$PY" examples/easydel_offload.py "$@"

@@ -40,6 +40,7 @@ the engine's scheduling thread, between steps. easydel is imported only when att
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -136,20 +137,30 @@ class EsurgeOffloading:
             (self._cache_manager, "free_page_hashes"): self._cache_manager.free_page_hashes,
             (self._scheduler, "update_from_output"): self._scheduler.update_from_output,
         }
-        self._pool._maybe_evict_cached_page = self._evicting
-        self._cache_manager.get_computed_pages = self._get_computed_pages
-        self._scheduler.schedule = self._schedule
-        self._cache_manager.free_page_hashes = self._free_page_hashes
-        self._scheduler.update_from_output = self._update_from_output
+        # eSurge's loop calls schedule() and update_from_output() under this lock, and every
+        # call of the connector comes from inside them: taking it, attaching and detaching
+        # happen between steps
+        self._engine_lock = getattr(engine, "_scheduler_lock", None) or contextlib.nullcontext()
+        self._attached = True
+        with self._engine_lock:
+            self._pool._maybe_evict_cached_page = self._evicting
+            self._cache_manager.get_computed_pages = self._get_computed_pages
+            self._scheduler.schedule = self._schedule
+            self._cache_manager.free_page_hashes = self._free_page_hashes
+            self._scheduler.update_from_output = self._update_from_output
 
     def disable(self) -> None:
-        """Detaches from the engine (its own methods back) and waits for the transfers."""
-        for (owner, name) in self._originals:
-            delattr(owner, name)  # the instance attribute shadowed the class's method
-        self._originals = {}
-        self._flush_stores()
-        self.worker.close()
-        self._collect()
+        """Detaches from the engine (its own methods back, between two of its steps) and
+        waits for the transfers; a second call does nothing."""
+        with self._engine_lock:
+            if not self._attached:
+                return
+            self._attached = False
+            for (owner, name) in self._originals:
+                delattr(owner, name)  # the instance attribute shadowed the class's method
+            self._flush_stores()
+            self.worker.close()
+            self._collect()
 
     # -- the engine's arrays ---------------------------------------------------------------------
 
