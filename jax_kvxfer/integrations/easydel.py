@@ -261,17 +261,17 @@ class EsurgeOffloading:
             self._prefetched.add(request.request_id)
             keys = self._token_keys(request.all_token_ids, request.num_tokens)
             n = self.manager.lookup(keys) or 0
-            if not n:
+            # lookup counts the host pool's blocks first, then a store's: the last is a
+            # store's, or there is nothing to read
+            if not n or self.manager.host_slot(keys[n - 1]) is not None:
                 continue
+            # the host pool's blocks before the reads are protected with them, so that the
+            # reads' rows are not taken from this prefix
             spec = self.manager.prepare_load(keys[:n], count_reuse=False)  # counted at its load
-            reads = sum(r.stop - r.start for r in spec.store_reads)
-            if not reads:  # all in the host pool already
-                self.manager.complete_load(keys[:n])
-                continue
             job = ("prefetch", next(self._jobs))
             self.worker.submit_load(job, spec, None)  # into host rows only
             self._prefetches[job] = keys[:n]
-            self.report.prefetched_pages += reads
+            self.report.prefetched_pages += spec.num_from_store
             budget -= n
 
     def _token_keys(self, token_ids: Sequence[int], num_tokens: int) -> list[bytes]:
@@ -390,7 +390,7 @@ class EsurgeOffloading:
                     page.page_hash = key
                     self._pool.cached_page_hash_to_page[key][page.page_id] = page
                 self.report.loaded_pages += len(pages)
-                self.report.loaded_from_stores += sum(r.stop - r.start for r in spec.store_reads)
+                self.report.loaded_from_stores += spec.num_from_store
             else:
                 self.report.failed_loads += len(pages)
             # the last page first, so that a prefix is evicted after what extends it
