@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -293,6 +294,18 @@ class DelayedFileStore(FileStore):
 
         threading.Thread(target=read, daemon=True).start()
         return out
+
+
+class SlowFileStore(DelayedFileStore):
+    """A real FileStore whose every read takes `latency` seconds more, and `per_block` more
+    for each block: a slower tier, of a known speed."""
+
+    def __init__(self, *args, latency: float, per_block: float = 0.0, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.latency, self.per_block = latency, per_block
+
+    def _delay(self, keys) -> None:
+        time.sleep(self.latency + self.per_block * len(keys))
 
 
 class HeldFileStore(DelayedFileStore):

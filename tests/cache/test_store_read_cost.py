@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 import re
-import time
 
 import numpy as np
 import pytest
-from conftest import DelayedFileStore  # tests/, on the path under pytest
+from conftest import SlowFileStore  # tests/, on the path under pytest
 from test_block_manager_stores import (  # tests/cache, on the path under pytest
     MAX_LEN,
     T,
@@ -27,18 +26,6 @@ from jax_kvxfer.observe import metrics
 from jax_kvxfer.stores import FileStore
 
 FULL = (MAX_LEN - 1) // T  # full blocks a MAX_LEN prompt reuses at most
-
-
-class SlowFileStore(DelayedFileStore):
-    """A real FileStore whose every read takes `latency` seconds more, and `per_block` more
-    for each block: a slower tier, of a known speed."""
-
-    def __init__(self, *args, latency: float, per_block: float, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.latency, self.per_block = latency, per_block
-
-    def _delay(self, keys) -> None:
-        time.sleep(self.latency + self.per_block * len(keys))
 
 
 def on_disk_only(path, rng, prompts) -> None:

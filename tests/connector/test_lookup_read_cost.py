@@ -6,11 +6,9 @@ slow by a known delay."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
-from conftest import DelayedFileStore
+from conftest import SlowFileStore
 from test_offloading_worker import PAGE, engine_arrays, load, make, store
 
 from jax_kvxfer.connector import OffloadingManager, OffloadingWorker
@@ -68,18 +66,12 @@ def test_one_lookup_in_read_probe_every_reads_all_the_same(tmp_path):
     worker.close()
 
 
-class SlowFileStore(DelayedFileStore):
-    """A real FileStore whose every read takes `DELAY` seconds more."""
-
-    DELAY = 0.05
-
-    def _delay(self, keys) -> None:
-        time.sleep(self.DELAY)
+DELAY = 0.05  # seconds each read of the slow store takes more
 
 
 def test_reads_measured_slow_are_skipped_and_measured_fast_are_made(tmp_path):
     rng = np.random.default_rng()
-    store_ = SlowFileStore(tmp_path, namespace="test-model")
+    store_ = SlowFileStore(tmp_path, namespace="test-model", latency=DELAY)
     worker = OffloadingWorker(engine_arrays(rng), num_host_blocks=8, token_axis=1,
                               stores=[store_])
     manager = OffloadingManager(8, block_size=PAGE, stores=worker.stores)
@@ -88,7 +80,7 @@ def test_reads_measured_slow_are_skipped_and_measured_fast_are_made(tmp_path):
         keys = stored[:i + 1]
         assert load(worker, manager, f"l{i}", keys, list(range(4, 5 + i)))[0]
         manager.remove(keys)
-    assert read_rate(store_).seconds(store_.row_nbytes) >= SlowFileStore.DELAY
+    assert read_rate(store_).seconds(store_.row_nbytes) >= DELAY
     manager.set_recompute_cost(1e-6)  # recomputing 4 blocks: 64 µs, against > 50 ms
     assert manager.lookup(stored) == 0
     manager.set_recompute_cost(10.0)  # 40 s a block
