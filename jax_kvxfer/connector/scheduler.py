@@ -45,7 +45,9 @@ from .tiers import READ_PROBE_EVERY, check_recompute_cost, longest_stored, read_
 
 @dataclasses.dataclass
 class OffloadingStats:
-    """What the manager did since the last `get_and_reset_stats`, in blocks."""
+    """What the manager did since the last `get_and_reset_stats`, in blocks. The lookup
+    counts are per call: a block of a request asked about again (still waiting, or read
+    ahead and then admitted) counts again."""
 
     looked_up: int = 0  # hashes given to lookup
     found: int = 0  # of those, counted as loadable (host pool or a store)
