@@ -207,34 +207,35 @@ def test_paged_attention_matches_full_width_attention(chunk):
 
 @pytest.mark.slow
 def test_masked_tiles_are_exact_no_ops():
-    """A row's result is bit for bit the same whatever else shares the step: with a wider
-    table (more tiles, all masked for it), beside a longer row (more trips), and with its
-    blocks in other slots of the pool."""
+    """A row's result is bit for bit the same whatever else shares the step: other blocks past
+    its keys (tiles all masked for it), a longer row beside it (more trips), and its blocks in
+    other slots of the pool. The shapes stay the same, so one compiled program runs every
+    case: two programs may each pick other matmul kernels on a GPU, which round differently."""
     from jax_kvxfer.demo.model import paged_attention
 
-    rng = np.random.default_rng(1)
-    t, nb, hkv, g, d, tile = 4, 96, 2, 2, 16, 2
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    t, nb, hkv, g, d, tile, width = 4, 96, 2, 2, 16, 2, 21
     pool = rng.standard_normal((nb, 1, 2, hkv, t, d)).astype(np.float32)
-    lengths = [0, 1, 9, 30]
-    tables, positions = _random_rows(rng, lengths, 1, 8, nb, t)
+    lengths = [0, 1, 9, 30, 0]  # the last row: padding, or every column's keys beside the others
+    tables, positions = _random_rows(rng, lengths, 1, width, nb, t)
     valid, pos = positions >= 0, np.maximum(positions, 0)
     q = rng.standard_normal((len(lengths), 1, hkv, g, d)).astype(np.float32)
     step = jax.jit(functools.partial(paged_attention, layer=0, tile_blocks=tile))
-    base = np.asarray(step(q, pool, block_tables=tables, positions=pos, valid=valid))
+    base = np.asarray(step(q, pool, block_tables=tables, positions=pos, valid=valid))[:-1]
 
-    wide = np.concatenate([tables, rng.integers(0, nb, (len(lengths), 13))], 1).astype(np.int32)
-    long_row = np.zeros((1, wide.shape[1]), np.int32)
-    long_row[0] = rng.permutation(nb)[:wide.shape[1]]
-    beside = (np.concatenate([q, q[-1:]]), np.concatenate([wide, long_row]),
-              np.concatenate([pos, [[wide.shape[1] * t - 1]]]),
-              np.concatenate([valid, [[True]]]))
+    other_junk = tables.copy()
+    for i, n in enumerate(lengths):
+        held = -(-n // t)
+        other_junk[i, held:] = rng.integers(0, nb, width - held)
+    long_table, long_pos, long_valid = tables.copy(), pos.copy(), valid.copy()
+    long_table[-1], long_pos[-1], long_valid[-1] = rng.permutation(nb)[:width], width * t - 1, True
     perm = rng.permutation(nb)  # block b moves to slot perm[b]
     moved = np.empty_like(pool)
     moved[perm] = pool
-    for qq, tab, p, v, pl in ((q, wide, pos, valid, pool), (*beside, pool),
-                              (q, perm[tables].astype(np.int32), pos, valid, moved)):
-        out = np.asarray(step(qq, pl, block_tables=tab, positions=p, valid=v))
-        np.testing.assert_array_equal(out[:len(lengths)], base)
+    for tab, p, v, pl in ((other_junk, pos, valid, pool), (long_table, long_pos, long_valid, pool),
+                          (perm[tables].astype(np.int32), pos, valid, moved)):
+        out = np.asarray(step(q, pl, block_tables=tab, positions=p, valid=v))
+        np.testing.assert_array_equal(out[:-1], base)
 
 
 def test_budget_chunks_fill_whole_rows_in_order():
@@ -327,7 +328,7 @@ def _group_loops_after_their_waits(jaxpr) -> int:
         return 0
     assert len(loops) == len(waits)
     for k, (wait, loop) in enumerate(zip(waits, loops)):
-        layers = loop.invars[loop.params["num_consts"] + loop.params["num_carry"]:]
+        layers = loop.invars[len(loop.invars) - len(wait.outvars):]  # a scan's xs come last
         assert layers == wait.outvars, k
         barrier = next((b for b in barriers if wait.invars[0] in b.outvars), None)
         assert barrier is not None, k
