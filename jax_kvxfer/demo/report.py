@@ -190,7 +190,8 @@ def summary(res: serving.RunResult, moved: set = frozenset()) -> dict:
         "partial_copies_device": b.partial_copies, "partial_copies_host": b.partial_onboards,
         "dropped_device_blocks": b.dropped_primary_blocks,
         "dropped_host_blocks": b.dropped_secondary_blocks,
-        "store_hit_blocks": b.store_hit_blocks,
+        "store_hit_blocks": b.store_hit_blocks, "store_skipped_blocks": b.store_skipped_blocks,
+        "store_declined_blocks": b.store_declined_blocks,
         "transfers": dataclasses.asdict(res.transfer_stats), **extra,
     }
 
@@ -383,6 +384,9 @@ def _table_rows(runs: dict, verdict: dict) -> list[tuple[str, Callable[[dict], s
                                                        f"{_mib(d['written_bytes'])}")),
             (f"{tier} blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / "
                                                             f"{d['corrupt']:,}")),
+            (f"{tier} blocks recomputed / not written", lambda s: (  # reads that would lose
+                "-" if s["store"] is None
+                else f"{s['store_skipped_blocks']:,} / {s['store_declined_blocks']:,}")),
             (f"{tier} writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
                                                                 f"{d['evicted']:,}")),
             (f"{tier} flush at the end", store(lambda d: f"{d['close_seconds']:.3f} s")),

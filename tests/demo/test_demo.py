@@ -694,10 +694,14 @@ def test_the_table_shows_each_tier_in_columns_that_do_not_run_together(tmp_path,
             cells.update({(values[0], n): v for n, v in zip(names, values[1:])})
     assert shown == runs
     for text in ("tokens from GPU / host / disk hits", "disk read / written",
-                 "disk blocks hit / corrupt", "disk writes dropped / evicted"):
+                 "disk blocks hit / corrupt", "disk blocks recomputed / not written",
+                 "disk writes dropped / evicted"):
         assert text in labels, labels
     hits = "tokens from GPU / host / disk hits"
     assert cells[(hits, "offload")].endswith(" / -")
+    assert cells[("disk blocks recomputed / not written", "offload")] == "-"
+    assert re.fullmatch(r"[\d,]+ / [\d,]+", cells[("disk blocks recomputed / not written",
+                                                     "offload+disk")])
     assert not cells[(hits, "offload+disk")].endswith(" / -")
     assert "exactness offload+disk vs never_evict: PASS" in out
     assert "exactness offload+disk (restarted) vs never_evict: PASS" in out
