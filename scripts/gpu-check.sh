@@ -223,18 +223,6 @@ PYEOF
   summary+=("demo --replicas 2 --store valkey: exit $code ($(( $(date +%s) - t )) s): $line")
   tail -3 "$OUT/demo-replicas.log"
 fi
-if has scale-out; then  # a replica joining after the others: with their store and without
-  carried_wheels
-  for w in ${GPU_CHECK_SCALE_OUT_WORKLOADS:-chats docqa}; do
-    set -- $w $([ "$w" = chats ] && echo 24 || echo 12)
-    t=$(date +%s)
-    JAX_COMPILATION_CACHE_DIR=$demo_cache timeout 480 python3 -m jax_kvxfer demo --preset h200 \
-      --workload "$1" --replicas 2 --scale-out --store valkey --conversations "$2" --no-progress \
-      ${GPU_CHECK_SCALE_OUT_ARGS:-} > "$OUT/scale-out-$1.txt" 2> "$OUT/scale-out-$1.log"
-    summary+=("demo --scale-out ($1): exit $? ($(( $(date +%s) - t )) s): $(grep -E '^replica B with the store' "$OUT/scale-out-$1.txt" | head -1)")
-    tail -3 "$OUT/scale-out-$1.log"
-  done
-fi
 if has router; then  # round robin and prefix routing, with a shared store and without
   carried_wheels
   t=$(date +%s)
@@ -253,6 +241,18 @@ PYEOF
 )
   summary+=("demo --router both: exit $code ($(( $(date +%s) - t )) s): $line")
   tail -3 "$OUT/demo-router.log"
+fi
+if has scale-out; then  # a replica joining after the others: with their store and without
+  carried_wheels
+  for w in ${GPU_CHECK_SCALE_OUT_WORKLOADS:-chats docqa}; do
+    set -- $w $([ "$w" = chats ] && echo 24 || echo 12)
+    t=$(date +%s)
+    JAX_COMPILATION_CACHE_DIR=$demo_cache timeout 480 python3 -m jax_kvxfer demo --preset h200 \
+      --workload "$1" --replicas 2 --scale-out --store valkey --conversations "$2" --no-progress \
+      ${GPU_CHECK_SCALE_OUT_ARGS:-} > "$OUT/scale-out-$1.txt" 2> "$OUT/scale-out-$1.log"
+    summary+=("demo --scale-out ($1): exit $? ($(( $(date +%s) - t )) s): $(grep -E '^replica B with the store' "$OUT/scale-out-$1.txt" | head -1)")
+    tail -3 "$OUT/scale-out-$1.log"
+  done
 fi
 if has events; then  # KV events + metrics on and off in one process: the step-time ratio
   t=$(date +%s)
