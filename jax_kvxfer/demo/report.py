@@ -347,6 +347,27 @@ def _opt_ms(x: float | None) -> str:
     return "-" if x is None else _ms(x)
 
 
+def _store_rows(tier: str) -> list[tuple[str, Callable[[dict], str]]]:
+    """The rows of the tier below the host (a disk or a shared store), for runs that have one."""
+    def store(fmt):
+        return lambda s: "-" if s["store"] is None else fmt(s["store"])
+
+    def decisions(s: dict) -> str:  # the read-or-recompute rule's: reads that would lose
+        if s["store"] is None:
+            return "-"
+        return f"{s['store_skipped_blocks']:,} / {s['store_declined_blocks']:,}"
+
+    return [
+        (f"{tier} read / written", store(lambda d: f"{_mib(d['read_bytes'])} / "
+                                                   f"{_mib(d['written_bytes'])}")),
+        (f"{tier} blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / {d['corrupt']:,}")),
+        (f"{tier} blocks recomputed / not written", decisions),
+        (f"{tier} writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
+                                                            f"{d['evicted']:,}")),
+        (f"{tier} flush at the end", store(lambda d: f"{d['close_seconds']:.3f} s")),
+    ]
+
+
 def _table_rows(runs: dict, verdict: dict) -> list[tuple[str, Callable[[dict], str]]]:
     """The table's rows: a label and how to show it for a run's summary."""
     disk = any(s["store"] is not None for s in runs.values())
@@ -359,9 +380,6 @@ def _table_rows(runs: dict, verdict: dict) -> list[tuple[str, Callable[[dict], s
         if not disk:
             return tiers
         return tiers + (" / -" if s["store"] is None else f" / {s['store_hit_tokens']:,}")
-
-    def store(fmt):
-        return lambda s: "-" if s["store"] is None else fmt(s["store"])
 
     rows = [
         ("primary / secondary blocks",
@@ -379,18 +397,7 @@ def _table_rows(runs: dict, verdict: dict) -> list[tuple[str, Callable[[dict], s
                                             f"{_mib(s['offloaded_bytes'])}"),
     ]
     if disk:
-        rows += [
-            (f"{tier} read / written", store(lambda d: f"{_mib(d['read_bytes'])} / "
-                                                       f"{_mib(d['written_bytes'])}")),
-            (f"{tier} blocks hit / corrupt", store(lambda d: f"{d['hits']:,} / "
-                                                            f"{d['corrupt']:,}")),
-            (f"{tier} blocks recomputed / not written", lambda s: (  # reads that would lose
-                "-" if s["store"] is None
-                else f"{s['store_skipped_blocks']:,} / {s['store_declined_blocks']:,}")),
-            (f"{tier} writes dropped / evicted", store(lambda d: f"{d['dropped_writes']:,} / "
-                                                                f"{d['evicted']:,}")),
-            (f"{tier} flush at the end", store(lambda d: f"{d['close_seconds']:.3f} s")),
-        ]
+        rows += _store_rows(tier)
     if "replicas" in verdict:
         rows += [
             ("TTFT p50, turns with host hits",
