@@ -223,16 +223,16 @@ def test_masked_tiles_are_exact_no_ops():
     step = jax.jit(functools.partial(paged_attention, layer=0, tile_blocks=tile))
     base = np.asarray(step(q, pool, block_tables=tables, positions=pos, valid=valid))[:-1]
 
-    other_junk = tables.copy()
+    other_blocks = tables.copy()
     for i, n in enumerate(lengths):
         held = -(-n // t)
-        other_junk[i, held:] = rng.integers(0, nb, width - held)
+        other_blocks[i, held:] = rng.integers(0, nb, width - held)
     long_table, long_pos, long_valid = tables.copy(), pos.copy(), valid.copy()
     long_table[-1], long_pos[-1], long_valid[-1] = rng.permutation(nb)[:width], width * t - 1, True
     perm = rng.permutation(nb)  # block b moves to slot perm[b]
     moved = np.empty_like(pool)
     moved[perm] = pool
-    for tab, p, v, pl in ((other_junk, pos, valid, pool), (long_table, long_pos, long_valid, pool),
+    for tab, p, v, pl in ((other_blocks, pos, valid, pool), (long_table, long_pos, long_valid, pool),
                           (perm[tables].astype(np.int32), pos, valid, moved)):
         out = np.asarray(step(q, pl, block_tables=tab, positions=p, valid=v))
         np.testing.assert_array_equal(out[:-1], base)
