@@ -13,9 +13,10 @@ Three ordering rules keep the rows exact:
   row may still be the source of an onboard in flight), and the onboard from that row is
   issued only once the read is done.
 
-Every read is timed, from the store's `get` to its last block (`read_rate(store)`): the block
-manager, and the connector's manager once told what a token costs to recompute, read a store
-only where that is expected to beat recomputing the blocks.
+Every read is timed, from the store's `get` to its last block, with the bytes in flight it
+waited behind (`read_rate(store)`): the block manager, and the connector's manager once told
+what a token costs to recompute, read a store only where that is expected to beat recomputing
+the blocks.
 """
 
 from __future__ import annotations
@@ -68,18 +69,40 @@ def check_recompute_cost(s_per_token: object) -> float | None:
 
 class ReadRate:
     """How long a store's reads take, as measured: seconds = latency + bytes / throughput,
-    fitted by least squares to its reads (wall seconds from `get` to the last block, bytes
-    asked for), each read weighing `decay` times the one after it, so that the estimate
-    follows the store as it changes. Reads report from the stores' I/O threads."""
+    fitted by least squares to its reads (wall seconds from `get` to the last block), each read
+    weighing `decay` times the one after it, so that the estimate follows the store as it
+    changes. Reads report from the stores' I/O threads.
+
+    A read waits behind the reads in flight when it starts (they share the store's
+    connections and threads), so its bytes are counted with theirs: after a burst of reads,
+    a read's time stays that of a read started alone, and `seconds` answers for a read started
+    now, behind the reads in flight now."""
 
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
         self.reads = 0
+        self.in_flight_bytes = 0  # of the reads begun and not ended
         self._sums = (0.0,) * 5  # weight, bytes, seconds, bytes², bytes * seconds
         self._lock = threading.Lock()
 
+    def begin(self, nbytes: int) -> int:
+        """A read of `nbytes` starts now: the bytes in flight ahead of it (for `end`)."""
+        with self._lock:
+            ahead = self.in_flight_bytes
+            self.in_flight_bytes += nbytes
+        return ahead
+
+    def end(self, nbytes: int, seconds: float | None, ahead: int) -> None:
+        """The read that `begin(nbytes)` started, with `ahead` bytes before it, took `seconds`
+        (None: it did not run, and measures nothing)."""
+        with self._lock:
+            self.in_flight_bytes -= nbytes
+        if seconds is not None:
+            self.add(nbytes + ahead, seconds)
+
     def add(self, nbytes: int, seconds: float) -> None:
-        """One read of `nbytes` bytes took `seconds`."""
+        """A read took `seconds` until its `nbytes` were served (its own and those it waited
+        behind)."""
         d, x, y = self.decay, float(nbytes), float(seconds)
         with self._lock:
             w, b, s, bb, bs = self._sums
@@ -93,13 +116,14 @@ class ReadRate:
         return fit[0] if fit else None
 
     def seconds(self, nbytes: int) -> float | None:
-        """The expected wall seconds of a read of `nbytes`, once `MIN_READS` reads were
-        measured, else None. Reads of one size do not tell latency from rate: a read of
-        another size gets the shorter of the two extremes (all latency, or none), so that it
-        is made where it may pay, and measured."""
+        """The expected wall seconds of a read of `nbytes` started now, behind the bytes in
+        flight, once `MIN_READS` reads were measured, else None. Reads of one size do not tell
+        latency from rate: a read of another size gets the shorter of the two extremes (all
+        latency, or none), so that it is made where it may pay, and measured."""
         fit = self._fit()
         if fit is None:
             return None
+        nbytes += self.in_flight_bytes
         line, (mean_b, mean_s) = fit
         if line is None:
             return min(mean_s, mean_s * nbytes / mean_b)
@@ -265,7 +289,7 @@ class StoreTiers:
         rate, nbytes = read_rate(store), len(keys) * self.row_nbytes
 
         def finished(got: concurrent.futures.Future) -> None:
-            rate.add(nbytes, time.perf_counter() - start)
+            rate.end(nbytes, time.perf_counter() - start, ahead)
             try:
                 hits = got.result()
             except Exception:  # noqa: BLE001 - stores count their faults as misses; if one
@@ -279,8 +303,13 @@ class StoreTiers:
             arrays.clear()  # held until here
             done.set_result(n)
 
-        start = time.perf_counter()
-        store.get(keys, staged).add_done_callback(finished)
+        ahead, start = rate.begin(nbytes), time.perf_counter()
+        try:
+            reading = store.get(keys, staged)
+        except BaseException:
+            rate.end(nbytes, None, ahead)
+            raise
+        reading.add_done_callback(finished)
         return done
 
     # -- both ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 
 import jax_kvxfer as kvx
 from jax_kvxfer.cache import BlockManager
+from jax_kvxfer.connector.tiers import read_rate
 from jax_kvxfer.stores import FileStore
 
 T = 4  # tokens per block
@@ -261,6 +262,8 @@ def test_a_prefetch_is_pending_until_its_read_lands(tmp_path):
     for _ in range(5):
         assert bm.prefetch_pending(prompt), "pending while its read is held"
         time.sleep(0.05)
+    rate = read_rate(store)  # a read started now would wait behind the held one's bytes
+    assert (rate.in_flight_bytes, rate.reads) == (full * store.row_nbytes, 0)
     assert not bm.prefetch_pending(prompt[T:])  # another prompt (its blocks' keys differ)
     store.release.set()
     t = time.monotonic()
@@ -269,6 +272,7 @@ def test_a_prefetch_is_pending_until_its_read_lands(tmp_path):
         time.sleep(0.01)
     assert serve(bm, pool, "again", prompt) == full * T  # checks every reused position
     assert bm.store_stats()["DISK"].hits == full
+    assert (rate.in_flight_bytes, rate.reads) == (0, 1)
     with pytest.raises(TypeError, match="token_ids"):
         bm.prefetch_pending("abc")
     bm.close()

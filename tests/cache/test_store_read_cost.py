@@ -242,6 +242,35 @@ def test_read_rate_fits_latency_and_throughput():
         assert rate.estimate() == pytest.approx(line)  # through the mean read
 
 
+def test_read_rate_counts_the_bytes_a_read_waited_behind():
+    """A store that serves one read at a time, at `service` seconds a block and no latency,
+    given a burst of reads at once (each waits for those before it): the estimate for a read
+    started alone afterwards is one block's service, not the burst's mean wait (16.5 of them
+    for 32 reads); a read started behind reads in flight waits for them too; a read that did
+    not run measures nothing."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    row, service = int(rng.integers(1, 64)) << 16, float(rng.uniform(1e-4, 1e-2))
+    rate = ReadRate(decay=1.0)
+    for burst in (32, 7):
+        aheads = [rate.begin(row) for _ in range(burst)]
+        assert rate.in_flight_bytes == burst * row
+        for i, ahead in enumerate(aheads):  # served in order: read i ends at (i + 1) services
+            rate.end(row, (i + 1) * service, ahead)
+    assert rate.in_flight_bytes == 0 and rate.reads == 39
+    assert rate.seconds(row) == pytest.approx(service, rel=1e-6)
+    assert rate.seconds(3 * row) == pytest.approx(3 * service, rel=1e-6)
+    in_flight = [rate.begin(row) for _ in range(4)]
+    assert rate.seconds(row) == pytest.approx(5 * service, rel=1e-6)  # behind 4 reads
+    for ahead in in_flight:
+        rate.end(row, None, ahead)  # did not run
+    assert (rate.in_flight_bytes, rate.reads) == (0, 39)
+    assert rate.seconds(row) == pytest.approx(service, rel=1e-6)
+    without = ReadRate(decay=1.0)  # the same reads, their waits not counted
+    for i in range(32):
+        without.add(row, (i + 1) * service)
+    assert without.seconds(row) == pytest.approx(16.5 * service, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_random_requests_with_a_cost_that_reads_some_runs_and_not_others(tmp_path):
     """300 operations over a disk 30 ms + 10 ms a block slower, at 7.5 ms a token (30 ms a
