@@ -355,8 +355,8 @@ class EsurgeOffloading:
         self._load(wanted[:n], keys[:n], held)
         return original(request, **kwargs)
 
-    def _load(self, wanted: list, hashes: list[bytes], held: list) -> None:
-        """Loads the pages of `wanted` (eSurge's page hashes; `hashes`, their keys) into free
+    def _load(self, wanted: list, keys: list[bytes], held: list) -> None:
+        """Loads the pages of `wanted` (eSurge's page hashes; `keys`, their `page_key`s) into free
         pages and caches them in eSurge's prefix cache; `held`, eSurge's hits before them, are
         kept meanwhile."""
         self._pool.touch((held,))  # out of the free queue: the allocation cannot evict them
@@ -365,11 +365,11 @@ class EsurgeOffloading:
             # The host rows first: `lookup` counted them, and the stores of the pages just
             # evicted, submitted next (before the load that writes those pages), could take
             # them (a store read needs a free row).
-            spec = self.manager.prepare_load(hashes)
+            spec = self.manager.prepare_load(keys)
             self._flush_stores()
             self.report.loaded_pages_gpu_held += sum(
                 bool(self._pool.cached_page_hash_to_page.get(self._key(h))) for h in wanted)
-            self.manager.touch(hashes)
+            self.manager.touch(keys)
             job = ("load", next(self._jobs))
             self._take_engine_arrays()
             self.worker.submit_load(job, spec, [p.page_id for p in pages])
@@ -383,12 +383,12 @@ class EsurgeOffloading:
                     success = ok
                 else:
                     self._complete(done, ok)
-            self.manager.complete_load(hashes, success)
+            self.manager.complete_load(keys, success)
             if success:
                 for page, page_hash in zip(pages, wanted):
-                    key = self._key(page_hash)
-                    page.page_hash = key
-                    self._pool.cached_page_hash_to_page[key][page.page_id] = page
+                    cache_key = self._key(page_hash)  # eSurge's, for its prefix cache
+                    page.page_hash = cache_key
+                    self._pool.cached_page_hash_to_page[cache_key][page.page_id] = page
                 self.report.loaded_pages += len(pages)
                 self.report.loaded_from_stores += spec.num_from_store
             else:
