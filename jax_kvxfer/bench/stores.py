@@ -41,7 +41,7 @@ run over exactly as many connections as the store's threads (1, 2, 4 and its def
 reader (stores/resp.py) receiving each value into its row, without the store's checks (its
 ceiling; `bare_get_ratio`). Then values of 2, 8, 16 and 32 MiB (--quick: 2 and 32), bare and
 raw GET over 1 connection and over the most: whether packing several blocks into one value
-would read faster.
+would read faster. And its get beside a thread of pure-Python work (stores_beside.py).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from ..stores.redis import connection_class
 from ..stores.resp import ValueReader
 from .config import KiB, MiB, fmt_size
 from .helpers import err_text, median
+from .stores_beside import beside_busy_case, beside_busy_line
 
 _CHUNK = 8 * MiB  # the ceiling's request size
 _LAYOUT = ("bench", "stores")
@@ -151,6 +152,8 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
                     f"; verified={c['verified']}" if "get_gbps" in c
                     else f"  {c['name']:26}: {_figures(c)}"
                     for c in rs.get("io_threads", []) + rs.get("cluster", [])]
+            out += [f"  {c['name']:26}: {beside_busy_line(c)}" if "beside_gbps" in c
+                    else f"  {c['name']:26}: {_figures(c)}" for c in rs.get("beside_busy", [])]
             out += [f"  ERROR {rs['error'][:200]}"] if "error" in rs else []
     return out
 
@@ -494,6 +497,12 @@ class StoresMixin:
                 self._value_sizes(new_raw, rs, reps, max(counts))
                 self._redis_io_threads(rs, reps, max(counts))
                 self._redis_cluster(rs, reps, max(counts))
+                name = f"2M, {max(counts)} threads, beside busy Python"
+                rs["beside_busy"] = out = []
+                self._case(out, {"name": name, "threads": max(counts)}, f"  {name}",
+                           functools.partial(beside_busy_case, self.rng, self.cfg.stores_bytes,
+                                             new_raw, new_store, max(counts), reps),
+                           beside_busy_line)
 
     def _start_redis(self, rs: dict[str, Any], root: str, stops: contextlib.ExitStack) -> tuple:
         """A valkey-server (or $KVX_BENCH_REDIS_URL's): (raw client, store of n threads,
