@@ -68,6 +68,7 @@ from ..stores.resp import ValueReader
 from .config import KiB, MiB, fmt_size
 from .helpers import err_text, median
 from .stores_beside import beside_busy_case, beside_busy_line
+from .stores_beside import figure_runs as _runs
 
 _CHUNK = 8 * MiB  # the ceiling's request size
 _LAYOUT = ("bench", "stores")
@@ -98,12 +99,6 @@ def _figures(c: dict[str, Any], raw: tuple[str, str] | None = None) -> str:
             f"{c['get_gbps']:6.2f} GB/s ({c['get_ratio']:4.0%}{of[1]})"
             + (f"; verified={c['verified']}" if raw else " of the ceiling; rows free after "
                f"{c['rows_read_gbps']:.2f} GB/s, verified={c['verified']}"))
-
-
-def _runs(c: dict[str, Any], key: str) -> str:
-    """A figure's median with its runs' min-max."""
-    xs = c.get(f"{key}_runs") or [c[f"{key}_gbps"]]
-    return f"{c[f'{key}_gbps']:.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
 def _value_size_line(r: dict[str, Any]) -> str:

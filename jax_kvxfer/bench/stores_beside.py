@@ -33,15 +33,16 @@ def _busy_python(stop: threading.Event, chunks: list[float]) -> None:
         chunks.append(time.perf_counter() - t)
 
 
-def _runs(c: dict[str, Any], key: str) -> str:
-    xs = c[f"{key}_runs"]
+def figure_runs(c: dict[str, Any], key: str) -> str:
+    """A figure's median with its runs' min-max (the stores section's too)."""
+    xs = c.get(f"{key}_runs") or [c[f"{key}_gbps"]]
     return f"{c[f'{key}_gbps']:.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
 def beside_busy_line(c: dict[str, Any]) -> str:
     """The case's figures: medians (min-max) over its runs."""
     slow = c["work_slowdown_runs"]
-    return (f"get {_runs(c, 'beside')} GB/s beside the work, {_runs(c, 'alone')} alone "
+    return (f"get {figure_runs(c, 'beside')} GB/s beside the work, {figure_runs(c, 'alone')} alone "
             f"({c['beside_ratio']:.2f}x); the work {c['work_slowdown']:.2f}x slower "
             f"({min(slow):.2f}-{max(slow):.2f}); verified={c['verified']}")
 
