@@ -64,7 +64,7 @@ import numpy as np
 from ..stores import FileStore, RedisStore, aligned_rows
 from ..stores.base import HEADER_NBYTES, encode_header
 from ..stores.redis import connection_class
-from ..stores.resp import ValueReader
+from ..stores.resp import Received, ValueReader
 from .config import KiB, MiB, fmt_size
 from .helpers import err_text, median
 from .stores_beside import beside_busy_case, beside_busy_line
@@ -197,14 +197,12 @@ class _RawRedis:
             self._readers.append(reader)
         missed = []
 
-        def head(i: int, reply: Any) -> Any:
-            if isinstance(reply, bytes):
-                return rows[i, HEADER_NBYTES:]
-            missed.append(i)
-            return None
+        def received(i: int, reply: Any) -> None:
+            if not isinstance(reply, Received):
+                missed.append(i)
 
-        reader.get_each([n.encode() for n in names], HEADER_NBYTES, rows.shape[1], head,
-                        lambda i: None)
+        reader.get_into([n.encode() for n in names], [row[HEADER_NBYTES:] for row in rows],
+                        received, head_nbytes=HEADER_NBYTES)
         if missed:
             raise RuntimeError("the bare get loop missed")
 

@@ -88,6 +88,16 @@ def slot_columns(pairs, block_type, num_primary, num_secondary, index, primary):
                                     primary)
 
 
+def receive_replies(fd, commands, window, lengths, head_nbytes, heads, expected, mask, dsts,
+                    replies, lengths_out, crcs, timeout_ms):
+    """A batch of GET replies received on socket `fd` with the GIL released
+    (ffi/resp_receive.cc; stores/resp.py's `ValueReader.get_into` calls it): returns
+    (answered, fault or None, closed by the peer, {i: error reply text})."""
+    return _kvxfer_cpu.receive_replies(fd, commands, window, lengths, head_nbytes, heads,
+                                       expected, mask, dsts, replies, lengths_out, crcs,
+                                       timeout_ms)
+
+
 def wait_lanes() -> None:
     """Blocks the host until every copy enqueued on the transfer lanes so far is done (no-op
     without the CUDA handlers)."""

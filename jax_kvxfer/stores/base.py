@@ -125,6 +125,19 @@ def check_header(header: Any, fingerprint: bytes, key: bytes, row_nbytes: int) -
     return crc
 
 
+# The bytes of a header that check_header compares: magic and version [0, 6), fingerprint, key
+# and payload length [8, 48) (not the reserved bytes nor the CRC-32, which only the payload can
+# confirm). A reader that receives the header first compares them before it writes a row.
+HEADER_MASK = np.zeros(HEADER_NBYTES, np.uint8)
+HEADER_MASK[0:6] = HEADER_MASK[8:48] = 1
+
+
+def expected_header(fingerprint: bytes, key: bytes, row_nbytes: int) -> bytes:
+    """The header a block of this fingerprint and key, of `row_nbytes` bytes, has where
+    `HEADER_MASK` is 1."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, fingerprint, key, row_nbytes, 0)
+
+
 def check_value(header: Any, payload: Any, fingerprint: bytes, key: bytes,
                 row_nbytes: int) -> None:
     """Raises CorruptBlock unless `header` + `payload` are an intact block of this

@@ -37,8 +37,15 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import numpy as np
 
-from .base import HEADER_NBYTES, CorruptBlock, check_header, check_value, checksum
-from .resp import RespError, ValueReader
+from .base import (
+    HEADER_MASK,
+    HEADER_NBYTES,
+    CorruptBlock,
+    check_header,
+    check_value,
+    expected_header,
+)
+from .resp import Received, RespError, ValueReader
 from .shared import (
     SharedStore,
     positive_seconds,
@@ -513,7 +520,6 @@ class RedisStore(SharedStore):
         hits = corrupt = 0
         names = [self._name(key) for key in keys]
         refused: list[bytes] = []
-        crcs: dict[int, int] = {}
 
         def take(i: int, verdict: bool | None) -> None:
             nonlocal hits, corrupt
@@ -524,17 +530,20 @@ class RedisStore(SharedStore):
                 corrupt += 1
                 refused.append(names[i])
 
-        def head(i: int, reply: Any) -> np.ndarray | None:
-            """The reader's reply: where the value's row goes, once its header is checked."""
-            if not isinstance(reply, bytes):  # absent, another length, an error reply
-                take(i, self._take(keys[i], views[i], reply))
-                return None
-            try:
-                crcs[i] = check_header(reply, self.fingerprint, keys[i], views[i].nbytes)
-            except CorruptBlock:
+        def received(i: int, reply: Any) -> None:
+            """The reader's reply: a value received (its header; its row went into views[i],
+            with the CRC-32 the reader computed of it), or what it skipped."""
+            if reply is False:  # not this block's header: its row left as it was
                 take(i, False)
-                return None
-            return views[i]
+            elif not isinstance(reply, Received):  # absent, another length, an error reply
+                take(i, self._take(keys[i], views[i], reply))
+            else:
+                try:
+                    crc = check_header(reply.head, self.fingerprint, keys[i], views[i].nbytes)
+                except CorruptBlock:
+                    take(i, False)
+                else:
+                    take(i, reply.crc == crc)
 
         try:
             if not self._usable():
@@ -542,7 +551,7 @@ class RedisStore(SharedStore):
             if self.pack_blocks > 1:
                 self._read_packed(keys, views, take, refused)
             elif self._reader_params is not None:  # straight off the socket into the rows
-                self._read_direct(names, head, lambda i: take(i, checksum(views[i]) == crcs[i]))
+                self._read_direct(names, keys, views, received)
             else:
                 pipe = self._conn().pipeline(transaction=False)
                 for name in names:
@@ -608,23 +617,21 @@ class RedisStore(SharedStore):
 
         short = packs
         if self._reader_params is not None:
-            short, buf = [], None
+            sizes = [(last - first + 1) * value for _, _, first, last in packs]
+            staging = self._staging.get(sum(sizes))
+            ends = np.cumsum(sizes)
+            bufs = [staging[end - size:end] for size, end in zip(sizes, ends)]
+            short = []
 
-            def head(k: int, reply: Any) -> Any:
-                nonlocal buf
-                first, last = packs[k][2], packs[k][3]
-                if isinstance(reply, int) and reply:  # shorter than the range: torn
-                    short.append(packs[k])
-                elif not isinstance(reply, bytes):
-                    split(packs[k], reply)
-                else:
-                    buf = self._staging.get((last - first + 1) * value)
-                    return buf
-                return None
+            def received(k: int, reply: Any) -> None:
+                if isinstance(reply, int) and not isinstance(reply, bool) and reply:
+                    short.append(packs[k])  # shorter than the range: torn
+                else:  # the range (received into bufs[k]; each block checks its own), or a miss
+                    split(packs[k], memoryview(bufs[k]) if isinstance(reply, Received) else reply)
 
-            self._reader(None).get_each(
-                [p[0] for p in packs], 0, 0, head, lambda k: split(packs[k], memoryview(buf)),
-                ranges=[(p[2] * value, (p[3] - p[2] + 1) * value) for p in packs])
+            self._reader(None).get_into(
+                [p[0] for p in packs], bufs, received,
+                ranges=[(p[2] * value, size) for p, size in zip(packs, sizes)])
         if short:
             pipe = self._conn().pipeline(transaction=False)
             for name, _, first, last in short:
@@ -655,14 +662,20 @@ class RedisStore(SharedStore):
         np.copyto(view, payload)
         return True
 
-    def _read_direct(self, names: list[bytes], head: Any, body: Any) -> None:
-        """GETs `names` through this thread's readers (see `ValueReader.get_each`): the
-        server's, or in a cluster each node's share in turn. A node's fault is raised after
-        the other nodes' shares are read (its blocks miss). A key whose slot moved is a miss
-        (MOVED, an error reply) until the client's next put or lookup refreshes its table."""
-        value = HEADER_NBYTES + (self.row_nbytes or 0)
+    def _read_direct(self, names: list[bytes], keys: list[bytes], views: list[np.ndarray],
+                     received: Any) -> None:
+        """GETs `names` through this thread's readers (see `ValueReader.get_into`), each
+        value's header compared with its key's before its row is received into `views[i]`;
+        `received(i, reply)` for each: the server's, or in a cluster each node's share in
+        turn. A node's fault is raised after the other nodes' shares are read (its blocks
+        miss). A key whose slot moved is a miss (MOVED, an error reply) until the client's
+        next put or lookup refreshes its table."""
+        heads = np.frombuffer(b"".join(expected_header(self.fingerprint, key, view.nbytes)
+                                       for key, view in zip(keys, views)), np.uint8)
+        heads = heads.reshape(len(keys), HEADER_NBYTES)
         if not self.cluster:
-            self._reader(None).get_each(names, HEADER_NBYTES, value, head, body)
+            self._reader(None).get_into(names, views, received, head_nbytes=HEADER_NBYTES,
+                                        expected_heads=heads, head_mask=HEADER_MASK)
             return
         shares: dict[tuple[str, int], list[int]] = {}
         for i, name in enumerate(names):
@@ -671,10 +684,10 @@ class RedisStore(SharedStore):
         fault = None
         for node, share in shares.items():
             try:
-                self._reader(node).get_each(
-                    [names[i] for i in share], HEADER_NBYTES, value,
-                    functools.partial(_in_share, head, share),
-                    functools.partial(_in_share, body, share))
+                self._reader(node).get_into(
+                    [names[i] for i in share], [views[i] for i in share],
+                    functools.partial(_in_share, received, share), head_nbytes=HEADER_NBYTES,
+                    expected_heads=heads[share], head_mask=HEADER_MASK)
             except self._errors as e:
                 fault = e
         if fault is not None:

@@ -5,9 +5,9 @@ Why (measured on Valkey 8.1, 2 MiB values, loopback; docs/stores.md has the tabl
 
 - redis-py (even with hiredis) reads a reply into its own buffer, then makes a `bytes` of it,
   which the store then copied into the row: per GB received it spent 0.45 to 1.5 s of client
-  CPU, this reader 0.3 s. It hands the value's 64-byte header to the store first, which
-  checks it (fingerprint, key, length) and gives the row to receive the rest into: one
-  `recv_into` per socket read, no copy; the CRC-32 is checked after.
+  CPU, this reader 0.3 s. It receives the value's 64-byte header first and checks it against
+  the one the store expects (fingerprint, key, length), then the rest straight into the row:
+  no copy; the store checks the CRC-32 after.
 - Valkey copies every reply into its output buffers before writing them: a pipeline of 8 GETs
   of 2 MiB made it hold 16 MiB of fresh replies and spend 0.6 to 0.9 s per GB, against 0.22
   to 0.3 s when a connection asks for the next value only once the reply before it has begun
@@ -17,8 +17,12 @@ Why (measured on Valkey 8.1, 2 MiB values, loopback; docs/stores.md has the tabl
   values read at 0.34-0.46 GB/s with 64 or 128 in flight against 0.26-0.30 with one (a
   2-core machine, interleaved runs).
 - A large receive buffer (SO_RCVBUF, 4 MiB) lets the server write a whole value in one go.
+- A batch of replies is received in native code with the GIL released (ffi/resp_receive.cc),
+  the head checked there against the one expected: a reader thread needs the GIL once a
+  batch, not after every socket call. Received in Python, the reads ran at 0.07-0.16x of
+  their speed while another thread of the process ran Python (docs/stores.md).
 
-TLS (rediss://) and clusters read through redis-py instead (RedisStore decides).
+TLS (rediss://) reads through redis-py instead (RedisStore decides).
 """
 
 from __future__ import annotations
@@ -26,11 +30,34 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
+
+from ..ops import receive_replies
+
+# receive_replies's outcomes (ffi/resp_receive.cc: Reply)
+_VALUE, _ABSENT, _OTHER_LENGTH, _HEAD_MISMATCH = 0, 1, 2, 3
 RCVBUF_BYTES = 4 << 20  # a 2 MiB block (and its header) in the socket buffer at once
 WINDOW_BYTES = 2 << 20  # value bytes asked ahead of the reply being read (the docstring)
 _LINE_BUF = 1 << 16  # the buffer for replies' first lines (and what a recv brings past them)
+
+
+def _command(args: list[Any]) -> bytes:
+    """A command as RESP sends it: an array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        b = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(parts)
+
+
+class Received(NamedTuple):
+    """A value `ValueReader.get_into` received: its head (its first `head_nbytes` bytes), and
+    the CRC-32 (zlib's) of the rest, which went into the caller's buffer."""
+
+    head: bytes
+    crc: int
 
 
 class RespError(Exception):
@@ -104,106 +131,85 @@ class ValueReader:
                 self._sock.close()
             self._sock = None
 
-    def get_each(self, names: Sequence[bytes], head_nbytes: int, value_nbytes: int,
-                 head: Callable[[int, Any], Any], body: Callable[[int], None],
+    def get_into(self, names: Sequence[bytes], dsts: Sequence[np.ndarray],
+                 each: Callable[[int, Any], None], *, head_nbytes: int = 0,
+                 expected_heads: np.ndarray | None = None, head_mask: np.ndarray | None = None,
                  ranges: Sequence[tuple[int, int]] | None = None) -> None:
         """GETs `names` in order, `WINDOW_BYTES` of values (one at least) ahead of the reply
-        being read. Per name, `head(i, reply)` with reply: the value's first `head_nbytes`
-        bytes (a value of `value_nbytes`), None (absent), an int (a value of another length:
-        skipped) or a `RespError`. For a value, `head` returns a writable buffer of the rest
-        of it, which is received straight into it, then `body(i)`; or None: the rest is
-        skipped. Raises RespFault (the
-        connection closed) on a fault: the names before it were answered, the buffer `head`
-        gave for the one it broke in may be partly filled. A connection kept from an earlier
-        call that breaks before its first reply (the server closed it meanwhile, or
-        restarted) is replaced once, as redis-py's pool does. `ranges`: per name, (first
-        byte, bytes) of the value to read (GETRANGE) instead of all of it; a reply of another
-        length (a value shorter than the range, or none: 0) is then skipped as above."""
+        being read, all received with the GIL released (ffi/resp_receive.cc): a value's
+        first `head_nbytes` bytes into a buffer of its own, the rest straight into `dsts[i]`
+        (a writable C-contiguous uint8 array; a value's length is `head_nbytes` + its size).
+        Then `each(i, reply)` for every name answered, in order, with reply: a `Received`
+        where the value was received, None (absent), an int (a
+        value of another length: skipped), False (a head that differs from
+        `expected_heads[i]` where `head_mask` is 1: skipped) or a `RespError`. A skipped
+        value leaves its `dsts[i]` untouched. Raises RespFault (the connection closed) on a
+        fault, after `each` for the names answered before it; the `dsts[i]` of the one it
+        broke in may be partly filled. A connection kept from an earlier call that breaks
+        before its first reply (the server closed it meanwhile, or restarted) is replaced
+        once, as redis-py's pool does. `ranges`: per name, (first byte, bytes) of the value to
+        read (GETRANGE) instead of all of it; a reply of another length (a value shorter than
+        the range, or none: 0) is then skipped as above."""
+        n = len(names)
+        if ranges is None:
+            commands = [_command([b"GET", name]) for name in names]
+        else:
+            commands = [_command([b"GETRANGE", name, start, start + k - 1])
+                        for name, (start, k) in zip(names, ranges)]
+        lengths = np.array([head_nbytes + d.nbytes for d in dsts], np.int64)
+        if expected_heads is None:
+            expected_heads = np.zeros((n, head_nbytes), np.uint8)
+        if head_mask is None:
+            head_mask = np.zeros(head_nbytes, np.uint8)
+        args = (commands, lengths, head_nbytes, expected_heads, head_mask, list(dsts), each)
         reused = self._sock is not None
         if not reused:
             self.connect()
-        if ranges is None:
-            commands = [[b"GET", name] for name in names]
-            lengths = [value_nbytes] * len(names)
-        else:
-            commands = [[b"GETRANGE", name, start, start + n - 1]
-                        for name, (start, n) in zip(names, ranges)]
-            lengths = [n for _, n in ranges]
-        args = (commands, lengths, head_nbytes, head, body)
         try:
-            self._get_each(*args)
+            self._receive(*args)
         except RespFault as fault:
             if not (reused and fault.stale):
                 raise
             self.connect()
-            self._get_each(*args)
+            self._receive(*args)
 
-    def _get_each(self, commands: list[list[Any]], lengths: list[int], head_nbytes: int,
-                  head: Callable[[int, Any], Any], body: Callable[[int], None]) -> None:
-        window = max(1, WINDOW_BYTES // max(lengths, default=1))
-        i = 0
+    def _receive(self, commands: list[bytes], lengths: np.ndarray, head_nbytes: int,
+                 expected_heads: np.ndarray, head_mask: np.ndarray, dsts: list[np.ndarray],
+                 each: Callable[[int, Any], None]) -> None:
+        n = len(commands)
+        heads = np.empty((n, head_nbytes), np.uint8)
+        replies = np.empty(n, np.int8)
+        lengths_out = np.zeros(n, np.int64)
+        crcs = np.zeros(n, np.uint32)
+        window = max(1, WINDOW_BYTES // int(lengths.max(initial=1)))
+        assert self._sock is not None and self._lo == self._hi
         try:
-            self._send(commands[:window])
-            for i in range(len(commands)):
-                line = self._line()
-                if i + window < len(commands):  # the server prepares it while we receive
-                    self._send(commands[i + window:i + window + 1])
-                self._reply(i, line, head_nbytes, lengths[i], head, body)
-        except (OSError, ValueError) as e:
-            self.close()
-            fault = e if isinstance(e, RespFault) else RespFault(f"{type(e).__name__}: {e}")
-            # closed or reset before anything was answered (not a timeout: a slow server)
-            fault.stale = i == 0 and isinstance(e, ConnectionError)
-            raise fault from None
-        except BaseException:  # a reply half read: the connection cannot be reused
+            answered, fault, closed, errors = receive_replies(
+                self._sock.fileno(), commands, window, lengths, head_nbytes, heads,
+                expected_heads, head_mask, dsts, replies, lengths_out, crcs,
+                max(1, round(self._timeout_s * 1000)))
+        except BaseException:  # bad arguments: nothing sent, or the batch half read
             self.close()
             raise
+        if fault is not None:  # the connection cannot be reused
+            self.close()
+        for i in range(answered):
+            kind = replies[i]
+            each(i, Received(bytes(heads[i]), int(crcs[i])) if kind == _VALUE else
+                 None if kind == _ABSENT else
+                 int(lengths_out[i]) if kind == _OTHER_LENGTH else False
+                 if kind == _HEAD_MISMATCH else RespError(errors[i]))
+        if answered < n:
+            error = RespFault(fault)
+            # closed or reset before anything was answered (not a timeout: a slow server)
+            error.stale = answered == 0 and closed
+            raise error
 
     # --- the protocol -------------------------------------------------------------------------
 
     def _send(self, commands: list[list[Any]]) -> None:
-        parts = []
-        for args in commands:
-            parts.append(b"*%d\r\n" % len(args))
-            for arg in args:
-                b = arg if isinstance(arg, bytes) else str(arg).encode()
-                parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
         assert self._sock is not None
-        self._sock.sendall(b"".join(parts))
-
-    def _reply(self, i: int, line: bytes, head_nbytes: int, value_nbytes: int,
-               head: Callable[[int, Any], Any], body: Callable[[int], None]) -> None:
-        """Reads the reply of GET `i`, whose first line was `line` (see get_each)."""
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            head(i, RespError(rest.decode(errors="replace")))
-            return
-        if kind == b"_":  # RESP3's null (a server speaking RESP3 by default)
-            head(i, None)
-            return
-        if kind != b"$":
-            raise RespFault(f"a reply that is not a GET's: {line[:40]!r}")
-        n = int(rest)
-        if n < 0:
-            head(i, None)
-        elif n != value_nbytes:
-            self._skip(n + 2)
-            head(i, n)
-        else:
-            while self._hi - self._lo < head_nbytes:
-                self._fill()
-            dst = head(i, bytes(self._mv[self._lo:self._lo + head_nbytes]))
-            self._lo += head_nbytes
-            if dst is None:
-                self._skip(n - head_nbytes + 2)
-                return
-            dst = memoryview(dst).cast("B")
-            if len(dst) != n - head_nbytes:
-                raise AssertionError(f"head gave a buffer of {len(dst)} bytes for the "
-                                     f"{n - head_nbytes} after the head")
-            self._exactly(dst)
-            self._skip(2)  # the value's \r\n
-            body(i)
+        self._sock.sendall(b"".join(_command(args) for args in commands))
 
     def _fill(self) -> None:
         """Receives more bytes into _buf (moving the unread ones to its start first)."""
@@ -227,25 +233,3 @@ class ValueReader:
                 self._lo = end + 2
                 return line
             self._fill()
-
-    def _exactly(self, dst: memoryview) -> None:
-        """Fills `dst`: first with what _buf holds, then straight from the socket."""
-        have = min(len(dst), self._hi - self._lo)
-        dst[:have] = self._mv[self._lo:self._lo + have]
-        self._lo += have
-        assert self._sock is not None
-        while have < len(dst):
-            n = self._sock.recv_into(dst[have:])
-            if not n:
-                raise RespFault("the server closed the connection")
-            have += n
-
-    def _skip(self, n: int) -> None:
-        """Drops the next `n` bytes."""
-        while n:
-            if self._lo == self._hi:
-                self._lo = self._hi = 0
-                self._fill()
-            k = min(n, self._hi - self._lo)
-            self._lo += k
-            n -= k
