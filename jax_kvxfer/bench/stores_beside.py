@@ -1,11 +1,12 @@
 """The stores section's read beside a serving thread: RedisStore's get, alone and while another
 thread of the same process runs pure-Python work, as a serving thread's scheduling does.
 
-Why: the store's reader threads need the GIL between socket reads. A thread that holds it
-(pure Python does, a jitted step's wait does not) keeps it up to the interpreter's switch
-interval (5 ms) each time a reader asks for it back, so the reads slow down while the work
-does not. On a machine with few cores, the work also takes a core from the readers and the
-server: docs/stores.md sets the same work in another process beside it.
+Why: a reader thread that needs the GIL between its socket reads waits for it. A thread that
+holds it (pure Python does, a jitted step's wait does not) keeps it up to the interpreter's
+switch interval (5 ms) each time a reader asks for it back, so the reads slow down while the
+work does not. RedisStore's receive loop therefore runs a whole batch without the GIL
+(ffi/resp_receive.cc); this case shows what remains. On a machine with few cores, the work
+also takes a core from the readers and the server (docs/stores.md).
 """
 
 from __future__ import annotations
