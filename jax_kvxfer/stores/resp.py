@@ -140,10 +140,9 @@ class ValueReader:
         first `head_nbytes` bytes into a buffer of its own, the rest straight into `dsts[i]`
         (a writable C-contiguous uint8 array; a value's length is `head_nbytes` + its size).
         Then `each(i, reply)` for every name answered, in order, with reply: a `Received`
-        where the value was received, None (absent), an int (a
-        value of another length: skipped), False (a head that differs from
-        `expected_heads[i]` where `head_mask` is 1: skipped) or a `RespError`. A skipped
-        value leaves its `dsts[i]` untouched. Raises RespFault (the connection closed) on a
+        where the value was received, None (absent), an int (a value of another length:
+        skipped), False (a head that differs from `expected_heads[i]` where `head_mask` is 1:
+        skipped) or a `RespError`. A skipped value leaves its `dsts[i]` untouched. Raises RespFault (the connection closed) on a
         fault, after `each` for the names answered before it; the `dsts[i]` of the one it
         broke in may be partly filled. A connection kept from an earlier call that breaks
         before its first reply (the server closed it meanwhile, or restarted) is replaced
@@ -176,6 +175,7 @@ class ValueReader:
     def _receive(self, commands: list[bytes], lengths: np.ndarray, head_nbytes: int,
                  expected_heads: np.ndarray, head_mask: np.ndarray, dsts: list[np.ndarray],
                  each: Callable[[int, Any], None]) -> None:
+        """One try of `get_into` on the connection as it is."""
         n = len(commands)
         heads = np.empty((n, head_nbytes), np.uint8)
         replies = np.empty(n, np.int8)
