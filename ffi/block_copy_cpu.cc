@@ -210,14 +210,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kJoinLanesCpu, JoinLanesCpu, BindJoinLanes(KVXFER_
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kWaitLayersCpu, WaitLayersCpu, BindWaitLayers(KVXFER_POOLS_1));
 
 void DefineSlotColumns(nb::module_& m);  // slot_columns.cc
-void DefineRespReceive(nb::module_& m);  // resp_receive.cc
+void DefineStoreIo(nb::module_& m);  // store_io.cc
 
 }  // namespace kvxfer
 
 NB_MODULE(_kvxfer_cpu, m) {
-  m.doc() = "CPU XLA FFI handlers of jax_kvxfer, the manager's batch reader, the stores' receive loop";
+  m.doc() = "CPU XLA FFI handlers of jax_kvxfer, the manager's batch reader, the stores' loops";
   kvxfer::DefineSlotColumns(m);
-  kvxfer::DefineRespReceive(m);
+  kvxfer::DefineStoreIo(m);
   m.def("registrations", []() {
     nb::dict d;
 #define KVXFER_REGISTER(name, cuda, cpu) \

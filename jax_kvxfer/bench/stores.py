@@ -41,7 +41,7 @@ run over exactly as many connections as the store's threads (1, 2, 4 and its def
 reader (stores/resp.py) receiving each value into its row, without the store's checks (its
 ceiling; `bare_get_ratio`). Then values of 2, 8, 16 and 32 MiB (--quick: 2 and 32), bare and
 raw GET over 1 connection and over the most: whether packing several blocks into one value
-would read faster. And its get beside a thread of pure-Python work (stores_beside.py).
+would read faster. And its get and put beside a thread of pure-Python work (stores_beside.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ import numpy as np
 from ..stores import FileStore, RedisStore, aligned_rows
 from ..stores.base import HEADER_NBYTES, encode_header
 from ..stores.redis import connection_class
-from ..stores.resp import Received, ValueReader
+from ..stores.resp import Received, RespConnection
 from .config import KiB, MiB, fmt_size
 from .helpers import err_text, median
 from .stores_beside import beside_busy_case, beside_busy_line
@@ -147,7 +147,7 @@ def stores_summary(sec: dict[str, Any]) -> list[str]:
                     f"; verified={c['verified']}" if "get_gbps" in c
                     else f"  {c['name']:26}: {_figures(c)}"
                     for c in rs.get("io_threads", []) + rs.get("cluster", [])]
-            out += [f"  {c['name']:26}: {beside_busy_line(c)}" if "beside_gbps" in c
+            out += [f"  {c['name']:26}: {beside_busy_line(c)}" if "get_beside_gbps" in c
                     else f"  {c['name']:26}: {_figures(c)}" for c in rs.get("beside_busy", [])]
             out += [f"  ERROR {rs['error'][:200]}"] if "error" in rs else []
     return out
@@ -178,7 +178,7 @@ class _RawRedis:
                                            connection_class=connection_class(url))
         self._params = redis.connection.parse_url(url)
         self._local = threading.local()
-        self._readers: list[ValueReader] = []
+        self._readers: list[RespConnection] = []
 
     def batch(self, op: str, names: list[str], values: np.ndarray) -> None:
         if op == "bare":
@@ -193,7 +193,7 @@ class _RawRedis:
         """Each value's header into the reader's buffer, the rest straight into its row."""
         reader = getattr(self._local, "reader", None)
         if reader is None:
-            reader = self._local.reader = ValueReader(self._params, 60.0)
+            reader = self._local.reader = RespConnection(self._params, 60.0)
             self._readers.append(reader)
         missed = []
 

@@ -1,11 +1,12 @@
-"""The stores section's read beside a serving thread: RedisStore's get, alone and while another
-thread of the same process runs pure-Python work, as a serving thread's scheduling does.
+"""The stores section's reads and writes beside a serving thread: RedisStore's get and put, alone
+and while another thread of the same process runs pure-Python work, as a serving thread's
+scheduling does.
 
 Why: a reader thread that needs the GIL between its socket reads waits for it. A thread that
 holds it (pure Python does, a jitted step's wait does not) keeps it up to the interpreter's
 switch interval (5 ms) each time a reader asks for it back, so the reads slow down while the
-work does not. RedisStore's receive loop therefore runs a whole batch without the GIL
-(ffi/resp_receive.cc); this case shows what remains. On a machine with few cores, the work
+work does not. RedisStore's loops therefore run a whole batch without the GIL
+(ffi/store_io.cc); this case shows what remains. On a machine with few cores, the work
 also takes a core from the readers and the server (docs/stores.md).
 """
 
@@ -43,71 +44,81 @@ def figure_runs(c: dict[str, Any], key: str) -> str:
 def beside_busy_line(c: dict[str, Any]) -> str:
     """The case's figures: medians (min-max) over its runs."""
     slow = c["work_slowdown_runs"]
-    return (f"get {figure_runs(c, 'beside')} GB/s beside the work, {figure_runs(c, 'alone')} alone "
-            f"({c['beside_ratio']:.2f}x); the work {c['work_slowdown']:.2f}x slower "
-            f"({min(slow):.2f}-{max(slow):.2f}); verified={c['verified']}")
+    return "; ".join(
+        f"{op} {figure_runs(c, f'{op}_beside')} GB/s beside the work, "
+        f"{figure_runs(c, f'{op}_alone')} alone ({c[f'{op}_beside_ratio']:.2f}x)"
+        for op in ("get", "put")) + (
+        f"; the work {c['work_slowdown']:.2f}x slower beside the get ({min(slow):.2f}-"
+        f"{max(slow):.2f}); verified={c['verified']}")
 
 
 def beside_busy_case(rng: np.random.Generator, nbytes: int, new_raw: Callable[[], Any],
                      new_store: Callable[[int], Any], threads: int, reps: int
                      ) -> dict[str, Any]:
-    """RedisStore's get (`new_store(threads)`) of `nbytes` of 2 MiB rows, alone and beside the
-    work on a thread of its own, interleaved, `reps` times after a warm-up; and the work's
-    mean chunk time beside the get over alone for as long (`work_slowdown`). `new_raw`: the
-    bench's raw client, to remove the keys after."""
+    """RedisStore's (`new_store(threads)`) get, and put then flush, of `nbytes` of 2 MiB rows,
+    each alone and beside the work on a thread of its own, interleaved, `reps` times after a
+    warm-up; and the work's mean chunk time beside the get over alone for as long
+    (`work_slowdown`). `new_raw`: the bench's raw client, to remove the keys after."""
     row = 2 * MiB
     count = max(1, nbytes // row)
     src = np.frombuffer(rng.bytes(count * row), np.uint8).reshape(count, row)
     dst = np.zeros_like(src)
     keys = [rng.bytes(16) for _ in range(count)]
-    runs: dict[str, list[float]] = {"alone": [], "beside": [], "slowdown": []}
+    runs: dict[str, list[float]] = {f"{op}_{where}": [] for op in ("get", "put")
+                                    for where in ("alone", "beside")}
+    runs["slowdown"] = []
     verified = True
 
-    def get(work: bool) -> tuple[float, list[float]]:
-        """A get of every block, beside the work or not: its seconds and the work's chunks'
-        times (the rows cleared before and checked after, with the work stopped)."""
-        nonlocal verified
-        dst[:] = 0
+    def busy(seconds: float) -> list[float]:
+        """The work's chunks' times over `seconds`, with nothing beside it."""
+        return timed(lambda: time.sleep(seconds), True)[1]
+
+    def timed(op: Callable[[], Any], work: bool) -> tuple[float, list[float], Any]:
+        """op() beside the work or not: its seconds, the work's chunks' times, its result."""
         stop, chunks = threading.Event(), []
         worker = threading.Thread(target=_busy_python, args=(stop, chunks))
         if work:
             worker.start()
         t = time.perf_counter()
-        found = store.get(keys, list(dst)).result()
+        result = op()
         took = time.perf_counter() - t
         stop.set()
         if work:
             worker.join()
-        verified = verified and all(found) and bool(np.array_equal(dst, src))
-        return took, chunks
+        return took, chunks, result
 
-    def work_alone(seconds: float) -> list[float]:
-        """The work's chunks' times over `seconds` without reads."""
-        stop, chunks = threading.Event(), []
-        worker = threading.Thread(target=_busy_python, args=(stop, chunks))
-        worker.start()
-        time.sleep(seconds)
-        stop.set()
-        worker.join()
-        return chunks
+    def put() -> None:
+        store.put(keys, list(src)).result()
+        store.flush()
 
     with contextlib.closing(new_raw()) as raw, new_store(threads) as store:
         store.bind(("bench", "RedisStore", row), row)
-        store.put(keys, list(src)).result()
-        store.flush()
         try:
             for rep in range(reps + 1):  # the first: a warm-up
-                alone, _ = get(False)
-                beside, with_reads = get(True)
-                without = work_alone(beside)
+                got = {}
+                for op in ("put", "get"):  # a get reads what the put before it wrote
+                    for where in ("alone", "beside"):
+                        dst[:] = 0
+                        took, chunks, found = timed(
+                            put if op == "put" else lambda: store.get(keys, list(dst)).result(),
+                            where == "beside")
+                        if op == "get":
+                            verified = verified and all(found) and bool(np.array_equal(dst, src))
+                        got[f"{op}_{where}"] = count * row / took / 1e9
+                        if op == "get" and where == "beside":
+                            got["slowdown"] = float(np.mean(chunks) / np.mean(busy(took)))
                 if rep:
-                    runs["alone"].append(count * row / alone / 1e9)
-                    runs["beside"].append(count * row / beside / 1e9)
-                    runs["slowdown"].append(float(np.mean(with_reads) / np.mean(without)))
+                    for key, x in got.items():
+                        runs[key].append(x)
         finally:
             raw.remove([store.key_prefix + k.hex() for k in keys])
-    return {"blocks": count, "bytes": count * row, "verified": verified,
-            "alone_gbps": median(runs["alone"]), "alone_runs": runs["alone"],
-            "beside_gbps": median(runs["beside"]), "beside_runs": runs["beside"],
-            "beside_ratio": median([b / a for a, b in zip(runs["alone"], runs["beside"])]),
-            "work_slowdown": median(runs["slowdown"]), "work_slowdown_runs": runs["slowdown"]}
+    out: dict[str, Any] = {"blocks": count, "bytes": count * row, "verified": verified,
+                           "work_slowdown": median(runs["slowdown"]),
+                           "work_slowdown_runs": runs["slowdown"]}
+    for op in ("get", "put"):
+        for where in ("alone", "beside"):
+            xs = runs[f"{op}_{where}"]
+            out[f"{op}_{where}_gbps"], out[f"{op}_{where}_runs"] = median(xs), xs
+        out[f"{op}_beside_ratio"] = median(
+            [b / a for a, b in zip(runs[f"{op}_alone"], runs[f"{op}_beside"])])
+    return out

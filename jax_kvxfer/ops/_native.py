@@ -91,11 +91,26 @@ def slot_columns(pairs, block_type, num_primary, num_secondary, index, primary):
 def receive_replies(fd, commands, window, lengths, head_nbytes, heads, expected, mask, dsts,
                     replies, lengths_out, crcs, timeout_ms):
     """A batch of GET replies received on socket `fd` with the GIL released
-    (ffi/resp_receive.cc; stores/resp.py's `ValueReader.get_into` calls it): returns
+    (ffi/store_io.cc; stores/resp.py's `RespConnection.get_into` calls it): returns
     (answered, fault or None, closed by the peer, {i: error reply text})."""
     return _kvxfer_cpu.receive_replies(fd, commands, window, lengths, head_nbytes, heads,
                                        expected, mask, dsts, replies, lengths_out, crcs,
                                        timeout_ms)
+
+
+def send_values(fd, prefixes, values, suffixes, replies, timeout_ms):
+    """Commands of a prefix, a value and a suffix each (SET name value) pipelined on socket
+    `fd` and their simple replies read, with the GIL released (ffi/store_io.cc;
+    stores/resp.py's `RespConnection.set_each` calls it): returns (answered, fault or None,
+    closed by the peer, {i: error reply text})."""
+    return _kvxfer_cpu.send_values(fd, prefixes, values, suffixes, replies, timeout_ms)
+
+
+def stage_values(staged, heads, rows, crc_offset):
+    """Each row after its head into `staged` (one value a row), the CRC-32 of the copy written
+    into the head at `crc_offset`, with the GIL released (ffi/store_io.cc; the stores'
+    puts call it)."""
+    _kvxfer_cpu.stage_values(staged, heads, rows, crc_offset)
 
 
 def wait_lanes() -> None:

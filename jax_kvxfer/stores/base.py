@@ -130,11 +130,12 @@ def check_header(header: Any, fingerprint: bytes, key: bytes, row_nbytes: int) -
 # confirm). A reader that receives the header first compares them before it writes a row.
 HEADER_MASK = np.zeros(HEADER_NBYTES, np.uint8)
 HEADER_MASK[0:6] = HEADER_MASK[8:48] = 1
+HEADER_CRC_OFFSET = 48  # where the payload's CRC-32 sits (little-endian)
 
 
 def expected_header(fingerprint: bytes, key: bytes, row_nbytes: int) -> bytes:
-    """The header a block of this fingerprint and key, of `row_nbytes` bytes, has where
-    `HEADER_MASK` is 1."""
+    """The header of a block of this fingerprint and key, of `row_nbytes` bytes, but its
+    CRC-32 (0): what a block's header is where `HEADER_MASK` is 1."""
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, fingerprint, key, row_nbytes, 0)
 
 

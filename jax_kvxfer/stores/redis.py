@@ -45,7 +45,7 @@ from .base import (
     check_value,
     expected_header,
 )
-from .resp import Received, RespError, ValueReader
+from .resp import Received, RespConnection, RespError
 from .shared import (
     SharedStore,
     positive_seconds,
@@ -197,7 +197,7 @@ class RedisStore(SharedStore):
       the server or dropped ("durable" here means in the server's memory; persistence to disk
       is the server's configuration).
     - get() returns a future of per-key booleans. Its batches are spread over the threads;
-      each thread's connection asks for one value at a time (resp.py's ValueReader: the next
+      each thread's connection asks for one value at a time (resp.py's RespConnection: the next
       GET is sent as the reply before it begins) and checks its header (length, fingerprint,
       key) before receiving the rest straight into the caller's row, then its CRC-32. A row
       whose block is absent, or whose header is refused, is left as it was; one whose
@@ -299,12 +299,12 @@ class RedisStore(SharedStore):
             raise ValueError(f"url: {self._url.redact(e)} (url: {self.url})") from None
         self._staging = _Staging()
         self._prefix = b""
-        # reads over TCP or a Unix socket: ValueReader's (resp.py; in a cluster, one per node
+        # reads over TCP or a Unix socket: RespConnection's (resp.py; in a cluster, one per node
         # the keys' slots name, from the client's slot table); over TLS: redis-py's pipelines
         self._reader_params = (redis.connection.parse_url(url) if self._url.scheme != "rediss"
                                else None)
         self._readers = threading.local()
-        self._all_readers: list[ValueReader] = []
+        self._all_readers: list[RespConnection] = []
         self.ping()
 
     def _client_options(self, redis: Any, retry: Any, no_backoff: Any) -> dict[str, Any]:
@@ -474,23 +474,21 @@ class RedisStore(SharedStore):
                 return
             buf = self._staging.get(len(keys) * (HEADER_NBYTES + (self.row_nbytes or 0)))
             value = self._pack(buf, keys, views)
-            mv = memoryview(buf)
-            pipe = self._conn().pipeline(transaction=False)
-            px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+            sets: list[tuple[bytes, np.ndarray]] = []  # (name, value)
             per = self.pack_blocks
             for start in range(0, len(keys), per):  # a pack, then its blocks' pointers
                 stop = min(len(keys), start + per)
                 if per == 1:
-                    pipe.set(self._name(keys[start]), mv[start * value:stop * value], px=px)
+                    sets.append((self._name(keys[start]), buf[start * value:stop * value]))
                     continue
                 pack_id = hashlib.blake2b(b"".join(keys[start:stop]), digest_size=16).digest()
-                pipe.set(self._pack_name(pack_id), mv[start * value:stop * value], px=px)
+                sets.append((self._pack_name(pack_id), buf[start * value:stop * value]))
                 for i in range(start, stop):
-                    pipe.set(self._name(keys[i]), _POINTER.pack(
-                        _POINTER_MAGIC, pack_id, i - start, stop - start), px=px)
+                    sets.append((self._name(keys[i]), np.frombuffer(_POINTER.pack(
+                        _POINTER_MAGIC, pack_id, i - start, stop - start), np.uint8)))
             release()
             released = True
-            replies = iter(self._replies(pipe))
+            replies = iter(self._set(sets))
             for start in range(0, len(keys), per):
                 pack = True if per == 1 else self._acknowledged(next(replies))
                 for _ in range(min(per, len(keys) - start)):
@@ -506,6 +504,20 @@ class RedisStore(SharedStore):
             if not released:
                 release()
             self._count_write(sent, len(keys), written, t0)
+
+    def _set(self, sets: list[tuple[bytes, np.ndarray]]) -> list[Any]:
+        """SETs each (name, value) (with `PX` when `ttl_s` is set): over this thread's
+        connection, with the GIL released while it sends and waits (`RespConnection.set_each`;
+        beside a serving thread that runs Python, redis-py's pipeline gave the GIL up and
+        waited for it back at every send and reply); over TLS and in a cluster, redis-py's
+        pipeline. Per name, its reply (True, or the server's refusal)."""
+        px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+        if self._reader_params is not None and not self.cluster:
+            return self._reader(None).set_each([n for n, _ in sets], [v for _, v in sets], px)
+        pipe = self._conn().pipeline(transaction=False)
+        for name, value in sets:
+            pipe.set(name, memoryview(value), px=px)
+        return self._replies(pipe)
 
     def _acknowledged(self, reply: Any) -> bool:
         """Whether a SET's reply says the value was written (a refusal is logged once)."""
@@ -664,7 +676,7 @@ class RedisStore(SharedStore):
 
     def _read_direct(self, names: list[bytes], keys: list[bytes], views: list[np.ndarray],
                      received: Any) -> None:
-        """GETs `names` through this thread's readers (see `ValueReader.get_into`), each
+        """GETs `names` through this thread's readers (see `RespConnection.get_into`), each
         value's header compared with its key's before its row is received into `views[i]`;
         `received(i, reply)` for each: the server's, or in a cluster each node's share in
         turn. A node's fault is raised after the other nodes' shares are read (its blocks
@@ -693,7 +705,7 @@ class RedisStore(SharedStore):
         if fault is not None:
             raise fault
 
-    def _reader(self, node: tuple[str, int] | None) -> ValueReader:
+    def _reader(self, node: tuple[str, int] | None) -> RespConnection:
         """This worker thread's reader of the server (None) or of a cluster's node (host,
         port): a connection of its own, made on first use."""
         readers = self._readers.__dict__.setdefault("by_node", {})
@@ -702,7 +714,7 @@ class RedisStore(SharedStore):
             params = dict(self._reader_params or {})
             if node is not None:
                 params.update(host=node[0], port=node[1])
-            reader = readers[node] = ValueReader(params, self.timeout_s)
+            reader = readers[node] = RespConnection(params, self.timeout_s)
             with self._lock:
                 self._all_readers.append(reader)
         return reader

@@ -1,5 +1,5 @@
 """RedisStore's read path: a minimal RESP2 client that receives each GET's value straight into a
-buffer of the caller's (`ValueReader`), without redis-py's reply objects.
+buffer of the caller's (`RespConnection`), without redis-py's reply objects.
 
 Why (measured on Valkey 8.1, 2 MiB values, loopback; docs/stores.md has the table):
 
@@ -17,7 +17,7 @@ Why (measured on Valkey 8.1, 2 MiB values, loopback; docs/stores.md has the tabl
   values read at 0.34-0.46 GB/s with 64 or 128 in flight against 0.26-0.30 with one (a
   2-core machine, interleaved runs).
 - A large receive buffer (SO_RCVBUF, 4 MiB) lets the server write a whole value in one go.
-- A batch of replies is received in native code with the GIL released (ffi/resp_receive.cc),
+- A batch of replies is received in native code with the GIL released (ffi/store_io.cc),
   the head checked there against the one expected: a reader thread needs the GIL once a
   batch, not after every socket call. Received in Python, the reads ran at 0.07-0.16x of
   their speed while another thread of the process ran Python (docs/stores.md).
@@ -34,26 +34,28 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..ops import receive_replies
+from ..ops import receive_replies, send_values
 
-# receive_replies's outcomes (ffi/resp_receive.cc: Reply)
+# receive_replies's outcomes (ffi/store_io.cc: Reply)
 _VALUE, _ABSENT, _OTHER_LENGTH, _HEAD_MISMATCH = 0, 1, 2, 3
 RCVBUF_BYTES = 4 << 20  # a 2 MiB block (and its header) in the socket buffer at once
 WINDOW_BYTES = 2 << 20  # value bytes asked ahead of the reply being read (the docstring)
 _LINE_BUF = 1 << 16  # the buffer for replies' first lines (and what a recv brings past them)
 
 
+def _bulk(arg: Any) -> bytes:
+    """An argument as RESP sends it: a bulk string."""
+    b = arg if isinstance(arg, bytes) else str(arg).encode()
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
 def _command(args: list[Any]) -> bytes:
     """A command as RESP sends it: an array of bulk strings."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        b = arg if isinstance(arg, bytes) else str(arg).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(parts)
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(arg) for arg in args)
 
 
 class Received(NamedTuple):
-    """A value `ValueReader.get_into` received: its head (its first `head_nbytes` bytes), and
+    """A value `RespConnection.get_into` received: its head (its first `head_nbytes` bytes), and
     the CRC-32 (zlib's) of the rest, which went into the caller's buffer."""
 
     head: bytes
@@ -72,7 +74,7 @@ class RespFault(ConnectionError):
     stale = False
 
 
-class ValueReader:
+class RespConnection:
     """One connection to one server (TCP or a Unix socket), authenticated and on its database;
     used by one thread at a time. Every wait is bounded by `timeout_s` (a `socket.timeout`,
     an OSError, is a fault)."""
@@ -136,7 +138,7 @@ class ValueReader:
                  expected_heads: np.ndarray | None = None, head_mask: np.ndarray | None = None,
                  ranges: Sequence[tuple[int, int]] | None = None) -> None:
         """GETs `names` in order, `WINDOW_BYTES` of values (one at least) ahead of the reply
-        being read, all received with the GIL released (ffi/resp_receive.cc): a value's
+        being read, all received with the GIL released (ffi/store_io.cc): a value's
         first `head_nbytes` bytes into a buffer of its own, the rest straight into `dsts[i]`
         (a writable C-contiguous uint8 array; a value's length is `head_nbytes` + its size).
         Then `each(i, reply)` for every name answered, in order, with reply: a `Received`
@@ -171,6 +173,50 @@ class ValueReader:
                 raise
             self.connect()
             self._receive(*args)
+
+    def set_each(self, names: Sequence[bytes], values: Sequence[np.ndarray],
+                 px_ms: int | None = None) -> list[Any]:
+        """SETs `values[i]` (C-contiguous uint8 arrays) under `names[i]` (with `PX px_ms`),
+        pipelined, sent and answered with the GIL released (ffi/store_io.cc). Per name: True
+        (written) or the server's `RespError` (refused: out of memory, ...). Raises RespFault
+        (the connection closed) on a fault: none of them is known written. A connection kept
+        from an earlier call that breaks before its first reply is replaced once (a SET sent
+        twice writes the same value)."""
+        count, tail = (3, b"\r\n") if px_ms is None else (5, b"\r\n$2\r\nPX\r\n" + _bulk(px_ms))
+        prefixes = [b"*%d\r\n$3\r\nSET\r\n%s$%d\r\n" % (count, _bulk(name), value.nbytes)
+                    for name, value in zip(names, values)]
+        args = (prefixes, list(values), [tail] * len(prefixes))
+        reused = self._sock is not None
+        if not reused:
+            self.connect()
+        try:
+            return self._set(*args)
+        except RespFault as fault:
+            if not (reused and fault.stale):
+                raise
+            self.connect()
+            return self._set(*args)
+
+    def _set(self, prefixes: list[bytes], values: list[np.ndarray], tails: list[bytes]
+             ) -> list[Any]:
+        """One try of `set_each` on the connection as it is."""
+        n = len(prefixes)
+        replies = np.empty(n, np.int8)
+        assert self._sock is not None and self._lo == self._hi
+        try:
+            answered, fault, closed, errors = send_values(
+                self._sock.fileno(), prefixes, values, tails, replies,
+                max(1, round(self._timeout_s * 1000)))
+        except BaseException:  # bad arguments: nothing sent, or the batch half sent
+            self.close()
+            raise
+        if fault is not None:
+            self.close()
+        if answered < n:
+            error = RespFault(fault)
+            error.stale = answered == 0 and closed
+            raise error
+        return [True if replies[i] == 0 else RespError(errors[i]) for i in range(n)]
 
     def _receive(self, commands: list[bytes], lengths: np.ndarray, head_nbytes: int,
                  expected_heads: np.ndarray, head_mask: np.ndarray, dsts: list[np.ndarray],

@@ -1,4 +1,4 @@
-"""RedisStore's reads (resp.py's ValueReader, straight into the rows) against real Valkey
+"""RedisStore's reads (resp.py's RespConnection, straight into the rows) against real Valkey
 servers: exact over many batches and connections, in any order with misses and refused values
 between hits; striped over the store's connections and over a cluster's nodes; a server killed
 mid-batch gives counted misses and never wrong data. No mocks."""

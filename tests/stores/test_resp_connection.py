@@ -1,8 +1,10 @@
-"""The stores' native receive loop (ffi/resp_receive.cc, through resp.py's `ValueReader.get_into`)
-against a real Valkey server, each reply checked against what was stored: values received
-into their buffers with the CRC-32 zlib computes, heads that differ and values of another
-length skipped with their buffers untouched, absent keys, error replies, ranges; and its
-CRC-32 against zlib's on fresh random data of every length, alignment and starting value."""
+"""The stores' native loops (ffi/store_io.cc, through resp.py's `RespConnection`) against a real
+Valkey server. get_into, each reply checked against what was stored: values received into
+their buffers with the CRC-32 zlib computes, heads that differ and values of another length
+skipped with their buffers untouched, absent keys, error replies, ranges. set_each: values
+read back by redis-py, their expiry, a refusal. stage_values against `encode_header`. And
+the native CRC-32 against zlib's on fresh random data of every length, alignment and
+starting value."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import numpy as np
 import pytest
 from valkey_servers import Valkey, valkey_executable
 
+from jax_kvxfer.ops import stage_values
 from jax_kvxfer.ops._native import _kvxfer_cpu
-from jax_kvxfer.stores.resp import Received, RespError, ValueReader
+from jax_kvxfer.stores.base import HEADER_CRC_OFFSET, HEADER_NBYTES, encode_header, expected_header
+from jax_kvxfer.stores.resp import Received, RespConnection, RespError
 
 HEAD = 16
 
@@ -56,7 +60,7 @@ def test_get_into_receives_checks_and_skips(server, rng):
     dsts = [rng.integers(0, 256, value_nbytes - HEAD, dtype=np.uint8) for _ in names]
     before = [d.copy() for d in dsts]
     replies: dict[int, object] = {}
-    reader = ValueReader({"host": "127.0.0.1", "port": server.port}, 5.0)
+    reader = RespConnection({"host": "127.0.0.1", "port": server.port}, 5.0)
     try:
         reader.get_into(names, dsts, replies.__setitem__, head_nbytes=HEAD,
                         expected_heads=expected, head_mask=mask)
@@ -79,3 +83,34 @@ def test_get_into_receives_checks_and_skips(server, rng):
         assert got[1] == 100 and got[2] == 0  # short; absent (an empty range)
     finally:
         reader.close()
+
+
+def test_set_each_writes_what_redis_reads_back(server, rng):
+    raw = server.client()
+    names = [f"set:{i}".encode() for i in range(5)]
+    values = [rng.integers(0, 256, n, dtype=np.uint8) for n in (2 << 20, 1, 0, 300_001, 77)]
+    conn = RespConnection({"host": "127.0.0.1", "port": server.port}, 5.0)
+    try:
+        assert conn.set_each(names, values) == [True] * 5
+        assert [raw.get(n) for n in names] == [v.tobytes() for v in values]
+        assert conn.set_each(names[:2], values[3:5], px_ms=60_000) == [True, True]
+        assert raw.get(names[0]) == values[3].tobytes() and 0 < raw.pttl(names[0]) <= 60_000
+        raw.config_set("maxmemory", "1mb")  # full, nothing to evict: refused, not a fault
+        raw.config_set("maxmemory-policy", "noeviction")
+        replies = conn.set_each([b"set:full"], values[:1])
+        assert isinstance(replies[0], RespError) and str(replies[0]).startswith("OOM")
+        assert raw.get(b"set:full") is None
+    finally:
+        conn.close()
+
+
+def test_stage_values_is_encode_header_then_the_row(rng):
+    fingerprint, row = rng.bytes(16), 4096 + 17
+    keys = [rng.bytes(16) for _ in range(5)]
+    rows = [rng.integers(0, 256, row, dtype=np.uint8) for _ in keys]
+    heads = np.frombuffer(b"".join(expected_header(fingerprint, k, row) for k in keys),
+                          np.uint8).reshape(len(keys), HEADER_NBYTES)
+    staged = np.zeros((len(keys), HEADER_NBYTES + row), np.uint8)
+    stage_values(staged, heads, rows, HEADER_CRC_OFFSET)
+    for i, (key, r) in enumerate(zip(keys, rows)):
+        assert staged[i].tobytes() == encode_header(fingerprint, key, r) + r.tobytes()

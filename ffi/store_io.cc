@@ -1,4 +1,6 @@
-// RedisStore's read loop (jax_kvxfer/stores/resp.py: ValueReader.get_into), host code only.
+// The stores' loops over many values with the GIL released, host code only: RedisStore's
+// read and write loops (jax_kvxfer/stores/resp.py: RespConnection.get_into, set_each), and
+// the values a put sends (stores/shared.py: SharedStore._pack).
 //
 // The store's reader threads receive GET replies straight into rows. Written in Python, a
 // thread needed the GIL back after every socket call; beside a serving thread that runs Python
@@ -11,6 +13,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -212,6 +215,29 @@ class Socket {
     return true;
   }
 
+  // Sends the parts one after another (one sendmsg for as many as the socket takes).
+  bool SendParts(iovec* parts, size_t count) {
+    while (count) {
+      if (!Wait(POLLOUT)) return false;
+      msghdr msg{};
+      msg.msg_iov = parts;
+      msg.msg_iovlen = count;
+      ssize_t sent = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+      if (sent < 0) {
+        if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+        return Fail(errno);
+      }
+      for (; count && static_cast<size_t>(sent) >= parts->iov_len; ++parts, --count) {
+        sent -= parts->iov_len;
+      }
+      if (count) {
+        parts->iov_base = static_cast<char*>(parts->iov_base) + sent;
+        parts->iov_len -= sent;
+      }
+    }
+    return true;
+  }
+
   bool Drained() const { return lo_ == hi_; }
 
  private:
@@ -395,9 +421,92 @@ nb::tuple ReceiveReplies(int fd, nb::list commands, size_t window, ConstInt64s l
   return nb::make_tuple(answered, fault, sock.closed, errors);
 }
 
+// Commands whose last big argument is a buffer (SET name value [PX ms]): each sent as its
+// prefix, its value and its suffix, all pipelined, then their simple replies read. Returns
+// (answered, fault or None, closed by the peer, {i: error reply text}); replies[i]: 0 done
+// ("+..."), 1 refused ("-...").
+nb::tuple SendValues(int fd, nb::list prefixes, nb::list values, nb::list suffixes,
+                     Int8s replies, int timeout_ms) {
+  const size_t n = nb::len(prefixes);
+  if (nb::len(values) != n || nb::len(suffixes) != n || replies.shape(0) != n) {
+    throw nb::value_error("send_values: lists of other lengths than the prefixes'");
+  }
+  std::vector<std::string> heads, tails;
+  std::vector<iovec> parts;
+  for (size_t i = 0; i < n; ++i) {
+    nb::bytes head = nb::cast<nb::bytes>(prefixes[i]), tail = nb::cast<nb::bytes>(suffixes[i]);
+    heads.emplace_back(head.c_str(), head.size());
+    tails.emplace_back(tail.c_str(), tail.size());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    auto value =
+        nb::cast<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(values[i]);
+    parts.push_back({heads[i].data(), heads[i].size()});
+    parts.push_back({const_cast<uint8_t*>(value.data()), value.shape(0)});
+    parts.push_back({tails[i].data(), tails[i].size()});
+    replies.data()[i] = kUnanswered;
+  }
+  Socket sock(fd, timeout_ms);
+  std::vector<std::pair<size_t, std::string>> errors;
+  size_t answered = 0;
+  {
+    nb::gil_scoped_release released;
+    // at most IOV_MAX parts a call: sendmsg refuses more
+    bool sent = true;
+    for (size_t at = 0; sent && at < parts.size(); at += 1020) {
+      sent = sock.SendParts(parts.data() + at, std::min<size_t>(1020, parts.size() - at));
+    }
+    std::string line;
+    for (; sent && answered < n && sock.Line(&line); ++answered) {
+      if (line.empty() || (line[0] != '+' && line[0] != '-')) {
+        sock.fault = "a reply that is not a SET's: " + line.substr(0, 40);
+        break;
+      }
+      replies.data()[answered] = line[0] == '+' ? 0 : 1;
+      if (line[0] == '-') errors.emplace_back(answered, line.substr(1));
+    }
+  }
+  nb::dict texts;
+  for (auto& [i, text] : errors) texts[nb::int_(i)] = nb::str(text.c_str(), text.size());
+  if (answered == n && !sock.Drained()) sock.fault = "bytes past the last reply";
+  nb::object fault = sock.fault.empty() ? nb::none() : nb::object(nb::str(sock.fault.c_str()));
+  return nb::make_tuple(answered, fault, sock.closed, texts);
+}
+
+// Each row copied after its head into its value (staged[i] = heads[i] + rows[i]), and the
+// CRC-32 of the copy written at crc_offset into the head (little-endian), with the GIL
+// released: the values a put sends, a batch at a time.
+void StageValues(Bytes2D staged, ConstBytes2D heads, nb::list rows, size_t crc_offset) {
+  const size_t n = staged.shape(0), head = heads.shape(1), value = staged.shape(1);
+  if (heads.shape(0) != n || nb::len(rows) != n || head > value || crc_offset + 4 > head) {
+    throw nb::value_error("stage_values: arrays of other sizes than the rows'");
+  }
+  std::vector<std::pair<const uint8_t*, size_t>> from;
+  for (size_t i = 0; i < n; ++i) {
+    auto row = nb::cast<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(
+        rows[i]);
+    if (row.shape(0) != value - head) {
+      throw nb::value_error("stage_values: a row of another size than the values'");
+    }
+    from.emplace_back(row.data(), row.shape(0));
+  }
+  nb::gil_scoped_release released;
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t* out = staged.data() + i * value;
+    std::memcpy(out, heads.data() + i * head, head);
+    std::memcpy(out + head, from[i].first, from[i].second);
+    const uint32_t crc = kCrc32.Update(0, out + head, from[i].second);
+    std::memcpy(out + crc_offset, &crc, 4);  // little-endian (x86-64, AArch64)
+  }
+}
+
 }  // namespace
 
-void DefineRespReceive(nb::module_& m) {
+void DefineStoreIo(nb::module_& m) {
+  m.def("send_values", &SendValues, nb::arg("fd"), nb::arg("prefixes"), nb::arg("values"),
+        nb::arg("suffixes"), nb::arg("replies").noconvert(), nb::arg("timeout_ms"));
+  m.def("stage_values", &StageValues, nb::arg("staged").noconvert(),
+        nb::arg("heads").noconvert(), nb::arg("rows"), nb::arg("crc_offset"));
   // (the checksum alone, for the tests: zlib.crc32's value)
   m.def("crc32", [](nb::bytes data, uint32_t crc) {
     return kCrc32.Update(crc, reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
