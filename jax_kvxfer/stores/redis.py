@@ -13,8 +13,8 @@ In the server (any RESP server: Redis, Valkey, a managed service), one string pe
 
 A put is a few pipelines of SETs (one round trip each) of at most `max_batch_bytes`, a get as
 many batches of GETs, run on a pool of worker threads with connections of their own (a get is
-striped over them; its values are received straight into the rows: resp.py); lookup is one
-pipeline of EXISTS per 4096 keys.
+striped over them; its values are received straight into the rows; both loops run without the
+GIL: resp.py); lookup is one pipeline of EXISTS per 4096 keys.
 Faults (a server down, killed, slow, full, or one that evicted or expired a block) are counted
 misses and dropped writes, never exceptions.
 
@@ -191,7 +191,8 @@ class RedisStore(SharedStore):
 
     - put() returns at once; a worker thread copies each row into its request buffer (a header
       and the row), after which the put's future is done and the rows are free; then it sends
-      the batch as one pipeline of SETs (`PX ttl` when `ttl_s` is set). A write the server
+      the batch as one pipeline of SETs (`PX ttl` when `ttl_s` is set; over the thread's own
+      connection, through redis-py over TLS and in a cluster). A write the server
       refuses (OOM under `maxmemory` with `noeviction`) or that cannot reach it is dropped and
       counted in `dropped_writes`; flush() waits until every queued write was acknowledged by
       the server or dropped ("durable" here means in the server's memory; persistence to disk

@@ -1,5 +1,6 @@
-"""RedisStore's read path: a minimal RESP2 client that receives each GET's value straight into a
-buffer of the caller's (`RespConnection`), without redis-py's reply objects.
+"""RedisStore's connections for its reads and writes (`RespConnection`): a minimal RESP2 client
+that receives each GET's value straight into a buffer of the caller's, without redis-py's
+reply objects, and sends a batch of SETs; both loops in native code with the GIL released.
 
 Why (measured on Valkey 8.1, 2 MiB values, loopback; docs/stores.md has the table):
 
@@ -18,9 +19,10 @@ Why (measured on Valkey 8.1, 2 MiB values, loopback; docs/stores.md has the tabl
   2-core machine, interleaved runs).
 - A large receive buffer (SO_RCVBUF, 4 MiB) lets the server write a whole value in one go.
 - A batch of replies is received in native code with the GIL released (ffi/store_io.cc),
-  the head checked there against the one expected: a reader thread needs the GIL once a
-  batch, not after every socket call. Received in Python, the reads ran at 0.07-0.16x of
-  their speed while another thread of the process ran Python (docs/stores.md).
+  the head checked there against the one expected, each row's CRC-32 computed as it lands:
+  a reader thread needs the GIL a few times a batch, not after every socket call. Received
+  in Python, the reads ran at 0.07-0.16x of their speed while another thread of the process
+  ran Python; sent through redis-py's pipelines, the writes at 0.23-0.39x (docs/stores.md).
 
 TLS (rediss://) reads through redis-py instead (RedisStore decides).
 """
@@ -138,19 +140,21 @@ class RespConnection:
                  expected_heads: np.ndarray | None = None, head_mask: np.ndarray | None = None,
                  ranges: Sequence[tuple[int, int]] | None = None) -> None:
         """GETs `names` in order, `WINDOW_BYTES` of values (one at least) ahead of the reply
-        being read, all received with the GIL released (ffi/store_io.cc): a value's
-        first `head_nbytes` bytes into a buffer of its own, the rest straight into `dsts[i]`
-        (a writable C-contiguous uint8 array; a value's length is `head_nbytes` + its size).
+        being read, all received with the GIL released (ffi/store_io.cc): a value's first
+        `head_nbytes` bytes into a buffer of its own, the rest straight into `dsts[i]` (a
+        writable C-contiguous uint8 array; a value's length is `head_nbytes` + its size).
         Then `each(i, reply)` for every name answered, in order, with reply: a `Received`
         where the value was received, None (absent), an int (a value of another length:
         skipped), False (a head that differs from `expected_heads[i]` where `head_mask` is 1:
-        skipped) or a `RespError`. A skipped value leaves its `dsts[i]` untouched. Raises RespFault (the connection closed) on a
-        fault, after `each` for the names answered before it; the `dsts[i]` of the one it
-        broke in may be partly filled. A connection kept from an earlier call that breaks
-        before its first reply (the server closed it meanwhile, or restarted) is replaced
-        once, as redis-py's pool does. `ranges`: per name, (first byte, bytes) of the value to
-        read (GETRANGE) instead of all of it; a reply of another length (a value shorter than
-        the range, or none: 0) is then skipped as above."""
+        skipped) or a `RespError`. A skipped value leaves its `dsts[i]` untouched.
+
+        Raises RespFault (the connection closed) on a fault, after `each` for the names
+        answered before it; the `dsts[i]` of the one it broke in may be partly filled. A
+        connection kept from an earlier call that breaks before its first reply (the server
+        closed it meanwhile, or restarted) is replaced once, as redis-py's pool does.
+        `ranges`: per name, (first byte, bytes) of the value to read (GETRANGE) instead of
+        all of it; a reply of another length (a value shorter than the range, or none: 0) is
+        then skipped as above."""
         n = len(names)
         if ranges is None:
             commands = [_command([b"GET", name]) for name in names]
