@@ -4,8 +4,8 @@ engines' own layouts (`_layouts.py`), `plan_copy`, which decides a frozen `CopyP
 (`_plan.py`), `CopyPlan` and the one emitter of the custom calls (`_lowering.py`), the compiled
 modules with the table of FFI targets (`_native.py`, the one place that loads `_kvxfer_cpu` /
 `_kvxfer_cuda` and registers their handlers with XLA), and what the library relies on in JAX
-(`_jax_seams.py`). The CPU module also holds the stores' loops over many values (`receive_replies`,
-`send_values`, `stage_values`), which run with the GIL released.
+(`_jax_seams.py`). The CPU module also holds the stores' loops over many values
+(`receive_replies`, `send_values`, `stage_values`), which run with the GIL released.
 """
 
 from ._native import HAS_CUDA_HANDLERS, receive_replies, send_values, stage_values
