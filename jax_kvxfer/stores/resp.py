@@ -166,17 +166,8 @@ class RespConnection:
             expected_heads = np.zeros((n, head_nbytes), np.uint8)
         if head_mask is None:
             head_mask = np.zeros(head_nbytes, np.uint8)
-        args = (commands, lengths, head_nbytes, expected_heads, head_mask, list(dsts), each)
-        reused = self._sock is not None
-        if not reused:
-            self.connect()
-        try:
-            self._receive(*args)
-        except RespFault as fault:
-            if not (reused and fault.stale):
-                raise
-            self.connect()
-            self._receive(*args)
+        self._retried(self._receive, commands, lengths, head_nbytes, expected_heads, head_mask,
+                      list(dsts), each)
 
     def set_each(self, names: Sequence[bytes], values: Sequence[np.ndarray],
                  px_ms: int | None = None) -> list[Any]:
@@ -189,38 +180,53 @@ class RespConnection:
         count, tail = (3, b"\r\n") if px_ms is None else (5, b"\r\n$2\r\nPX\r\n" + _bulk(px_ms))
         prefixes = [b"*%d\r\n$3\r\nSET\r\n%s$%d\r\n" % (count, _bulk(name), value.nbytes)
                     for name, value in zip(names, values)]
-        args = (prefixes, list(values), [tail] * len(prefixes))
+        return self._retried(self._set, prefixes, list(values), [tail] * len(prefixes))
+
+    def _retried(self, attempt: Callable[..., Any], *args: Any) -> Any:
+        """attempt(*args) on this connection (made if there is none), and once more on a new
+        one if a connection kept from an earlier call broke before its first reply (the
+        server closed it meanwhile, or restarted), as redis-py's pool does."""
         reused = self._sock is not None
         if not reused:
             self.connect()
         try:
-            return self._set(*args)
+            return attempt(*args)
         except RespFault as fault:
             if not (reused and fault.stale):
                 raise
             self.connect()
-            return self._set(*args)
+            return attempt(*args)
+
+    def _run(self, loop: Callable[..., tuple], n: int, *args: Any
+             ) -> tuple[int, dict[int, str], RespFault | None]:
+        """loop(fd, *args, timeout_ms), a native loop over `n` commands on this connection:
+        the replies answered, the error replies' texts, and the fault that stopped it before
+        the last reply (None: none did). A connection that faulted is closed."""
+        assert self._sock is not None and self._lo == self._hi
+        try:
+            answered, fault, closed, errors = loop(self._sock.fileno(), *args,
+                                                   max(1, round(self._timeout_s * 1000)))
+        except BaseException:  # bad arguments: nothing sent, or the batch half done
+            self.close()
+            raise
+        if fault is not None:  # the connection cannot be reused
+            self.close()
+        if answered == n:
+            return answered, errors, None
+        error = RespFault(fault)
+        # closed or reset before anything was answered (not a timeout: a slow server)
+        error.stale = answered == 0 and closed
+        return answered, errors, error
 
     def _set(self, prefixes: list[bytes], values: list[np.ndarray], tails: list[bytes]
              ) -> list[Any]:
         """One try of `set_each` on the connection as it is."""
-        n = len(prefixes)
-        replies = np.empty(n, np.int8)
-        assert self._sock is not None and self._lo == self._hi
-        try:
-            answered, fault, closed, errors = send_values(
-                self._sock.fileno(), prefixes, values, tails, replies,
-                max(1, round(self._timeout_s * 1000)))
-        except BaseException:  # bad arguments: nothing sent, or the batch half sent
-            self.close()
-            raise
+        replies = np.empty(len(prefixes), np.int8)
+        _, errors, fault = self._run(send_values, len(prefixes), prefixes, values, tails,
+                                     replies)
         if fault is not None:
-            self.close()
-        if answered < n:
-            error = RespFault(fault)
-            error.stale = answered == 0 and closed
-            raise error
-        return [True if replies[i] == 0 else RespError(errors[i]) for i in range(n)]
+            raise fault
+        return [True if r == 0 else RespError(errors[i]) for i, r in enumerate(replies)]
 
     def _receive(self, commands: list[bytes], lengths: np.ndarray, head_nbytes: int,
                  expected_heads: np.ndarray, head_mask: np.ndarray, dsts: list[np.ndarray],
@@ -232,28 +238,17 @@ class RespConnection:
         lengths_out = np.zeros(n, np.int64)
         crcs = np.zeros(n, np.uint32)
         window = max(1, WINDOW_BYTES // int(lengths.max(initial=1)))
-        assert self._sock is not None and self._lo == self._hi
-        try:
-            answered, fault, closed, errors = receive_replies(
-                self._sock.fileno(), commands, window, lengths, head_nbytes, heads,
-                expected_heads, head_mask, dsts, replies, lengths_out, crcs,
-                max(1, round(self._timeout_s * 1000)))
-        except BaseException:  # bad arguments: nothing sent, or the batch half read
-            self.close()
-            raise
-        if fault is not None:  # the connection cannot be reused
-            self.close()
+        answered, errors, fault = self._run(
+            receive_replies, n, commands, window, lengths, head_nbytes, heads, expected_heads,
+            head_mask, dsts, replies, lengths_out, crcs)
         for i in range(answered):
             kind = replies[i]
             each(i, Received(bytes(heads[i]), int(crcs[i])) if kind == _VALUE else
                  None if kind == _ABSENT else
                  int(lengths_out[i]) if kind == _OTHER_LENGTH else False
                  if kind == _HEAD_MISMATCH else RespError(errors[i]))
-        if answered < n:
-            error = RespFault(fault)
-            # closed or reset before anything was answered (not a timeout: a slow server)
-            error.stale = answered == 0 and closed
-            raise error
+        if fault is not None:
+            raise fault
 
     # --- the protocol -------------------------------------------------------------------------
 
