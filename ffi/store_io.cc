@@ -382,6 +382,18 @@ size_t ReceiveAll(Socket& sock, Batch& b) {
   return n;
 }
 
+// A loop's result for Python (with the GIL): (replies answered, its fault or None, whether
+// the peer closed the connection, {i: error reply text}). Bytes left past the last reply are a
+// fault too: every reply was answered, but the connection cannot be reused.
+nb::tuple Outcome(Socket& sock, size_t answered, size_t n,
+                  const std::vector<std::pair<size_t, std::string>>& errors) {
+  nb::dict texts;
+  for (auto& [i, text] : errors) texts[nb::int_(i)] = nb::str(text.c_str(), text.size());
+  if (answered == n && !sock.Drained()) sock.fault = "bytes past the last reply";
+  nb::object fault = sock.fault.empty() ? nb::none() : nb::object(nb::str(sock.fault.c_str()));
+  return nb::make_tuple(answered, fault, sock.closed, texts);
+}
+
 nb::tuple ReceiveReplies(int fd, nb::list commands, size_t window, ConstInt64s lengths,
                          size_t head_nbytes, Bytes2D heads, ConstBytes2D expected,
                          ConstBytes1D mask, nb::list dsts, Int8s replies, Int64s lengths_out,
@@ -412,39 +424,30 @@ nb::tuple ReceiveReplies(int fd, nb::list commands, size_t window, ConstInt64s l
     nb::gil_scoped_release released;
     answered = ReceiveAll(sock, b);
   }
-  nb::dict errors;
-  for (auto& [i, text] : b.errors) errors[nb::int_(i)] = nb::str(text.c_str(), text.size());
-  if (answered == n && !sock.Drained()) {
-    sock.fault = "bytes past the last reply";
-    answered = n;  // every reply is answered; the connection is not reusable
-  }
-  nb::object fault = sock.fault.empty() ? nb::none() : nb::object(nb::str(sock.fault.c_str()));
-  return nb::make_tuple(answered, fault, sock.closed, errors);
+  return Outcome(sock, answered, n, b.errors);
 }
 
 // Commands whose last big argument is a buffer (SET name value [PX ms]): each sent as its
-// prefix, its value and its suffix, all pipelined, then their simple replies read. Returns
-// (answered, fault or None, closed by the peer, {i: error reply text}); replies[i]: 0 done
-// ("+..."), 1 refused ("-...").
-nb::tuple SendValues(int fd, nb::list prefixes, nb::list values, nb::list suffixes,
+// prefix, its value and the suffix they share, all pipelined, then their simple replies read.
+// Returns Outcome's tuple; replies[i]: 0 done ("+..."), 1 refused ("-...").
+nb::tuple SendValues(int fd, nb::list prefixes, nb::list values, nb::bytes suffix,
                      Int8s replies, int timeout_ms) {
   const size_t n = nb::len(prefixes);
-  if (nb::len(values) != n || nb::len(suffixes) != n || replies.shape(0) != n) {
+  if (nb::len(values) != n || replies.shape(0) != n) {
     throw nb::value_error("send_values: lists of other lengths than the prefixes'");
   }
-  std::vector<std::string> heads, tails;
+  std::vector<std::string> heads;
+  for (size_t i = 0; i < n; ++i) {
+    nb::bytes head = nb::cast<nb::bytes>(prefixes[i]);
+    heads.emplace_back(head.c_str(), head.size());
+  }
+  const std::string tail(suffix.c_str(), suffix.size());
   std::vector<iovec> parts;
   for (size_t i = 0; i < n; ++i) {
-    nb::bytes head = nb::cast<nb::bytes>(prefixes[i]), tail = nb::cast<nb::bytes>(suffixes[i]);
-    heads.emplace_back(head.c_str(), head.size());
-    tails.emplace_back(tail.c_str(), tail.size());
-  }
-  for (size_t i = 0; i < n; ++i) {
-    auto value =
-        nb::cast<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(values[i]);
+    ConstBytes1D value = nb::cast<ConstBytes1D>(values[i]);
     parts.push_back({heads[i].data(), heads[i].size()});
     parts.push_back({const_cast<uint8_t*>(value.data()), value.shape(0)});
-    parts.push_back({tails[i].data(), tails[i].size()});
+    parts.push_back({const_cast<char*>(tail.data()), tail.size()});
     replies.data()[i] = kUnanswered;
   }
   Socket sock(fd, timeout_ms);
@@ -467,11 +470,7 @@ nb::tuple SendValues(int fd, nb::list prefixes, nb::list values, nb::list suffix
       if (line[0] == '-') errors.emplace_back(answered, line.substr(1));
     }
   }
-  nb::dict texts;
-  for (auto& [i, text] : errors) texts[nb::int_(i)] = nb::str(text.c_str(), text.size());
-  if (answered == n && !sock.Drained()) sock.fault = "bytes past the last reply";
-  nb::object fault = sock.fault.empty() ? nb::none() : nb::object(nb::str(sock.fault.c_str()));
-  return nb::make_tuple(answered, fault, sock.closed, texts);
+  return Outcome(sock, answered, n, errors);
 }
 
 // Each row copied after its head into its value (staged[i] = heads[i] + rows[i]), and the
@@ -484,8 +483,7 @@ void StageValues(Bytes2D staged, ConstBytes2D heads, nb::list rows, size_t crc_o
   }
   std::vector<std::pair<const uint8_t*, size_t>> from;
   for (size_t i = 0; i < n; ++i) {
-    auto row = nb::cast<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(
-        rows[i]);
+    ConstBytes1D row = nb::cast<ConstBytes1D>(rows[i]);
     if (row.shape(0) != value - head) {
       throw nb::value_error("stage_values: a row of another size than the values'");
     }
@@ -505,7 +503,7 @@ void StageValues(Bytes2D staged, ConstBytes2D heads, nb::list rows, size_t crc_o
 
 void DefineStoreIo(nb::module_& m) {
   m.def("send_values", &SendValues, nb::arg("fd"), nb::arg("prefixes"), nb::arg("values"),
-        nb::arg("suffixes"), nb::arg("replies").noconvert(), nb::arg("timeout_ms"));
+        nb::arg("suffix"), nb::arg("replies").noconvert(), nb::arg("timeout_ms"));
   m.def("stage_values", &StageValues, nb::arg("staged").noconvert(),
         nb::arg("heads").noconvert(), nb::arg("rows"), nb::arg("crc_offset"));
   // (the checksum alone, for the tests: zlib.crc32's value)

@@ -98,12 +98,12 @@ def receive_replies(fd, commands, window, lengths, head_nbytes, heads, expected,
                                        timeout_ms)
 
 
-def send_values(fd, prefixes, values, suffixes, replies, timeout_ms):
-    """Commands of a prefix, a value and a suffix each (SET name value) pipelined on socket
-    `fd` and their simple replies read, with the GIL released (ffi/store_io.cc;
-    stores/resp.py's `RespConnection.set_each` calls it): returns (answered, fault or None,
-    closed by the peer, {i: error reply text})."""
-    return _kvxfer_cpu.send_values(fd, prefixes, values, suffixes, replies, timeout_ms)
+def send_values(fd, prefixes, values, suffix, replies, timeout_ms):
+    """Commands of a prefix and a value each, and a suffix they share (SET name value),
+    pipelined on socket `fd` and their simple replies read, with the GIL released
+    (ffi/store_io.cc; stores/resp.py's `RespConnection.set_each` calls it): returns
+    (answered, fault or None, closed by the peer, {i: error reply text})."""
+    return _kvxfer_cpu.send_values(fd, prefixes, values, suffix, replies, timeout_ms)
 
 
 def stage_values(staged, heads, rows, crc_offset):

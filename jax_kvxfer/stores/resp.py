@@ -180,7 +180,7 @@ class RespConnection:
         count, tail = (3, b"\r\n") if px_ms is None else (5, b"\r\n$2\r\nPX\r\n" + _bulk(px_ms))
         prefixes = [b"*%d\r\n$3\r\nSET\r\n%s$%d\r\n" % (count, _bulk(name), value.nbytes)
                     for name, value in zip(names, values)]
-        return self._retried(self._set, prefixes, list(values), [tail] * len(prefixes))
+        return self._retried(self._set, prefixes, list(values), tail)
 
     def _retried(self, attempt: Callable[..., Any], *args: Any) -> Any:
         """attempt(*args) on this connection (made if there is none), and once more on a new
@@ -218,11 +218,11 @@ class RespConnection:
         error.stale = answered == 0 and closed
         return answered, errors, error
 
-    def _set(self, prefixes: list[bytes], values: list[np.ndarray], tails: list[bytes]
+    def _set(self, prefixes: list[bytes], values: list[np.ndarray], tail: bytes
              ) -> list[Any]:
         """One try of `set_each` on the connection as it is."""
         replies = np.empty(len(prefixes), np.int8)
-        _, errors, fault = self._run(send_values, len(prefixes), prefixes, values, tails,
+        _, errors, fault = self._run(send_values, len(prefixes), prefixes, values, tail,
                                      replies)
         if fault is not None:
             raise fault
